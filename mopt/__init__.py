@@ -1,0 +1,3 @@
+"""mopt: make for model optimization."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,5 @@
+"""`python -m mopt`."""
+
+from mopt.cli import main
+
+main()

@@ -1,0 +1,26 @@
+"""Built-in executors: `local` (this machine, parallel with resource slots)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from pydantic import Field
+
+from mopt.api import Executor, Params, hookimpl
+
+
+class LocalExecutor(Executor):
+    """Runs actions on this machine: `-j` CPU jobs in parallel, one slot per GPU."""
+
+    name = "local"
+    description = "this machine; parallel actions with CPU/GPU slots"
+
+    class Settings(Params):
+        kind: str = "local"
+        jobs: int | None = Field(default=None, ge=1, description="parallel actions (CPU count)")
+
+
+@hookimpl
+def mopt_register_executors(register: Callable[[Any], None]) -> None:
+    """The `local` executor."""
+    register(LocalExecutor)

@@ -1,0 +1,364 @@
+"""The build graph: sections × targets → a DAG of nodes, shared where identical.
+
+A node's identity is a digest of what defines it (kind and version, the plugin, the
+validated params, its inputs' identities, the model source for kinds that read it, the
+hardware profile for kinds whose output depends on it). Two sections that define the same
+node get one node with two addresses. Action keys (which use content digests of the built
+inputs instead of identities) are computed by `mopt.keys` when the graph runs.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from mopt.api import HardwareProfile, Input, TargetKind
+from mopt.digest import canonical_json, hash_bytes
+from mopt.errors import MoptError, did_you_mean
+from mopt.plugins import Registry
+from mopt.recipe import Model, Recipe, Section, Target
+
+
+@dataclass
+class Node:
+    """One action of the graph."""
+
+    id: str
+    identity: str
+    kind: str
+    kind_version: str
+    plugin: str
+    plugin_version: str
+    target: Target
+    section: Section
+    model: Model
+    hardware: HardwareProfile
+    inputs: dict[str, list[str]]
+    label: str
+    addresses: list[str] = field(default_factory=list)
+
+    def params_json(self) -> Any:
+        return self.target.params.model_dump(mode="json")
+
+    def input_ids(self) -> list[str]:
+        return [i for ids in self.inputs.values() for i in ids]
+
+
+@dataclass
+class Graph:
+    recipe: Recipe
+    registry: Registry
+    nodes: dict[str, Node]  # in topological order
+
+    def kind_of(self, node: Node) -> TargetKind:
+        return self.registry.targets[node.kind]()
+
+    def dependents(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {n: [] for n in self.nodes}
+        for n in self.nodes.values():
+            for i in n.input_ids():
+                out[i].append(n.id)
+        return out
+
+    def closure(self, ids: Iterable[str]) -> list[str]:
+        """`ids` and everything they depend on, in topological order."""
+        want: set[str] = set()
+        stack = list(ids)
+        while stack:
+            i = stack.pop()
+            if i in want:
+                continue
+            want.add(i)
+            stack.extend(self.nodes[i].input_ids())
+        return [i for i in self.nodes if i in want]
+
+    def select(self, selectors: list[str]) -> list[str]:
+        """Node ids matched by `model.hardware:target` selectors (globs), with their deps."""
+        if not selectors:
+            return list(self.nodes)
+        picked: set[str] = set()
+        for sel in selectors:
+            sec_pat, _, tgt_pat = sel.partition(":")
+            sec_pat = sec_pat or "*"
+            tgt_pat = tgt_pat or "*"
+            hit = False
+            for node in self.nodes.values():
+                for addr in node.addresses:
+                    sec, _, label = addr.partition(":")
+                    if fnmatch.fnmatchcase(sec, sec_pat) and (
+                        fnmatch.fnmatchcase(label, tgt_pat)
+                        or fnmatch.fnmatchcase(node.target.name, tgt_pat)
+                    ):
+                        picked.add(node.id)
+                        hit = True
+            if not hit:
+                sections = sorted({s.id for s in self.recipe.sections})
+                targets = sorted({n.target.name for n in self.nodes.values()})
+                hint = (
+                    did_you_mean(sec_pat, sections, "sections")
+                    if not any(fnmatch.fnmatchcase(s, sec_pat) for s in sections)
+                    else did_you_mean(tgt_pat, targets, "targets")
+                )
+                raise MoptError(
+                    f"selector {sel!r} matches no target",
+                    hint=hint + "; selectors look like model.hardware:target, globs allowed",
+                )
+        return self.closure(picked)
+
+
+def _candidates(slot: Input, section: Section, me: Target) -> list[str]:
+    """Target names in `section` that can feed `slot`, most preferred kind first."""
+    names: list[str] = []
+    for kind in slot.kinds:
+        for t in section.targets:
+            if t.kind == kind and t.name != me.name and t.name not in names:
+                names.append(t.name)
+        if names and not slot.fanout:
+            break
+    return names
+
+
+def _wire(section: Section, registry: Registry) -> dict[str, dict[str, list[str]]]:
+    """For each target name: slot → input target names."""
+    first: dict[str, Target] = {}
+    for t in section.targets:
+        first.setdefault(t.name, t)
+    wiring: dict[str, dict[str, list[str]]] = {}
+    for name, t in first.items():
+        cls = registry.targets[t.kind]
+        slots: dict[str, list[str]] = {s.name: [] for s in cls.consumes}
+        where = t.input_where or t.where
+        if t.inputs is not None:
+            for inp in t.inputs:
+                kind = first[inp].kind
+                slot = next(
+                    (s for s in cls.consumes if kind in s.kinds or "*" in s.kinds), None
+                )
+                if slot is None:
+                    accepted = sorted({k for s in cls.consumes for k in s.kinds})
+                    raise MoptError(
+                        f"input {inp!r} is a {kind!r}, which kind {t.kind!r} does not take",
+                        file=where.file if where else None,
+                        table=where.table if where else None,
+                        key="input",
+                        line=where.line if where else None,
+                        hint=f"it takes: {', '.join(accepted) or 'no inputs'}",
+                    )
+                slots[slot.name].append(inp)
+        for slot in cls.consumes:
+            if slots[slot.name]:
+                continue
+            if "*" in slot.kinds:
+                continue  # wildcard slots are only ever explicit
+            cands = _candidates(slot, section, t)
+            if not cands:
+                if slot.required:
+                    raise MoptError(
+                        f"target {name!r} ({t.kind}) needs an input of kind "
+                        f"{' or '.join(slot.kinds)}, and the section has none",
+                        file=section.where.file,
+                        table=section.id,
+                        key="targets",
+                        line=section.where.line,
+                        hint=f"add {slot.kinds[0]!r} to targets",
+                    )
+                continue
+            if len(cands) > 1 and not slot.fanout:
+                raise MoptError(
+                    f"target {name!r} could take its {slot.name!r} input from "
+                    f"{' or '.join(repr(c) for c in cands)}",
+                    file=where.file if where else None,
+                    table=where.table if where else section.id,
+                    key="input",
+                    line=where.line if where else None,
+                    hint=f'say which: input = "{cands[0]}"',
+                )
+            slots[slot.name] = cands
+        wiring[name] = slots
+    _check_cycles(section, wiring)
+    return wiring
+
+
+def _check_cycles(section: Section, wiring: dict[str, dict[str, list[str]]]) -> None:
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(n: str) -> None:
+        state[n] = 1
+        path.append(n)
+        for deps in wiring[n].values():
+            for d in deps:
+                if state.get(d) == 1:
+                    cyc = path[path.index(d) :] + [d]
+                    where = (
+                        next((t.input_where or t.where for t in section.targets if t.name == d), None)
+                        or section.where
+                    )
+                    raise MoptError(
+                        f"dependency cycle: {' → '.join(cyc)}",
+                        file=where.file,
+                        table=where.table,
+                        key="input",
+                        line=where.line,
+                        hint="an `input` points back at a target that depends on this one",
+                    )
+                if state.get(d) is None:
+                    visit(d)
+        path.pop()
+        state[n] = 2
+
+    for n in wiring:
+        if n not in state:
+            visit(n)
+
+
+def _topo_names(wiring: dict[str, dict[str, list[str]]]) -> list[str]:
+    done: list[str] = []
+    seen: set[str] = set()
+
+    def visit(n: str) -> None:
+        if n in seen:
+            return
+        seen.add(n)
+        for deps in wiring[n].values():
+            for d in deps:
+                visit(d)
+        done.append(n)
+
+    for n in wiring:
+        visit(n)
+    return done
+
+
+def build_graph(recipe: Recipe, registry: Registry) -> Graph:
+    """Expand the recipe's sections into the graph of nodes."""
+    nodes: dict[str, Node] = {}
+    by_identity: dict[str, Node] = {}
+    for section in recipe.sections:
+        hw = registry.hardware[section.hardware]
+        model = recipe.models[section.model]
+        wiring = _wire(section, registry)
+        variants: dict[str, list[Target]] = {}
+        for t in section.targets:
+            variants.setdefault(t.name, []).append(t)
+        built: dict[str, list[Node]] = {}  # target name → its nodes in this section
+        for name in _topo_names(wiring):
+            slots = wiring[name]
+            slot_names = [s for s in slots if slots[s]]
+            choices = [
+                [(s, n) for inp in slots[s] for n in built[inp]]
+                if _is_fanout(registry, variants[name][0].kind, s)
+                else [(s, n) for n in built[slots[s][0]]]
+                for s in slot_names
+            ]
+            multi = [len(c) > 1 for c in choices]
+            built[name] = []
+            for t in variants[name]:
+                for combo in itertools.product(*choices) if choices else [()]:
+                    inputs: dict[str, list[str]] = {s: [] for s in slots}
+                    suffix = []
+                    for (slot, inode), is_multi in zip(combo, multi):
+                        inputs[slot].append(inode.id)
+                        if is_multi:
+                            suffix.append(inode.label)
+                    label = t.label + (f"[{','.join(suffix)}]" if suffix else "")
+                    node = _make_node(registry, section, model, hw, t, inputs, label, nodes)
+                    existing = by_identity.get(node.identity)
+                    if existing is not None:
+                        addr = f"{section.id}:{label}"
+                        if addr not in existing.addresses:
+                            existing.addresses.append(addr)
+                        built[name].append(existing)
+                        continue
+                    by_identity[node.identity] = node
+                    nodes[node.id] = node
+                    built[name].append(node)
+    return Graph(recipe, registry, nodes)
+
+
+def _is_fanout(registry: Registry, kind: str, slot: str) -> bool:
+    return any(s.name == slot and s.fanout for s in registry.targets[kind].consumes)
+
+
+def _make_node(
+    registry: Registry,
+    section: Section,
+    model: Model,
+    hw: HardwareProfile,
+    t: Target,
+    inputs: dict[str, list[str]],
+    label: str,
+    nodes: dict[str, Node],
+) -> Node:
+    cls = registry.targets[t.kind]
+    plugin = registry.plugin_of("targets", t.kind)
+    definition: dict[str, Any] = {
+        "kind": t.kind,
+        "kind_version": cls.version,
+        "plugin": plugin.name,
+        "plugin_version": plugin.version,
+        "params": t.params.model_dump(mode="json"),
+        "inputs": {s: [nodes[i].identity for i in ids] for s, ids in sorted(inputs.items())},
+        "model": {"family": model.spec.family, "task": model.spec.task},
+    }
+    if cls.uses_source:
+        definition["source"] = model.spec.source
+    if cls.per_hardware:
+        definition["hardware"] = hw.model_dump(mode="json")
+    identity = hash_bytes(canonical_json(definition))
+    node_id = f"{section.id}:{label}"
+    return Node(
+        id=node_id,
+        identity=identity,
+        kind=t.kind,
+        kind_version=cls.version,
+        plugin=plugin.name,
+        plugin_version=plugin.version,
+        target=t,
+        section=section,
+        model=model,
+        hardware=hw,
+        inputs=inputs,
+        label=label,
+        addresses=[node_id],
+    )
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def to_dot(graph: Graph, ids: list[str]) -> str:
+    """Graphviz dot: one cluster per section, shared nodes drawn once."""
+    lines = ["digraph mopt {", "  rankdir=LR;", '  node [shape=box, fontname="monospace"];']
+    by_section: dict[str, list[Node]] = {}
+    for i in ids:
+        n = graph.nodes[i]
+        by_section.setdefault(n.section.id, []).append(n)
+    for k, (sec, ns) in enumerate(by_section.items()):
+        lines.append(f'  subgraph cluster_{k} {{ label="{sec}";')
+        for n in ns:
+            extra = f"\\n(+{len(n.addresses) - 1} shared)" if len(n.addresses) > 1 else ""
+            lines.append(f'    "{n.id}" [label="{n.label}\\n{n.kind}{extra}"];')
+        lines.append("  }")
+    for i in ids:
+        for d in graph.nodes[i].input_ids():
+            lines.append(f'  "{d}" -> "{i}";')
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def to_mermaid(graph: Graph, ids: list[str]) -> str:
+    """Mermaid flowchart of the selected nodes."""
+    num = {i: f"n{k}" for k, i in enumerate(ids)}
+    lines = ["flowchart LR"]
+    for i in ids:
+        n = graph.nodes[i]
+        text = f"{n.id}<br/>{n.kind}".replace('"', "'")
+        lines.append(f'  {num[i]}["{text}"]')
+    for i in ids:
+        for d in graph.nodes[i].input_ids():
+            lines.append(f"  {num[d]} --> {num[i]}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,38 @@
+"""Every hook mopt calls, one line of doc each. This file is the whole extension surface.
+
+Each hook gets a `register` callback; call it once per thing the plugin adds. The core
+validates each registration as it arrives and names the plugin when one is invalid.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("mopt")
+
+
+@hookspec
+def mopt_register_targets(register: Callable[[Any], None]) -> None:
+    """Register target kinds: `register(KindClass)` for each `mopt.api.TargetKind` subclass."""
+
+
+@hookspec
+def mopt_register_families(register: Callable[[Any], None]) -> None:
+    """Register model families: `register(FamilyClass)` for each `mopt.api.Family` subclass."""
+
+
+@hookspec
+def mopt_register_hardware(register: Callable[[Any], None]) -> None:
+    """Register hardware profiles: `register(profile)` for each `mopt.api.HardwareProfile`."""
+
+
+@hookspec
+def mopt_register_sources(register: Callable[[Any], None]) -> None:
+    """Register model sources: `register(SourceClass)` for each `mopt.api.Source` subclass."""
+
+
+@hookspec
+def mopt_register_executors(register: Callable[[Any], None]) -> None:
+    """Register executors: `register(ExecutorClass)` for each `mopt.api.Executor` subclass."""

@@ -1,0 +1,760 @@
+"""Recipes: load TOML (with `extends`), merge the layers, validate, expand sweeps.
+
+Resolution order for a target's params, highest first: the target table → the build
+section → `[defaults]` → extended files → the kind's own defaults. Tables deep-merge;
+scalars and arrays replace. Every error names the file, the table and the key.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from mopt import tomlfile
+from mopt.errors import MoptError, closest, did_you_mean
+from mopt.plugins import Registry
+
+SCHEMA_VERSION = 1
+RESERVED_TOP = ("schema", "extends", "models", "defaults")
+SECTION_KEYS = ("hardware", "targets", "description", "sweep")
+DEFAULTS_KEYS = ("targets",)
+TARGET_KEYS = ("kind", "input")
+
+
+# --------------------------------------------------------------------------- results
+
+
+class ModelSpec(BaseModel):
+    """`[models.<name>]`: what the model is and where its checkpoint comes from."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    family: str = Field(description="a model-family plugin: qwen3, bert, ...")
+    task: str = Field(default="embedding", description="embedding, ...")
+    source: dict[str, Any] = Field(description="{ hf = ..., revision = ... } | { path = ... } | ...")
+    config: str | None = Field(
+        default=None,
+        description="a config.json used by `mopt check` when the checkpoint is not local",
+    )
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class Where:
+    """Where a value was written."""
+
+    file: str
+    table: str
+    line: int | None = None
+
+
+@dataclass
+class Model:
+    name: str
+    spec: ModelSpec
+    source_kind: str
+    source_params: Any
+    config_path: Path | None
+    where: Where
+
+
+@dataclass
+class Target:
+    """One target of a section, after merging and validation (one per sweep variant)."""
+
+    name: str
+    kind: str
+    params: Any
+    raw: dict[str, Any]
+    inputs: list[str] | None
+    variant: tuple[tuple[str, Any], ...] = ()
+    where: Where | None = None
+    origins: dict[str, Any] = field(default_factory=dict)
+    input_where: Where | None = None
+
+    @property
+    def label(self) -> str:
+        """`trt-engine` or `trt-engine@max_batch_size=64,opt_level=2`."""
+        if not self.variant:
+            return self.name
+        return self.name + "@" + ",".join(f"{k}={fmt_value(v)}" for k, v in self.variant)
+
+
+@dataclass
+class Section:
+    """A `[<model>.<hardware>]` build section."""
+
+    model: str
+    key: str
+    hardware: str
+    targets: list[Target]
+    description: str
+    where: Where
+
+    @property
+    def id(self) -> str:
+        return f"{self.model}.{self.key}"
+
+
+@dataclass
+class Recipe:
+    path: Path
+    files: list[Path]
+    models: dict[str, Model]
+    sections: list[Section]
+
+    @property
+    def project_dir(self) -> Path:
+        return self.path.parent
+
+
+def fmt_value(v: Any) -> str:
+    """A readable, stable rendering of a sweep value for variant ids."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return v
+    return json.dumps(v, separators=(",", ":"), sort_keys=True)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+@dataclass
+class _File:
+    path: Path
+    shown: str
+    text: str
+    data: dict[str, Any]
+
+    def where(self, table: list[str], key: str | None = None) -> Where:
+        return Where(self.shown, ".".join(table), tomlfile.find_line(self.text, table, key))
+
+    def error(self, msg: str, table: list[str], key: str | None = None, hint: str | None = None) -> MoptError:
+        w = self.where(table, key)
+        return MoptError(msg, file=self.shown, table=w.table, key=key, line=w.line, hint=hint)
+
+
+def _display(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def _load_chain(path: Path, stack: list[Path], seen: dict[Path, _File], out: list[_File]) -> None:
+    """Append `path`'s extended files (depth first), then `path` itself, lowest first."""
+    path = path.resolve()
+    if path in stack:
+        cycle = " → ".join(_display(p) for p in stack[stack.index(path) :] + [path])
+        raise MoptError(f"extends cycle: {cycle}", file=_display(stack[-1]), key="extends")
+    if path in seen:
+        return
+    data, text = tomlfile.load(path, _display(path))
+    f = _File(path, _display(path), text, data)
+    ext = data.get("extends", [])
+    if isinstance(ext, str):
+        ext = [ext]
+    if not isinstance(ext, list) or not all(isinstance(e, str) for e in ext):
+        raise f.error("must be a list of file paths", [], "extends")
+    for rel in ext:
+        target = (path.parent / rel).resolve()
+        if not target.is_file():
+            raise f.error(
+                f"extended file {rel!r} not found (looked at {_display(target)})",
+                [],
+                "extends",
+                hint="paths are relative to the file that declares them",
+            )
+        _load_chain(target, stack + [path], seen, out)
+    seen[path] = f
+    out.append(f)
+
+
+def _is_table(v: Any) -> bool:
+    return isinstance(v, dict)
+
+
+def load_recipe(path: str | Path, registry: Registry) -> Recipe:
+    """Load, merge and validate a recipe; raise `MoptError` on any problem."""
+    path = Path(path)
+    if not path.exists():
+        raise MoptError("recipe not found", file=str(path), hint="give the path to a .toml recipe")
+    chain: list[_File] = []
+    _load_chain(path, [], {}, chain)
+    root = chain[-1]
+    _check_top_level(chain, root)
+    models = _merge_models(chain, registry)
+    sections = _collect_sections(chain, models, registry)
+    return Recipe(root.path, [f.path for f in chain], models, sections)
+
+
+def _check_top_level(chain: list[_File], root: _File) -> None:
+    schema = root.data.get("schema")
+    if schema is None:
+        raise root.error(f"missing `schema = {SCHEMA_VERSION}`", [], "schema", hint="add it at the top")
+    for f in chain:
+        s = f.data.get("schema", SCHEMA_VERSION)
+        if s != SCHEMA_VERSION or isinstance(s, bool):
+            raise f.error(
+                f"unsupported schema {s!r}",
+                [],
+                "schema",
+                hint=f"this mopt reads schema = {SCHEMA_VERSION}",
+            )
+        for key, value in f.data.items():
+            if key in RESERVED_TOP:
+                if key in ("models", "defaults") and not _is_table(value):
+                    raise f.error("must be a table", [], key)
+                continue
+            if not _is_table(value):
+                raise f.error(
+                    "unknown top-level key",
+                    [],
+                    key,
+                    hint=did_you_mean(key, RESERVED_TOP, "top-level keys")
+                    + "; build sections are tables: [<model>.<hardware>]",
+                )
+
+
+def _merge_models(chain: list[_File], registry: Registry) -> dict[str, Model]:
+    merged: dict[str, dict[str, Any]] = {}
+    decl: dict[str, _File] = {}
+    for f in chain:
+        for name, body in f.data.get("models", {}).items():
+            if name in RESERVED_TOP:
+                raise f.error(
+                    f"{name!r} is a reserved name and cannot be a model",
+                    ["models", name],
+                    hint=f"reserved: {', '.join(RESERVED_TOP)}; rename the model",
+                )
+            if not _is_table(body):
+                raise f.error("a model must be a table", ["models"], name)
+            merged[name] = _deep_merge(merged.get(name, {}), body)
+            decl[name] = f
+    models: dict[str, Model] = {}
+    for name, body in merged.items():
+        f = decl[name]
+        table = ["models", name]
+        try:
+            spec = ModelSpec.model_validate(body)
+        except ValidationError as exc:
+            raise _pydantic_error(exc, f, table, ModelSpec) from None
+        if spec.family not in registry.families:
+            raise f.error(
+                f"unknown model family {spec.family!r}",
+                table,
+                "family",
+                hint=did_you_mean(spec.family, registry.families, "families")
+                + "; families come from plugins (`mopt plugins`)",
+            )
+        kind, params = _validate_source(spec.source, f, table, registry)
+        cfg = (f.path.parent / spec.config).resolve() if spec.config else None
+        if cfg is not None and not cfg.is_file():
+            raise f.error(f"config file {spec.config!r} not found", table, "config")
+        models[name] = Model(name, spec, kind, params, cfg, f.where(table))
+    return models
+
+
+def _validate_source(src: dict[str, Any], f: _File, table: list[str], registry: Registry) -> tuple[str, Any]:
+    names = [k for k in src if k in registry.sources]
+    if len(names) != 1:
+        given = ", ".join(sorted(src)) or "nothing"
+        unknown = [k for k in src if k not in registry.sources]
+        hint = "one of: " + ", ".join(f"{{ {n} = ... }}" for n in sorted(registry.sources))
+        if not names and unknown:
+            best = closest(unknown[0], registry.sources)
+            if best:
+                hint = f"did you mean {best!r}?"
+        raise f.error(
+            f"a source names exactly one source kind, got {given}",
+            table,
+            "source",
+            hint=hint,
+        )
+    kind = names[0]
+    cls = registry.sources[kind]
+    try:
+        return kind, cls.Params.model_validate(src)
+    except ValidationError as exc:
+        raise _pydantic_error(exc, f, table + ["source"], cls.Params) from None
+
+
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        if _is_table(v) and _is_table(out.get(k)):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+Origin = tuple["_File", list[str]]  # the file and table a value was written in
+
+
+def _merge_traced(
+    dst: dict[str, Any], src: dict[str, Any], origins: dict[str, Any], where: Origin, prefix: str = ""
+) -> None:
+    """Deep-merge `src` into `dst`, recording where each leaf came from."""
+    for k, v in src.items():
+        dotted = f"{prefix}{k}"
+        if _is_table(v) and _is_table(dst.get(k)):
+            _merge_traced(dst[k], v, origins, where, dotted + ".")
+        else:
+            dst[k] = json.loads(json.dumps(v, default=str)) if _is_table(v) else v
+            for o in [o for o in origins if o.startswith(dotted + ".")]:
+                del origins[o]
+            origins[dotted] = where
+            if _is_table(v):
+                for sub in _leaves(v, dotted + "."):
+                    origins[sub] = where
+
+
+def _leaves(d: dict[str, Any], prefix: str) -> list[str]:
+    out = []
+    for k, v in d.items():
+        out.extend(_leaves(v, f"{prefix}{k}.") if _is_table(v) else [f"{prefix}{k}"])
+    return out
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass
+class _Layer:
+    file: _File
+    table: list[str]
+    body: dict[str, Any]
+
+
+def _collect_sections(chain: list[_File], models: dict[str, Model], registry: Registry) -> list[Section]:
+    order: list[tuple[str, str]] = []
+    for f in chain:
+        for key, body in f.data.items():
+            if key in RESERVED_TOP:
+                continue
+            if key not in models:
+                raise f.error(
+                    f"unknown model {key!r}",
+                    [key],
+                    hint=did_you_mean(key, models, "models") + "; declare it under [models]",
+                )
+            for hw, sec in body.items():
+                if not _is_table(sec):
+                    raise f.error(
+                        "expected build sections [<model>.<hardware>] under a model",
+                        [key],
+                        hw,
+                    )
+                if (key, hw) not in order:
+                    order.append((key, hw))
+    for f in chain:
+        for k, v in f.data.get("defaults", {}).items():
+            if k in SECTION_KEYS and k not in DEFAULTS_KEYS:
+                raise f.error(
+                    f"{k!r} belongs in a build section, not in [defaults]", ["defaults"], k
+                )
+    return [_section(chain, models, registry, m, hw) for m, hw in order]
+
+
+def _section(chain: list[_File], models: dict[str, Model], registry: Registry, model: str, hw: str) -> Section:
+    layers: list[_Layer] = []  # lowest priority first
+    for f in chain:
+        if "defaults" in f.data:
+            layers.append(_Layer(f, ["defaults"], f.data["defaults"]))
+        body = f.data.get(model, {}).get(hw)
+        if body is not None:
+            layers.append(_Layer(f, [model, hw], body))
+    sec_layers = [lay for lay in layers if lay.table[0] != "defaults"]
+    decl = sec_layers[-1]
+
+    def lookup(key: str, layers_: list[_Layer]) -> tuple[Any, _Layer | None]:
+        for lay in reversed(layers_):
+            if key in lay.body:
+                return lay.body[key], lay
+        return None, None
+
+    hardware, hw_layer = lookup("hardware", sec_layers)
+    if hardware is None:
+        hardware, hw_layer = hw, None
+    if not isinstance(hardware, str):
+        assert hw_layer is not None
+        raise hw_layer.file.error("must be a string (a hardware profile name)", hw_layer.table, "hardware")
+    if hardware not in registry.hardware:
+        lay = hw_layer or decl
+        msg = f"unknown hardware profile {hardware!r}"
+        if hw_layer is None:
+            msg += ", taken from the section key as `hardware` is not set"
+        raise lay.file.error(
+            msg,
+            lay.table,
+            "hardware" if hw_layer else None,
+            hint=did_you_mean(hardware, registry.hardware, "profiles") + "; see `mopt hardware`",
+        )
+    description, _ = lookup("description", sec_layers)
+    targets, t_layer = lookup("targets", layers)
+    if targets is None:
+        raise decl.file.error(
+            "no `targets` for this section",
+            decl.table,
+            hint='add targets = ["weights", "onnx", ...] here or in [defaults]',
+        )
+    assert t_layer is not None
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise t_layer.file.error("must be a list of target names", t_layer.table, "targets")
+    dup = {t for t in targets if targets.count(t) > 1}
+    if dup:
+        raise t_layer.file.error(f"target {sorted(dup)[0]!r} is listed twice", t_layer.table, "targets")
+
+    # resolve each target's kind
+    kinds: dict[str, str] = {}
+    for name in targets:
+        kind, k_layer = None, None
+        for lay in reversed(layers):
+            tbl = lay.body.get(name)
+            if _is_table(tbl) and "kind" in tbl:
+                kind, k_layer = tbl["kind"], lay
+                break
+        if kind is None:
+            if name not in registry.targets:
+                raise t_layer.file.error(
+                    f"unknown target kind {name!r}",
+                    t_layer.table,
+                    "targets",
+                    hint=did_you_mean(name, registry.targets, "target kinds")
+                    + f"; a named target needs a table [{model}.{hw}.{name}] with `kind`",
+                )
+            kind = name
+        elif not isinstance(kind, str) or kind not in registry.targets:
+            assert k_layer is not None
+            raise k_layer.file.error(
+                f"unknown target kind {kind!r}",
+                k_layer.table + [name],
+                "kind",
+                hint=did_you_mean(str(kind), registry.targets, "target kinds") + "; see `mopt plugins`",
+            )
+        kinds[name] = kind
+
+    accepted: set[str] = set()
+    for kind in kinds.values():
+        accepted |= set(registry.targets[kind].Params.model_fields)
+
+    # every key of every layer must mean something here
+    for lay in layers:
+        is_def = lay.table[0] == "defaults"
+        allowed = DEFAULTS_KEYS if is_def else SECTION_KEYS
+        for key, value in lay.body.items():
+            if key in allowed:
+                continue
+            if _is_table(value):
+                if is_def:
+                    continue  # defaults for targets other sections may use
+                if key not in kinds:
+                    if key in registry.targets or "kind" in value:
+                        hint = f'add "{key}" to `targets`'
+                    else:
+                        hint = did_you_mean(key, list(kinds) + list(SECTION_KEYS), "targets and keys")
+                    raise lay.file.error(
+                        f"table {key!r} is not a target of this section", lay.table, key, hint=hint
+                    )
+                continue
+            if key in kinds:
+                raise lay.file.error(f"target {key!r} must be a table", lay.table, key)
+            if key not in accepted:
+                raise lay.file.error(
+                    "unknown key",
+                    lay.table,
+                    key,
+                    hint=did_you_mean(key, sorted(accepted | set(allowed)), "keys")
+                    + "; a section-level key is a param shared by the section's targets",
+                )
+
+    sweep = _sweep_axes(sec_layers, kinds, model, hw)
+
+    out: list[Target] = []
+    for name in targets:
+        kind = kinds[name]
+        cls = registry.targets[kind]
+        fields = set(cls.Params.model_fields)
+        params: dict[str, Any] = {}
+        origins: dict[str, Origin] = {}
+        for lay in layers:
+            w: Origin = (lay.file, lay.table)
+            shared = {k: v for k, v in lay.body.items() if not _is_table(v) and k in fields}
+            _merge_traced(params, shared, origins, w)
+            names = [kind] if kind == name else [kind, name]
+            if lay.table[0] != "defaults":
+                names = [name]
+            for n in names:
+                tbl = lay.body.get(n)
+                if _is_table(tbl):
+                    _merge_traced(params, tbl, origins, (lay.file, lay.table + [n]))
+        params.pop("kind", None)
+        inputs = params.pop("input", None)
+        in_origin = origins.pop("input", None)
+        in_where = in_origin[0].where(in_origin[1], "input") if in_origin else None
+        origins.pop("kind", None)
+        if inputs is not None:
+            if isinstance(inputs, str):
+                inputs = [inputs]
+            if not isinstance(inputs, list) or not all(isinstance(i, str) for i in inputs):
+                assert in_where is not None
+                raise MoptError(
+                    "must be a target name or a list of them",
+                    file=in_where.file,
+                    table=in_where.table,
+                    key="input",
+                )
+            for i in inputs:
+                if i not in kinds:
+                    assert in_where is not None
+                    raise MoptError(
+                        f"input {i!r} is not a target of this section",
+                        file=in_where.file,
+                        table=in_where.table,
+                        key="input",
+                        line=in_where.line,
+                        hint=did_you_mean(i, [t for t in kinds if t != name], "targets"),
+                    )
+        axes = sweep.get(name, [])
+        combos = itertools.product(*[vals for _, vals, _ in axes]) if axes else [()]
+        for combo in combos:
+            p = json.loads(json.dumps(params))
+            o = dict(origins)
+            variant = []
+            for (param, _vals, w), value in zip(axes, combo):
+                _set_dotted(p, param, value)
+                o[param] = w
+                variant.append((param, value))
+            validated = _validate_params(cls, p, o, decl, name)
+            out.append(
+                Target(
+                    name=name,
+                    kind=kind,
+                    params=validated,
+                    raw=p,
+                    inputs=inputs,
+                    variant=tuple(variant),
+                    where=decl.file.where(decl.table + [name]),
+                    origins=o,
+                    input_where=in_where,
+                )
+            )
+    return Section(
+        model=model,
+        key=hw,
+        hardware=hardware,
+        targets=out,
+        description=description or "",
+        where=decl.file.where(decl.table),
+    )
+
+
+def _set_dotted(d: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    for p in parts[:-1]:
+        nxt = d.get(p)
+        if not _is_table(nxt):
+            nxt = d[p] = {}
+        d = nxt
+    d[parts[-1]] = value
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for k, v in d.items():
+        if _is_table(v):
+            out.extend(_flatten(v, f"{prefix}{k}."))
+        else:
+            out.append((f"{prefix}{k}", v))
+    return out
+
+
+def _sweep_axes(
+    sec_layers: list[_Layer], kinds: dict[str, str], model: str, hw: str
+) -> dict[str, list[tuple[str, list[Any], Any]]]:
+    axes: dict[str, dict[str, tuple[list[Any], Any]]] = {}
+    for lay in sec_layers:
+        sw = lay.body.get("sweep")
+        if sw is None:
+            continue
+        table = lay.table + ["sweep"]
+        if not _is_table(sw):
+            raise lay.file.error("must be a table of \"<target>.<param>\" = [values]", lay.table, "sweep")
+        for dotted, values in _flatten(sw):
+            parts = dotted.split(".", 1)
+            if len(parts) != 2 or not parts[1]:
+                raise lay.file.error(
+                    "a sweep key is \"<target>.<param>\"", table, dotted, hint=f'e.g. "trt-engine.{dotted}"'
+                )
+            target, param = parts
+            if target not in kinds:
+                raise lay.file.error(
+                    f"sweep over {target!r}, which is not a target of this section",
+                    table,
+                    dotted,
+                    hint=did_you_mean(target, kinds, "targets"),
+                )
+            if not isinstance(values, list) or not values:
+                raise lay.file.error("a sweep axis must be a non-empty list of values", table, dotted)
+            axes.setdefault(target, {})[param] = (values, (lay.file, table, dotted))
+    return {t: [(p, v, w) for p, (v, w) in a.items()] for t, a in axes.items()}
+
+
+def _validate_params(cls: Any, params: dict[str, Any], origins: dict[str, Any], decl: _Layer, name: str) -> Any:
+    try:
+        return cls.Params.model_validate(params)
+    except ValidationError as exc:
+        err = _first_error(exc)
+        loc = [str(x) for x in err["loc"]]
+        dotted = ".".join(loc)
+        origin = None
+        for i in range(len(loc), 0, -1):
+            origin = origins.get(".".join(loc[:i]))
+            if origin:
+                break
+        if origin is None:
+            w = decl.file.where(decl.table + [name])
+        elif len(origin) == 3:  # a sweep axis: (file, table, "target.param")
+            dotted = f"{name}.{dotted}"
+            w = origin[0].where(origin[1], origin[2])
+        else:
+            w = origin[0].where(origin[1] + loc[:-1], loc[-1] if loc else None)
+        raise MoptError(
+            _describe_error(err, cls.Params, loc) + _more(exc),
+            file=w.file,
+            table=w.table,
+            key=dotted or None,
+            line=w.line,
+            hint=_hint_for(err, cls.Params, loc),
+        ) from None
+
+
+def _first_error(exc: ValidationError) -> Any:
+    """Unknown keys first: a typo'd key also shows up as a missing one."""
+    errs = exc.errors()
+    return next((e for e in errs if e["type"] == "extra_forbidden"), errs[0])
+
+
+def _more(exc: ValidationError) -> str:
+    n = exc.error_count()
+    return f" (and {n - 1} more error{'s' if n > 2 else ''})" if n > 1 else ""
+
+
+def _describe_error(err: Any, model: type[BaseModel], loc: list[str]) -> str:
+    t = err["type"]
+    if t == "extra_forbidden":
+        return "unknown key"
+    if t == "missing":
+        return "missing required key"
+    msg = err["msg"]
+    msg = msg[0].lower() + msg[1:]
+    return f"{msg}, got {err.get('input')!r}"
+
+
+def _hint_for(err: Any, model: type[BaseModel], loc: list[str]) -> str | None:
+    fields = _fields_at(model, loc[:-1])
+    if err["type"] == "extra_forbidden" and fields is not None:
+        return did_you_mean(loc[-1], fields, "keys")
+    if err["type"] == "missing":
+        return "add it"
+    info = _fields_at(model, loc[:-1])
+    if info is not None and loc and loc[-1] in info:
+        desc = info[loc[-1]]
+        if desc:
+            return desc
+    return None
+
+
+def _fields_at(model: type[BaseModel], path: list[str]) -> dict[str, str] | None:
+    cur: Any = model
+    for p in path:
+        if not (isinstance(cur, type) and issubclass(cur, BaseModel)) or p not in cur.model_fields:
+            return None
+        cur = cur.model_fields[p].annotation
+    if isinstance(cur, type) and issubclass(cur, BaseModel):
+        return {k: (f.description or "") for k, f in cur.model_fields.items()}
+    return None
+
+
+def _pydantic_error(exc: ValidationError, f: _File, table: list[str], model: type[BaseModel]) -> MoptError:
+    err = _first_error(exc)
+    loc = [str(x) for x in err["loc"]]
+    key = ".".join(loc) or None
+    w = f.where(table, loc[0] if loc else None)
+    return MoptError(
+        _describe_error(err, model, loc) + _more(exc),
+        file=f.shown,
+        table=".".join(table),
+        key=key,
+        line=w.line,
+        hint=_hint_for(err, model, loc),
+    )
+
+
+# --------------------------------------------------------------------------- schema
+
+
+def json_schema(registry: Registry) -> dict[str, Any]:
+    """A JSON Schema of the recipe format (for editors), from the registered models."""
+    kinds = {}
+    for name, cls in sorted(registry.targets.items()):
+        s = cls.Params.model_json_schema()
+        props = dict(s.get("properties", {}))
+        props["kind"] = {"type": "string", "enum": sorted(registry.targets)}
+        props["input"] = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}
+        s["properties"] = props
+        s["additionalProperties"] = False
+        if cls.description:
+            s["description"] = cls.description
+        kinds[name] = s
+    named_target = {
+        "type": "object",
+        "properties": {"kind": {"type": "string", "enum": sorted(registry.targets)}},
+        "required": ["kind"],
+    }
+    sources = [cls.Params.model_json_schema() for _, cls in sorted(registry.sources.items())]
+    model_schema = ModelSpec.model_json_schema()
+    model_schema["properties"]["family"]["enum"] = sorted(registry.families)
+    model_schema["properties"]["source"] = {"anyOf": sources}
+    section = {
+        "type": "object",
+        "properties": {
+            "hardware": {"type": "string", "enum": sorted(registry.hardware)},
+            "targets": {"type": "array", "items": {"type": "string"}},
+            "description": {"type": "string"},
+            "sweep": {
+                "type": "object",
+                "description": '"<target>.<param>" = [values]: one node per combination',
+                "additionalProperties": {"type": "array", "minItems": 1},
+            },
+            **kinds,
+        },
+        "additionalProperties": {"anyOf": [named_target, {"not": {"type": "object"}}]},
+    }
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "mopt recipe",
+        "type": "object",
+        "properties": {
+            "schema": {"const": SCHEMA_VERSION},
+            "extends": {"type": "array", "items": {"type": "string"}},
+            "models": {"type": "object", "additionalProperties": model_schema},
+            "defaults": {
+                "type": "object",
+                "properties": {"targets": section["properties"]["targets"], **kinds},
+            },
+        },
+        "required": ["schema"],
+        "additionalProperties": {
+            "type": "object",
+            "description": "[<model>.<hardware>] build sections",
+            "additionalProperties": section,
+        },
+    }

@@ -1,0 +1,122 @@
+"""Reading TOML files with errors that point at the file, line and column, and finding
+where a table or key was written (for errors raised after parsing)."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from mopt.errors import MoptError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+_AT = re.compile(r"\s*\(at line (\d+), column (\d+)\)\s*$")
+_AT_EOF = re.compile(r"\s*\(at end of document\)\s*$")
+
+
+def load(path: Path, display: str | None = None) -> tuple[dict[str, Any], str]:
+    """Parse a TOML file; syntax errors become a `MoptError` with line and column."""
+    shown = display or str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise MoptError("file not found", file=shown, hint="check the path") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise MoptError(f"cannot read file: {exc}", file=shown) from None
+    try:
+        return tomllib.loads(text), text
+    except tomllib.TOMLDecodeError as exc:
+        msg = str(exc)
+        m = _AT.search(msg)
+        if m:
+            line, col = int(m.group(1)), int(m.group(2))
+            body = msg[: m.start()]
+            raise MoptError(
+                f"TOML syntax error at column {col}: {body[0].lower() + body[1:]}",
+                file=shown,
+                line=line,
+            ) from None
+        body = _AT_EOF.sub("", msg)
+        raise MoptError(f"TOML syntax error at end of file: {body}", file=shown) from None
+
+
+def split_key(dotted: str) -> list[str]:
+    """Split a TOML dotted key, honouring quotes (`a."b.c".d` → [a, b.c, d])."""
+    parts: list[str] = []
+    cur = ""
+    quote: str | None = None
+    for ch in dotted.strip():
+        if quote:
+            if ch == quote:
+                quote = None
+            else:
+                cur += ch
+        elif ch in "\"'":
+            quote = ch
+        elif ch == ".":
+            parts.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    parts.append(cur.strip())
+    return parts
+
+
+_HEADER = re.compile(r"^\s*\[\[?([^\]]+)\]\]?\s*(#.*)?$")
+
+
+def find_line(text: str, table: list[str], key: str | None = None) -> int | None:
+    """Best-effort line number (1-based) where `key` of `table` is written."""
+    lines = text.splitlines()
+    headers: list[tuple[int, list[str]]] = []
+    for i, line in enumerate(lines):
+        m = _HEADER.match(line)
+        if m:
+            headers.append((i, split_key(m.group(1))))
+    headers.append((len(lines), []))
+
+    def region(path: list[str]) -> tuple[int, int] | None:
+        for idx, (i, h) in enumerate(headers[:-1]):
+            if h == path:
+                return i, headers[idx + 1][0]
+        return None
+
+    def key_in(start: int, end: int, name: str) -> int | None:
+        pat = re.compile(r"(^|[\s{,.\[])(\"|')?" + re.escape(name) + r"(\"|')?\s*(=|\.)")
+        for i in range(start, end):
+            if pat.search(lines[i].split("#", 1)[0]):
+                return i + 1
+        return None
+
+    if key is not None:
+        sub = region(table + split_key(key))
+        if sub is not None:  # the key is itself a table with a header
+            return sub[0] + 1
+    if key is None and table and region(table) is None:
+        # a table only implied by deeper headers ([toi.cpu] implies [toi])
+        for i, h in headers[:-1]:
+            if h[: len(table)] == table:
+                return i + 1
+    # the table has its own header: look for the key below it
+    for depth in range(len(table), -1, -1):
+        head = table[:depth]
+        reg = region(head) if head else (0, headers[0][0])
+        if reg is None:
+            continue
+        start, end = reg
+        # walk down the remaining path (dotted keys / inline tables) inside the region
+        rest = table[depth:] + ([key] if key else [])
+        found = start + 1 if head else None
+        pos = start + 1 if head else 0
+        for name in rest:
+            hit = key_in(pos, end, name)
+            if hit is None:
+                break
+            found, pos = hit, hit - 1
+        return found
+    return None

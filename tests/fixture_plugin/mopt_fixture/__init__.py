@@ -1,0 +1,1 @@
+"""Fixture plugin for mopt's tests."""

@@ -1,0 +1,189 @@
+"""Toy target kinds shaped like the real ones (weights → export → engine → check), a toy
+family and a toy GPU profile. Outputs are real files derived from the inputs, so caching,
+sharing and invalidation can be tested without torch."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from typing import Any, Callable
+
+from pydantic import Field
+
+from mopt.api import (
+    BuildContext,
+    Family,
+    HardwareProfile,
+    Input,
+    Params,
+    TargetKind,
+    hookimpl,
+)
+
+
+def _digest_dir(path: Any) -> str:
+    h = hashlib.sha256()
+    for root, _dirs, files in sorted(os.walk(path)):
+        for f in sorted(files):
+            p = os.path.join(root, f)
+            h.update(os.path.relpath(p, path).encode())
+            with open(p, "rb") as fh:
+                h.update(fh.read())
+    return h.hexdigest()
+
+
+class ToyWeights(TargetKind):
+    """Copy the model source folder and write a manifest."""
+
+    name = "toy-weights"
+    version = "1"
+    description = "copy the source checkpoint (fixture)"
+    uses_source = True
+
+    class Params(Params):
+        dtype: str = Field(default="fp32", description="fp32 or fp16")
+
+    def run(self, ctx: BuildContext) -> dict[str, Any]:
+        assert ctx.source is not None
+        for f in sorted(os.listdir(ctx.source)):
+            shutil.copy(ctx.source / f, ctx.out / f)
+        (ctx.out / "manifest.json").write_text(json.dumps({"dtype": ctx.params.dtype}))
+        ctx.log(f"copied {ctx.source}")
+        return {"files": len(os.listdir(ctx.out))}
+
+
+class ToyExport(TargetKind):
+    """'Export' the weights: a file holding a digest of the input and the opset."""
+
+    name = "toy-export"
+    version = "1"
+    consumes = (Input("model", kinds=("toy-weights",)),)
+
+    class Params(Params):
+        opset: int = 17
+        sleep: float = Field(default=0.0, description="seconds to sleep (tests of concurrency)")
+        fail: bool = Field(default=False, description="fail after writing a partial output")
+
+    def run(self, ctx: BuildContext) -> dict[str, Any]:
+        src = ctx.input("model").path
+        (ctx.out / "model.txt").write_text(f"opset={ctx.params.opset}\nfrom={_digest_dir(src)}\n")
+        counter = os.environ.get("MOPT_FIXTURE_COUNTER")
+        if counter:  # lets tests count how often an action really ran, across processes
+            with open(counter, "a") as fh:
+                fh.write(f"{ctx.target}\n")
+        if ctx.params.sleep:
+            ctx.log("sleeping")
+            time.sleep(ctx.params.sleep)
+        if ctx.params.fail:
+            (ctx.out / "partial.bin").write_bytes(b"x" * 10)
+            raise RuntimeError("toy export failed on purpose")
+        return {"opset": ctx.params.opset}
+
+
+class ToyEngine(TargetKind):
+    """A per-hardware 'engine' with the params of a TensorRT build."""
+
+    name = "toy-engine"
+    version = "2"
+    per_hardware = True
+    reproducible = False
+    consumes = (Input("model", kinds=("toy-export",)),)
+
+    class Params(Params):
+        precision: str = "fp16"
+        max_batch_size: int = Field(default=32, ge=1)
+        opt_level: int = Field(default=3, ge=0, le=5)
+
+    def fingerprint(self) -> dict[str, str]:
+        return {"toy-compiler": os.environ.get("MOPT_FIXTURE_TOOL_VERSION", "1.0")}
+
+    def run(self, ctx: BuildContext) -> dict[str, Any]:
+        src = ctx.input().path / "model.txt"
+        p = ctx.params
+        body = src.read_text() + f"hw={ctx.hardware.name} {p.precision} b{p.max_batch_size} O{p.opt_level}\n"
+        (ctx.out / "engine.plan").write_text(body)
+        return {}
+
+
+class ToyGpuOnly(TargetKind):
+    """Needs a GPU: unbuildable on CI machines."""
+
+    name = "toy-gpu-only"
+    per_hardware = True
+    requires = ("gpu",)
+    consumes = (Input("model", kinds=("toy-export",)),)
+
+    def run(self, ctx: BuildContext) -> dict[str, Any]:
+        raise RuntimeError("should never run without a GPU")
+
+
+class ToyCheck(TargetKind):
+    """Validate every artifact of the section (fan-out), against the weights."""
+
+    name = "toy-check"
+    consumes = (
+        Input("model", kinds=("toy-engine", "toy-export"), fanout=True),
+        Input("reference", kinds=("toy-weights",)),
+    )
+
+    class Params(Params):
+        min_score: float = Field(default=0.5, ge=0, le=1)
+        data: str | None = Field(default=None, description="a data file, relative to the recipe")
+
+    def input_files(self, params: Any, project_dir: Any) -> list[Any]:
+        return [project_dir / params.data] if params.data else []
+
+    def run(self, ctx: BuildContext) -> dict[str, Any]:
+        art = ctx.input("model")
+        score = 0.9
+        if score < ctx.params.min_score:
+            raise RuntimeError(f"score {score} below min_score {ctx.params.min_score}")
+        data = ""
+        if ctx.params.data:
+            data = (ctx.project_dir / ctx.params.data).read_text()
+        (ctx.out / "report.json").write_text(
+            json.dumps({"artifact": art.target, "score": score, "data_lines": len(data.splitlines())})
+        )
+        return {"score": score}
+
+
+class ToyFamily(Family):
+    """A toy family."""
+
+    name = "toyfam"
+    description = "toy family for tests"
+    pooling = "mean"
+
+
+TOY_GPU = HardwareProfile(
+    name="toy-gpu",
+    description="A toy GPU profile from the fixture plugin",
+    gpu_name="Toy GPU",
+    compute_capability=(8, 9),
+    memory_gb=16,
+    bandwidth_gbps=500,
+    sm_count=40,
+    source="tests/fixture_plugin",
+)
+
+
+@hookimpl
+def mopt_register_targets(register: Callable[[Any], None]) -> None:
+    """Toy kinds."""
+    for k in (ToyWeights, ToyExport, ToyEngine, ToyGpuOnly, ToyCheck):
+        register(k)
+
+
+@hookimpl
+def mopt_register_families(register: Callable[[Any], None]) -> None:
+    """The toy family."""
+    register(ToyFamily)
+
+
+@hookimpl
+def mopt_register_hardware(register: Callable[[Any], None]) -> None:
+    """The toy GPU profile."""
+    register(TOY_GPU)
