@@ -121,10 +121,8 @@ def plan(
 
 
 def _statuses(s: Session, ids: list[str]) -> dict[str, dict[str, Any]]:
-    try:
-        from mopt.build import plan_status
-    except ImportError:  # the store arrives with the build engine
-        return {}
+    from mopt.build import plan_status
+
     return plan_status(s, ids)
 
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 from pathlib import Path
 from typing import Any, Callable
 
 from pydantic import Field, field_validator
 
+from mopt import procs
 from mopt.api import BuildContext, Input, Params, TargetKind, hookimpl
 
 _TOKEN = re.compile(r"\{(out|in|file)(?::([^{}]+))?\}")
@@ -82,21 +82,13 @@ class CommandKind(TargetKind):
         env["MOPT_IN"] = os.pathsep.join(str(a.path) for a in arts)
         env["MOPT_FILES"] = os.pathsep.join(str(f) for f in files)
         ctx.log("$ " + " ".join(argv))
-        proc = subprocess.run(
-            argv,
-            cwd=ctx.tmp,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            errors="replace",
-        )
-        for line in proc.stdout.splitlines():
-            ctx.log(line)
-        if proc.returncode != 0:
-            raise RuntimeError(f"command exited with status {proc.returncode}")
-        return {"returncode": proc.returncode}
+        try:
+            rc = procs.run(argv, cwd=ctx.tmp, env=env, on_line=ctx.log)
+        except FileNotFoundError:
+            raise RuntimeError(f"command not found: {argv[0]!r}") from None
+        if rc != 0:
+            raise RuntimeError(f"command exited with status {rc}")
+        return {"returncode": rc}
 
 
 @hookimpl

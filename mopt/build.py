@@ -1,0 +1,695 @@
+"""Running the graph: key every node, take hits from the action cache, run the misses.
+
+The driver computes keys in topological order (a key needs its inputs' output digests),
+so a node's key is known once its inputs are built or found in the cache. A miss runs in a
+scratch folder under the store; only a complete, successful output is stored (blobs first,
+the action entry last) and then materialized read-only under build/. Failures are never
+cached; their log is kept and shown.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mopt import procs
+from mopt.api import Artifact, BuildContext, SourceContext, SourceError, TargetKind
+from mopt.digest import canonical_json, hash_bytes
+from mopt.errors import MoptError
+from mopt.graph import Node
+from mopt.keys import action_key, diff_parts
+from mopt.store import ActionEntry, Store
+
+LOCK_NAME = "mopt.lock"
+
+
+@dataclass
+class NodeState:
+    """What happened (or will happen) to one node."""
+
+    node: Node
+    status: str = "pending"  # pending|running|cached|built|failed|unbuildable|blocked
+    key: str | None = None
+    parts: dict[str, Any] | None = None
+    entry: ActionEntry | None = None
+    reason: str = ""
+    log_path: Path | None = None
+    started: float = 0.0
+    duration: float = 0.0
+    last_line: str = ""
+
+    def as_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "id": self.node.id,
+            "kind": self.node.kind,
+            "status": self.status,
+            "key": self.key,
+        }
+        if self.reason:
+            d["reason"] = self.reason
+        if self.entry is not None:
+            d["outputs"] = self.entry.outputs_tree
+            d["duration_s"] = round(self.entry.duration_s, 3)
+        if self.log_path is not None:
+            d["log"] = str(self.log_path)
+        return d
+
+
+def address_path(build_dir: Path, address: str) -> Path:
+    """build/<model>/<hardware>/<target> for an address `model.hardware:target`."""
+    section, _, label = address.partition(":")
+    model, _, hw = section.partition(".")
+    return build_dir / model / hw / label
+
+
+class Engine:
+    """Keys, plans and builds the nodes of a session's graph."""
+
+    def __init__(self, session: Any, *, offline: bool = False, salt: str = "") -> None:
+        self.session = session
+        self.project = session.project
+        self.recipe = session.recipe
+        self.graph = session.graph
+        self.registry = session.registry
+        self.offline = offline
+        self.salt = salt
+        self.store = Store(self.project.store_dir)
+        self.build_dir = self.project.build_dir
+        self._kinds: dict[str, TargetKind] = {}
+        self._fingerprints: dict[str, dict[str, str]] = {}
+        self._sources: dict[str, tuple[Path, str, dict[str, Any]]] = {}
+        self._file_digests: dict[Path, str] = {}
+        self._meta: dict[str, dict[str, Any]] = {}  # output tree → its action's run() result
+        self.index_dir = self.store.root / "index"
+        self.index_dir.mkdir(exist_ok=True)
+        if offline:  # libraries that honour these never touch the network
+            os.environ["HF_HUB_OFFLINE"] = "1"
+            os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+    # ------------------------------------------------------------------ key parts
+
+    def kind(self, name: str) -> TargetKind:
+        if name not in self._kinds:
+            self._kinds[name] = self.registry.targets[name]()
+        return self._kinds[name]
+
+    def fingerprint(self, kind: str) -> dict[str, str]:
+        if kind not in self._fingerprints:
+            self._fingerprints[kind] = dict(self.kind(kind).fingerprint())
+        return self._fingerprints[kind]
+
+    def source(self, model_name: str) -> tuple[Path, str, dict[str, Any]]:
+        """(folder, content digest, lock info) of a model's source checkpoint."""
+        if model_name not in self._sources:
+            model = self.recipe.models[model_name]
+            src = self.registry.sources[model.source_kind]()
+            fam = self.registry.families.get(model.spec.family)
+            ctx = SourceContext(
+                project_dir=self.recipe.project_dir,
+                cache_dir=self.store.root / "sources",
+                offline=self.offline,
+                family=fam() if fam else None,
+                model_name=model_name,
+            )
+            try:
+                path = src.resolve(model.source_params, ctx)
+            except SourceError as exc:
+                raise MoptError(str(exc), file=model.where.file, table=model.where.table, key="source") from None
+            digest = self.store.state.tree(path)[0]
+            info = {"source": src.describe(model.source_params), **src.lock_info(model.source_params, path)}
+            self._sources[model_name] = (path, digest, info)
+        return self._sources[model_name]
+
+    def file_digest(self, path: Path) -> str:
+        if path not in self._file_digests:
+            if not path.exists():
+                raise MoptError(f"input file {path} does not exist", hint="fix the path in the recipe")
+            self._file_digests[path] = self.store.state.path_digest(path)
+        return self._file_digests[path]
+
+    def parts(self, node: Node, inputs: dict[str, list[str]]) -> dict[str, Any]:
+        """Everything that goes into the node's action key."""
+        kind = self.kind(node.kind)
+        params = node.target.params
+        parts: dict[str, Any] = {
+            "kind": node.kind,
+            "kind_version": node.kind_version,
+            "plugin": node.plugin,
+            "plugin_version": node.plugin_version,
+            "params": params.model_dump(mode="json"),
+            "inputs": inputs,
+            "model": {"family": node.model.spec.family, "task": node.model.spec.task},
+            "fingerprint": self.fingerprint(node.kind),
+            "platform": kind.platform(node.hardware),
+            "salt": self.salt,
+        }
+        if kind.uses_source:
+            parts["source"] = self.source(node.model.name)[1]
+        files = kind.input_files(params, self.recipe.project_dir)
+        if files:
+            parts["files"] = {self._rel(f): self.file_digest(f) for f in files}
+        if kind.per_hardware:
+            parts["hardware"] = node.hardware.model_dump(mode="json")
+        env_values = getattr(kind, "env_values", None)
+        if callable(env_values):
+            parts["env"] = env_values(params)
+        return parts
+
+    def _rel(self, p: Path) -> str:
+        try:
+            return str(p.relative_to(self.recipe.project_dir))
+        except ValueError:
+            return str(p)
+
+    # ------------------------------------------------------------------ index of last builds
+
+    def _index_path(self, address: str) -> Path:
+        return self.index_dir / (hash_bytes(address.encode())[:32] + ".json")
+
+    def last_parts(self, address: str) -> dict[str, Any] | None:
+        try:
+            rec = json.loads(self._index_path(address).read_text())
+            return rec.get("parts") if rec.get("address") == address else None
+        except (OSError, ValueError):
+            return None
+
+    def record(self, node: Node, key: str, parts: dict[str, Any]) -> None:
+        for address in node.addresses:
+            path = self._index_path(address)
+            body = canonical_json({"address": address, "key": key, "parts": parts})
+            try:
+                if path.read_bytes() == body:
+                    continue
+            except OSError:
+                pass
+            fd, tmp = tempfile.mkstemp(dir=self.index_dir, prefix=".tmp-")
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(body)
+            os.replace(tmp, path)
+
+    # ------------------------------------------------------------------ plan
+
+    def plan(self, ids: list[str]) -> dict[str, dict[str, Any]]:
+        """Per node: up to date / new / why it will run, without running anything."""
+        outputs: dict[str, str | None] = {}
+        result: dict[str, dict[str, Any]] = {}
+        for i in ids:
+            node = self.graph.nodes[i]
+            missing = [d for d in node.input_ids() if outputs.get(d) is None]
+            if missing:
+                outputs[i] = None
+                result[i] = {
+                    "state": "will-run",
+                    "summary": f"will run: input {self.graph.nodes[missing[0]].label} will be rebuilt",
+                    "reasons": [f"input {self.graph.nodes[m].id} will be rebuilt" for m in missing],
+                }
+                continue
+            inputs = {s: [outputs[d] for d in ds] for s, ds in node.inputs.items()}
+            parts = self.parts(node, inputs)  # type: ignore[arg-type]
+            key = action_key(parts)
+            entry = self.hit(key)
+            if entry is not None:
+                outputs[i] = entry.outputs_tree
+                result[i] = {"state": "up-to-date", "summary": "up to date", "key": key}
+                continue
+            outputs[i] = None
+            old = self.last_parts(node.id)
+            if old is None:
+                result[i] = {"state": "new", "summary": "new", "key": key, "reasons": ["never built"]}
+            else:
+                reasons = diff_parts(old, parts) or ["cached output missing from the store"]
+                result[i] = {
+                    "state": "changed",
+                    "summary": "; ".join(reasons),
+                    "key": key,
+                    "reasons": reasons,
+                }
+        return result
+
+    def explain(self, node_id: str) -> dict[str, Any]:
+        """The parts of a node's key (inputs must be built or cached)."""
+        node = self.graph.nodes[node_id]
+        outputs: dict[str, str] = {}
+        for i in self.graph.closure([node_id]):
+            n = self.graph.nodes[i]
+            inputs = {s: [outputs.get(d, "") for d in ds] for s, ds in n.inputs.items()}
+            parts = self.parts(n, inputs)
+            key = action_key(parts)
+            if i == node_id:
+                pending = [d for d in n.input_ids() if d not in outputs]
+                return {
+                    "id": node.id,
+                    "key": key if not pending else None,
+                    "parts": parts,
+                    "inputs_not_built": pending,
+                }
+            entry = self.store.ac_entry(key)
+            if entry is not None:
+                outputs[i] = entry.outputs_tree
+        raise AssertionError("unreachable")
+
+    # ------------------------------------------------------------------ build
+
+    def build(
+        self,
+        ids: list[str],
+        *,
+        jobs: int | None = None,
+        keep_going: bool = False,
+        reporter: Reporter | None = None,
+    ) -> dict[str, NodeState]:
+        """Build `ids` (in topological order); return each node's final state."""
+        from mopt.procs import gpu_slots, unmet
+
+        reporter = reporter or Reporter()
+        jobs = jobs or os.cpu_count() or 1
+        self.store.cleanup_tmp()
+        states = {i: NodeState(self.graph.nodes[i]) for i in ids}
+        pending = deque(ids)
+        outputs: dict[str, str] = {}
+        slots = {"cpu": jobs, "gpu": gpu_slots()}
+        used = {"cpu": 0, "gpu": 0}
+        running: dict[Future[NodeState], tuple[str, dict[str, int]]] = {}
+        stop = False
+        reporter.start(states)
+        pool = ThreadPoolExecutor(max_workers=max(1, jobs + slots["gpu"]), thread_name_prefix="mopt")
+        try:
+            while pending or running:
+                progressed = False
+                for _ in range(len(pending)):
+                    i = pending.popleft()
+                    st = states[i]
+                    node = st.node
+                    deps = node.input_ids()
+                    bad = [d for d in deps if states[d].status in ("failed", "unbuildable", "blocked")]
+                    if bad:
+                        st.status = "blocked"
+                        st.reason = f"input {bad[0]} {states[bad[0]].status}"
+                        reporter.done(st)
+                        progressed = True
+                        continue
+                    if stop or any(d not in outputs for d in deps):
+                        if stop and not running:
+                            st.status = "blocked"
+                            st.reason = "not started after an earlier failure (use --keep-going)"
+                            reporter.done(st)
+                            progressed = True
+                            continue
+                        pending.append(i)
+                        continue
+                    if st.key is None:
+                        inputs = {s: [outputs[d] for d in ds] for s, ds in node.inputs.items()}
+                        st.parts = self.parts(node, inputs)
+                        st.key = action_key(st.parts)
+                        entry = self.hit(st.key)
+                        if entry is not None:
+                            self._finish_hit(st, entry, outputs)
+                            reporter.done(st)
+                            progressed = True
+                            continue
+                        kind = self.kind(node.kind)
+                        why = unmet(kind.requirements(node.target.params, node.hardware), node.hardware)
+                        if why:
+                            st.status = "unbuildable"
+                            st.reason = f"unbuildable here: {why}"
+                            reporter.done(st)
+                            progressed = True
+                            continue
+                    need = self._resources(node)
+                    if any(used[r] + n > slots.get(r, 0) for r, n in need.items()):
+                        if all(v == 0 for v in used.values()) and any(
+                            n > slots.get(r, 0) for r, n in need.items()
+                        ):
+                            st.status = "unbuildable"
+                            st.reason = f"unbuildable here: needs {need} slots, this machine has {slots}"
+                            reporter.done(st)
+                            progressed = True
+                            continue
+                        pending.append(i)
+                        continue
+                    for r, n in need.items():
+                        used[r] += n
+                    st.status = "running"
+                    st.started = time.time()
+                    reporter.started(st)
+                    running[pool.submit(self._execute, st, reporter)] = (i, need)
+                    progressed = True
+                if not running:
+                    if pending and not progressed:
+                        raise AssertionError(f"scheduler stuck on {list(pending)[:3]}")
+                    continue
+                done, _ = wait(list(running), timeout=0.2, return_when=FIRST_COMPLETED)
+                for fut in done:
+                    i, need = running.pop(fut)
+                    for r, n in need.items():
+                        used[r] -= n
+                    st = fut.result()
+                    if st.status in ("built", "cached"):
+                        assert st.entry is not None
+                        outputs[i] = st.entry.outputs_tree
+                    elif not keep_going:
+                        stop = True
+                    reporter.done(st)
+                reporter.tick()
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+            self.store.state.flush()
+            reporter.stop()
+        return states
+
+    def hit(self, key: str) -> ActionEntry | None:
+        """The cache entry for `key` if it and every blob it names are intact.
+
+        Blobs are checked through the stat cache, so an untouched blob costs a stat; one
+        whose stat changed is rehashed, and a blob whose bytes no longer match its digest
+        is removed and the entry treated as a miss (the action reruns).
+        """
+        entry = self.store.ac_entry(key)
+        if entry is None:
+            return None
+        digests = [entry.outputs_tree] + ([entry.log] if entry.log else [])
+        try:
+            digests += [e.digest for e in self.store.tree_entries(entry.outputs_tree)]
+        except Exception:
+            return None
+        state = self.store.state
+        with state.batch():
+            for d in digests:
+                path = self.store.blob_path(d)
+                try:
+                    ok = state.file_digest(path) == d
+                except FileNotFoundError:
+                    return None
+                if not ok:
+                    logging.getLogger("mopt").warning("blob %s is corrupt; removing it and rebuilding", d)
+                    try:
+                        os.chmod(path, 0o644)
+                        path.unlink()
+                    except OSError:
+                        pass
+                    return None
+        return entry
+
+    def _resources(self, node: Node) -> dict[str, int]:
+        res = dict(self.kind(node.kind).resources)
+        return {r: n for r, n in res.items() if n > 0}
+
+    def _finish_hit(self, st: NodeState, entry: ActionEntry, outputs: dict[str, str]) -> None:
+        st.status = "cached"
+        st.entry = entry
+        self._meta[entry.outputs_tree] = dict(entry.meta.get("result") or {})
+        outputs[st.node.id] = entry.outputs_tree
+        self._materialize(st.node, entry.outputs_tree)
+        assert st.key is not None and st.parts is not None
+        self.record(st.node, st.key, st.parts)
+
+    def _materialize(self, node: Node, tree: str) -> None:
+        with self.store.in_use():
+            for address in node.addresses:
+                self.store.materialize(tree, address_path(self.build_dir, address))
+
+    def _execute(self, st: NodeState, reporter: Reporter) -> NodeState:
+        """Run one action under its lock (another process may have built it meanwhile)."""
+        node = st.node
+        assert st.key is not None and st.parts is not None
+        key = st.key
+        with self.store.lock(key, on_wait=lambda: reporter.waiting(st)):
+            entry = self.hit(key)
+            if entry is not None:
+                self._finish_hit(st, entry, {})
+                return st
+            scratch = Path(tempfile.mkdtemp(prefix=".mopt-tmp-action-", dir=self.store.tmp_dir))
+            out_dir, tmp_dir, in_dir = scratch / "out", scratch / "tmp", scratch / "in"
+            for d in (out_dir, tmp_dir, in_dir):
+                d.mkdir()
+            log_path = scratch / "log.txt"
+            logger = _action_logger(key, log_path, lambda line: _set_last(st, line))
+            t0 = time.time()
+            try:
+                inputs: dict[str, list[Artifact]] = {}
+                for slot, dep_ids in node.inputs.items():
+                    arts = []
+                    for k, d in enumerate(dep_ids):
+                        dep = self.graph.nodes[d]
+                        tree = st.parts["inputs"][slot][k]
+                        dest = in_dir / f"{slot}-{k}"
+                        with self.store.in_use():
+                            self.store.materialize(tree, dest)
+                        arts.append(Artifact(dest, dep.kind, dep.target.name, tree, self._meta.get(tree, {})))
+                    inputs[slot] = arts
+                kind = self.kind(node.kind)
+                fam = self.registry.families.get(node.model.spec.family)
+                ctx = BuildContext(
+                    out=out_dir,
+                    tmp=tmp_dir,
+                    params=node.target.params,
+                    inputs=inputs,
+                    model_name=node.model.name,
+                    family=fam() if fam else None,
+                    task=node.model.spec.task,
+                    source=self.source(node.model.name)[0] if kind.uses_source else None,
+                    hardware=node.hardware,
+                    section=node.section.id,
+                    target=node.label,
+                    project_dir=self.recipe.project_dir,
+                    logger=logger,
+                    offline=self.offline,
+                )
+                logger.info(f"mopt: building {node.id} ({node.kind}) key {key[:16]}")
+                meta = kind.run(ctx) or {}
+                json.dumps(meta)  # metadata must be JSON: fail here, not in the cache
+                duration = time.time() - t0
+                logger.info(f"mopt: done in {duration:.2f}s")
+                _close_logger(logger)
+                with self.store.in_use():
+                    tree, _entries = self.store.put_tree(out_dir)
+                    log_digest = self.store.put_log(log_path)
+                    entry = self.store.ac_put(
+                        key,
+                        ActionEntry(
+                            key=key,
+                            kind=node.kind,
+                            target=node.id,
+                            outputs_tree=tree,
+                            log=log_digest,
+                            duration_s=duration,
+                            fingerprint=st.parts["fingerprint"],
+                            host=socket.gethostname(),
+                            meta={
+                                "result": meta,
+                                "parts": st.parts,
+                                "reproducible": kind.reproducible,
+                                "recipe": str(self.recipe.path),
+                            },
+                        ),
+                    )
+                st.entry = entry
+                self._meta[tree] = meta
+                st.status = "built"
+                st.duration = duration
+                self._materialize(node, tree)
+                self.record(node, key, st.parts)
+            except BaseException as exc:  # a failing kind must not take the build down
+                st.duration = time.time() - t0
+                if isinstance(exc, KeyboardInterrupt | SystemExit):
+                    raise
+                logger.error("mopt: FAILED: " + "".join(traceback.format_exception_only(exc)).strip())
+                logger.debug(traceback.format_exc())
+                with open(log_path, "a") as fh:
+                    fh.write(traceback.format_exc())
+                _close_logger(logger)
+                st.status = "failed"
+                st.reason = f"{type(exc).__name__}: {exc}"
+                st.log_path = self.store.keep_failed_log(key, log_path)
+            finally:
+                _close_logger(logger)
+                _rmtree(scratch)
+        return st
+
+
+class Reporter:
+    """Progress callbacks (silent by default)."""
+
+    def start(self, states: dict[str, NodeState]) -> None: ...
+    def started(self, st: NodeState) -> None: ...
+    def waiting(self, st: NodeState) -> None: ...
+    def done(self, st: NodeState) -> None: ...
+    def tick(self) -> None: ...
+    def stop(self) -> None: ...
+
+
+def _set_last(st: NodeState, line: str) -> None:
+    st.last_line = line[-200:]
+
+
+class _TailHandler(logging.Handler):
+    def __init__(self, cb: Callable[[str], None]) -> None:
+        super().__init__()
+        self.cb = cb
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.cb(record.getMessage())
+
+
+_logger_seq = 0
+_logger_lock = threading.Lock()
+
+
+def _action_logger(key: str, path: Path, on_line: Callable[[str], None]) -> logging.Logger:
+    global _logger_seq
+    with _logger_lock:
+        _logger_seq += 1
+        name = f"mopt.action.{key[:16]}.{_logger_seq}"
+    logger = logging.getLogger(name)
+    logger.setLevel(logging.DEBUG)
+    logger.propagate = False
+    fh = logging.FileHandler(path, encoding="utf-8")
+    fh.setFormatter(logging.Formatter("%(message)s"))
+    fh.setLevel(logging.INFO)
+    logger.addHandler(fh)
+    logger.addHandler(_TailHandler(on_line))
+    return logger
+
+
+def _close_logger(logger: logging.Logger) -> None:
+    for h in list(logger.handlers):
+        h.close()
+        logger.removeHandler(h)
+
+
+def _rmtree(path: Path) -> None:
+    def onerror(func: Any, p: str, _exc: Any) -> None:
+        try:
+            os.chmod(os.path.dirname(p), 0o755)
+            os.chmod(p, 0o755)
+            func(p)
+        except OSError:
+            pass
+
+    shutil.rmtree(path, onerror=onerror)
+
+
+# ---------------------------------------------------------------------- lock file
+
+
+@dataclass
+class LockData:
+    sources: dict[str, Any] = field(default_factory=dict)
+    tools: dict[str, Any] = field(default_factory=dict)
+    artifacts: dict[str, str] = field(default_factory=dict)
+
+
+def lock_path(recipe_path: Path) -> Path:
+    return recipe_path.parent / LOCK_NAME
+
+
+def current_lock(engine: Engine, ids: list[str]) -> LockData:
+    """Sources and tool versions this build uses."""
+    data = LockData()
+    for i in ids:
+        node = engine.graph.nodes[i]
+        kind = engine.kind(node.kind)
+        if kind.uses_source and node.model.name not in data.sources:
+            _path, digest, info = engine.source(node.model.name)
+            data.sources[node.model.name] = {"digest": digest, **info}
+        fp = engine.fingerprint(node.kind)
+        data.tools[node.kind] = {
+            "plugin": f"{node.plugin} {node.plugin_version}",
+            "version": node.kind_version,
+            **fp,
+        }
+    return data
+
+
+def read_lock(recipe_path: Path) -> dict[str, Any]:
+    p = lock_path(recipe_path)
+    try:
+        data = json.loads(p.read_text())
+    except FileNotFoundError:
+        return {}
+    except ValueError as exc:
+        raise MoptError(f"lock file is not valid JSON: {exc}", file=str(p), hint="delete it and rebuild") from None
+    entry = data.get("recipes", {}).get(recipe_path.name, {})
+    return entry if isinstance(entry, dict) else {}
+
+
+def frozen_diff(recipe_path: Path, now: LockData) -> list[str]:
+    """What differs from the lock file (empty when the build may proceed under --frozen)."""
+    locked = read_lock(recipe_path)
+    if not locked:
+        return [f"no entry for {recipe_path.name} in {lock_path(recipe_path)}"]
+    diffs = []
+    for name, cur in now.sources.items():
+        old = locked.get("sources", {}).get(name)
+        if old is None:
+            diffs.append(f"source of model {name!r} is not in the lock file")
+        elif old.get("digest") != cur["digest"]:
+            diffs.append(f"source of model {name!r} changed ({old.get('digest', '')[:12]} → {cur['digest'][:12]})")
+    for kind, cur in now.tools.items():
+        old = locked.get("tools", {}).get(kind)
+        if old is None:
+            diffs.append(f"tools of kind {kind!r} are not in the lock file")
+        elif old != cur:
+            changed = sorted(k for k in set(old) | set(cur) if old.get(k) != cur.get(k))
+            diffs.append(
+                f"tools of kind {kind!r} changed: "
+                + ", ".join(f"{k} {old.get(k)} → {cur.get(k)}" for k in changed)
+            )
+    return diffs
+
+
+def write_lock(recipe_path: Path, now: LockData, artifacts: dict[str, str]) -> bool:
+    """Update this recipe's entry of mopt.lock; return whether the file changed."""
+    import fcntl
+
+    p = lock_path(recipe_path)
+    with open(p.parent / f".{LOCK_NAME}.flock", "a+") as lk:
+        fcntl.flock(lk, fcntl.LOCK_EX)
+        try:
+            data = json.loads(p.read_text())
+        except (FileNotFoundError, ValueError):
+            data = {}
+        data.setdefault("lock_version", 1)
+        recipes = data.setdefault("recipes", {})
+        old = recipes.get(recipe_path.name, {})
+        merged_artifacts = dict(old.get("artifacts", {}))
+        merged_artifacts.update(artifacts)
+        new = {
+            "sources": {**old.get("sources", {}), **now.sources},
+            "tools": {**old.get("tools", {}), **now.tools},
+            "artifacts": dict(sorted(merged_artifacts.items())),
+        }
+        if old == new:
+            return False
+        recipes[recipe_path.name] = new
+        text = json.dumps(data, indent=2, sort_keys=True) + "\n"
+        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{LOCK_NAME}.")
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, p)
+        return True
+
+
+__all__ = ["Engine", "NodeState", "Reporter", "address_path", "procs"]
+
+
+def plan_status(session: Any, ids: list[str]) -> dict[str, dict[str, Any]]:
+    """`mopt plan`'s status column."""
+    engine = Engine(session)
+    try:
+        return engine.plan(ids)
+    finally:
+        engine.store.close()

@@ -1,0 +1,79 @@
+"""Child processes of actions (so Ctrl-C can stop them) and what this machine offers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+_running: set[subprocess.Popen[str]] = set()
+_lock = threading.Lock()
+
+
+def run(
+    argv: Sequence[str],
+    *,
+    cwd: str | Path | None = None,
+    env: dict[str, str] | None = None,
+    on_line: Callable[[str], None] | None = None,
+) -> int:
+    """Run a command in its own process group, streaming its output lines to `on_line`."""
+    proc = subprocess.Popen(
+        list(argv),
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    )
+    with _lock:
+        _running.add(proc)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if on_line:
+                on_line(line.rstrip("\n"))
+        return proc.wait()
+    finally:
+        with _lock:
+            _running.discard(proc)
+
+
+def kill_all() -> None:
+    """Stop every running action process group (on Ctrl-C)."""
+    with _lock:
+        procs = list(_running)
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def gpu_slots() -> int:
+    """How many GPU slots this machine has (one per visible NVIDIA GPU)."""
+    try:
+        from mopt import machine
+
+        return int(machine.gpu_count())  # type: ignore[attr-defined]
+    except Exception:
+        return 0
+
+
+def unmet(requirements: list[str], hardware: Any) -> str | None:
+    """Why this machine cannot meet `requirements` for `hardware`, or None."""
+    if not requirements:
+        return None
+    try:
+        from mopt.machine import check_requirement
+    except ImportError:  # pragma: no cover - machine detection ships with the core
+        return None
+    reasons = [r for r in (check_requirement(req, hardware) for req in requirements) if r]
+    return "; ".join(reasons) if reasons else None
