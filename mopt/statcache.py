@@ -1,0 +1,299 @@
+"""Stat cache: a file's digest remembered by its stat, so an unchanged file is never read.
+
+One SQLite table maps (path, dev, inode, size, mtime_ns, ctime_ns) to a BLAKE3 digest. A
+lookup whose stat fields all match returns the stored digest without opening the file;
+anything else (a touch, a copy over, a `mv` of another file into place) rehashes once.
+ctime is part of the key because tools such as tar and mv can restore an old mtime on new
+content; the kernel always sets ctime itself.
+
+Several processes may share one database (WAL mode and a busy timeout). Opening is lazy:
+constructing a StatCache touches nothing until the first lookup.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+import stat
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import TracebackType
+
+from mopt.digest import StrPath, TreeEntry, hash_file, iter_files, mode_of, tree_digest
+
+log = logging.getLogger(__name__)
+
+_SCHEMA_VERSION = 1
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS stat (
+    path TEXT PRIMARY KEY,
+    dev INTEGER NOT NULL,
+    inode INTEGER NOT NULL,
+    size INTEGER NOT NULL,
+    mtime_ns INTEGER NOT NULL,
+    ctime_ns INTEGER NOT NULL,
+    digest TEXT NOT NULL
+) WITHOUT ROWID
+"""
+
+#: a file whose ctime is this recent when hashed is not cached (see `_is_racy`)
+RACY_WINDOW_S = 0.1
+# Filesystems with whole-second timestamps (FAT, HFS+, ext3, some network mounts).
+_COARSE_WINDOW_NS = 2_000_000_000
+
+_StatKey = tuple[int, int, int, int, int]
+
+
+def _i64(n: int) -> int:
+    # SQLite integers are signed 64-bit; some filesystems hand out inode/dev numbers >= 2**63.
+    return n - (1 << 64) if n >= (1 << 63) else n
+
+
+def _stat_key(st: os.stat_result) -> _StatKey:
+    return (_i64(st.st_dev), _i64(st.st_ino), st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+class StatCache:
+    """Digests of files and folders, remembered by stat in the SQLite file `db_path`."""
+
+    def __init__(
+        self, db_path: StrPath, *, timeout_s: float = 60.0, racy_window_s: float = RACY_WINDOW_S
+    ) -> None:
+        self.db_path = os.fspath(db_path)
+        self.timeout_s = timeout_s
+        self.racy_window_ns = int(racy_window_s * 1e9)
+        #: lookups answered from the cache (no file bytes read)
+        self.hits = 0
+        #: files hashed because the cache had no up-to-date digest
+        self.hashed_files = 0
+        #: bytes read to hash those files
+        self.hashed_bytes = 0
+        self._conn: sqlite3.Connection | None = None
+        self._pending: dict[str, tuple[_StatKey, str]] = {}
+        self._batch_depth = 0
+        self._lock = threading.RLock()
+
+    # -- public -------------------------------------------------------------------------
+
+    def file_digest(self, path: StrPath) -> str:
+        """Digest of the file at `path` (links followed), read only if its stat changed."""
+        abs_ = os.path.abspath(path)
+        st = os.stat(abs_)
+        if not stat.S_ISREG(st.st_mode):
+            raise IsADirectoryError(f"{abs_}: not a regular file (use path_digest for folders)")
+        return self._digest(abs_, st, None)
+
+    def tree(self, path: StrPath) -> tuple[str, list[TreeEntry]]:
+        """(tree digest, entries sorted by path) of the folder `path`; unchanged files are not read."""
+        base = os.path.abspath(path)
+        with self.batch():
+            known = self._load_under(base)
+            entries = [
+                TreeEntry(rel, mode_of(st.st_mode), st.st_size, self._digest(abs_, st, known))
+                for rel, abs_, st in iter_files(base)
+            ]
+        entries.sort(key=lambda e: e.path)
+        return tree_digest(entries), entries
+
+    def path_digest(self, path: StrPath) -> str:
+        """Digest of a file, or the tree digest of a folder."""
+        if os.path.isdir(path):
+            return self.tree(path)[0]
+        return self.file_digest(path)
+
+    def lookup(self, path: str, st: os.stat_result) -> str | None:
+        """The recorded digest of absolute `path` if `st` matches what was recorded."""
+        with self._lock:
+            row = self._pending.get(path)
+            if row is None:
+                found = (
+                    self._db()
+                    .execute(
+                        "SELECT dev, inode, size, mtime_ns, ctime_ns, digest FROM stat WHERE path = ?",
+                        (path,),
+                    )
+                    .fetchone()
+                )
+                if found is not None:
+                    row = (tuple(found[:5]), found[5])
+        if row is not None and row[0] == _stat_key(st):
+            return row[1]
+        return None
+
+    def record(self, path: str, st: os.stat_result, digest: str) -> bool:
+        """Remember that absolute `path` with stat `st` has `digest`; False if too recent."""
+        if self._is_racy(st):
+            return False
+        with self._lock:
+            self._pending[path] = (_stat_key(st), digest)
+            if self._batch_depth == 0:
+                self.flush()
+        return True
+
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """Group the writes made inside into one transaction, committed on exit."""
+        with self._lock:
+            self._batch_depth += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._batch_depth -= 1
+                if self._batch_depth == 0:
+                    self.flush()
+
+    def flush(self) -> None:
+        """Commit pending records in one transaction."""
+        with self._lock:
+            if not self._pending:
+                return
+            rows = [(p, *key, d) for p, (key, d) in self._pending.items()]
+            self._pending.clear()
+            try:
+                conn = self._db()
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    conn.executemany("INSERT OR REPLACE INTO stat VALUES (?,?,?,?,?,?,?)", rows)
+                    conn.execute("COMMIT")
+                except BaseException:
+                    conn.execute("ROLLBACK")
+                    raise
+            except sqlite3.Error as e:
+                # Losing cache records only costs a rehash later; a build must not fail on it.
+                log.warning("stat cache %s: could not save %d digests: %s", self.db_path, len(rows), e)
+
+    def prune(self) -> int:
+        """Forget records whose file is gone or changed; return how many were removed."""
+        self.flush()
+        with self._lock:
+            conn = self._db()
+            stale: list[tuple[str]] = []
+            for path, *key in conn.execute("SELECT path, dev, inode, size, mtime_ns, ctime_ns FROM stat"):
+                try:
+                    if _stat_key(os.stat(path)) == tuple(key):
+                        continue
+                except OSError:
+                    pass
+                stale.append((path,))
+            if stale:
+                conn.execute("BEGIN IMMEDIATE")
+                conn.executemany("DELETE FROM stat WHERE path = ?", stale)
+                conn.execute("COMMIT")
+        return len(stale)
+
+    def close(self) -> None:
+        """Flush and close the database connection (it reopens on next use)."""
+        with self._lock:
+            self.flush()
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+    def __enter__(self) -> StatCache:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _digest(self, abs_: str, st: os.stat_result, known: dict[str, tuple[_StatKey, str]] | None) -> str:
+        if known is not None:
+            row = known.get(abs_)
+            cached = row[1] if row is not None and row[0] == _stat_key(st) else None
+        else:
+            cached = self.lookup(abs_, st)
+        if cached is not None:
+            with self._lock:
+                self.hits += 1
+            return cached
+        for _ in range(3):
+            digest = hash_file(abs_)
+            after = os.stat(abs_)
+            with self._lock:
+                self.hashed_files += 1
+                self.hashed_bytes += after.st_size
+            # The stat taken after hashing must match the one the digest is filed under,
+            # or we hashed a file that was being written or replaced meanwhile.
+            if _stat_key(after) == _stat_key(st):
+                self.record(abs_, st, digest)
+                return digest
+            st = after
+        raise OSError(f"{abs_}: kept changing while being hashed; is something still writing it?")
+
+    def _is_racy(self, st: os.stat_result) -> bool:
+        # Timestamps come from a coarse clock (a jiffy, or whole seconds on some
+        # filesystems): a write right after we hashed may leave size, mtime and ctime as
+        # they were. Once the clock has moved past the file's ctime, any later write must
+        # change ctime, so only files changed within the window are left uncached (as git
+        # does with "racily clean" entries). mtime is not used: a user can set it.
+        window = self.racy_window_ns
+        if st.st_ctime_ns % 1_000_000_000 == 0:
+            window = max(window, _COARSE_WINDOW_NS)
+        return time.time_ns() - st.st_ctime_ns < window
+
+    def _load_under(self, base: str) -> dict[str, tuple[_StatKey, str]]:
+        # One range query instead of one SELECT per file: paths under `base/` sort between
+        # "base/" and "base0" ("0" is the character after "/").
+        prefix = base.rstrip("/") + "/"
+        with self._lock:
+            rows = self._db().execute(
+                "SELECT path, dev, inode, size, mtime_ns, ctime_ns, digest FROM stat"
+                " WHERE path >= ? AND path < ?",
+                (prefix, prefix[:-1] + "0"),
+            )
+            return {r[0]: (tuple(r[1:6]), r[6]) for r in rows}
+
+    def _db(self) -> sqlite3.Connection:
+        if self._conn is not None:
+            return self._conn
+        parent = os.path.dirname(self.db_path)
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        conn = sqlite3.connect(
+            self.db_path, timeout=self.timeout_s, isolation_level=None, check_same_thread=False
+        )
+        try:
+            self._setup(conn)
+        except BaseException:
+            conn.close()
+            raise
+        self._conn = conn
+        return conn
+
+    def _setup(self, conn: sqlite3.Connection) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                # WAL persists in the file, so after the first open this is a read.
+                conn.execute("PRAGMA journal_mode=WAL")
+                break
+            except sqlite3.OperationalError as e:
+                # Switching to WAL needs an exclusive lock and does not wait on the
+                # busy handler; several processes opening a new database race here.
+                if "locked" not in str(e) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
+        conn.execute("PRAGMA synchronous=NORMAL")
+        if conn.execute("PRAGMA user_version").fetchone()[0] == _SCHEMA_VERSION:
+            return
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            if conn.execute("PRAGMA user_version").fetchone()[0] != _SCHEMA_VERSION:
+                # It is a cache: an old layout is dropped, not migrated.
+                conn.execute("DROP TABLE IF EXISTS stat")
+                conn.execute(_SCHEMA)
+                conn.execute(f"PRAGMA user_version = {_SCHEMA_VERSION}")
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise

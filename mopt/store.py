@@ -1,0 +1,835 @@
+"""The store: content-addressed blobs (cas/), the action cache (ac/), and folders built from them.
+
+Layout under the root::
+
+    cas/<2 hex>/<digest>   immutable read-only blobs, named by their BLAKE3 digest
+    ac/<key>.json          one entry per successful action: its outputs tree, log, timings
+    tmp/                   temp files; complete ones are renamed into cas/ or ac/
+    logs/                  failed-<key>.log: the log of a failed action (failures are not cached)
+    locks/                 <key>.lock: one flock per action key
+    state.db               the stat cache
+
+Crash safety follows Bazel's disk cache: every file is written to a temp file, fsynced and
+renamed, so a final name never holds a partial file. Blobs are written before the entry
+that names them, and an entry whose blobs are missing is a miss, so nothing needs a lock
+except "do not build the same action twice at once" (`lock`) and "do not collect garbage
+while an entry is being written or used" (`in_use`, `gc`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import logging
+import os
+import re
+import shutil
+import socket
+import stat
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from mopt.digest import (
+    MODE_EXEC,
+    StrPath,
+    TreeEntry,
+    TreeError,
+    canonical_json,
+    check_digest,
+    hash_bytes,
+    hash_file,
+    is_digest,
+    iter_files,
+    mode_of,
+    parse_tree_manifest,
+    tree_manifest_bytes,
+)
+from mopt.statcache import StatCache
+
+log = logging.getLogger(__name__)
+
+MaterializeMethod = Literal["reflink", "hardlink", "copy", "unchanged"]
+
+_KEY_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
+_COPY_CHUNK = 64 * 1024 * 1024
+_FICLONE = 0x40049409  # _IOW(0x94, 9, int) from linux/fs.h
+_TMP_PREFIX = ".mopt-tmp-"
+_OLD_PREFIX = ".mopt-old-"
+_GC_LOCK = "_gc"  # not a valid action key, so it cannot collide with one
+
+
+class StoreError(Exception):
+    """The store cannot do what was asked; the message says which blob, entry or path."""
+
+
+class BlobMissingError(StoreError):
+    """A blob that should be in the store is not."""
+
+
+def check_key(key: str) -> str:
+    """Return `key` if it is usable as an action key / file name, else raise ValueError."""
+    if not isinstance(key, str) or _KEY_RE.fullmatch(key) is None:
+        raise ValueError(f"invalid action key {key!r}: use 1-200 of [A-Za-z0-9._-], not starting with . _ -")
+    return key
+
+
+class ActionEntry(BaseModel):
+    """What the action cache records for one successful action."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    key: str
+    kind: str
+    target: str
+    outputs_tree: str
+    log: str | None = None
+    duration_s: float = 0.0
+    fingerprint: dict[str, Any] = Field(default_factory=dict)
+    host: str = Field(default_factory=socket.gethostname)
+    created: float = Field(default_factory=time.time)
+    meta: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("key")
+    @classmethod
+    def _valid_key(cls, v: str) -> str:
+        return check_key(v)
+
+    @field_validator("outputs_tree", "log")
+    @classmethod
+    def _valid_digest(cls, v: str | None) -> str | None:
+        return v if v is None else check_digest(v)
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Disk used by the store."""
+
+    total_bytes: int
+    blobs: int
+    blob_bytes: int
+    ac_entries: int
+    ac_bytes: int
+    log_bytes: int
+
+
+@dataclass(frozen=True)
+class GcReport:
+    """What `Store.gc` removed (or would remove, with dry_run) and what it kept."""
+
+    dry_run: bool
+    removed_entries: int
+    removed_blobs: int
+    removed_logs: int
+    removed_bytes: int
+    kept_entries: int
+    kept_blobs: int
+    kept_bytes: int
+
+
+class Store:
+    """A content-addressed store and action cache rooted at `root` (created if missing)."""
+
+    def __init__(self, root: StrPath) -> None:
+        self.root = Path(root).absolute()
+        self.cas_dir = self.root / "cas"
+        self.ac_dir = self.root / "ac"
+        self.tmp_dir = self.root / "tmp"
+        self.logs_dir = self.root / "logs"
+        self.locks_dir = self.root / "locks"
+        for d in (self.cas_dir, self.ac_dir, self.tmp_dir, self.logs_dir, self.locks_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        self._state: StatCache | None = None
+
+    @property
+    def state(self) -> StatCache:
+        """The stat cache kept in `root/state.db`."""
+        if self._state is None:
+            self._state = StatCache(self.root / "state.db")
+        return self._state
+
+    def close(self) -> None:
+        """Flush and close the stat cache."""
+        if self._state is not None:
+            self._state.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # -- blobs --------------------------------------------------------------------------
+
+    def blob_path(self, digest: str) -> Path:
+        """Where the blob `digest` lives (whether or not it is there)."""
+        check_digest(digest)
+        return self.cas_dir / digest[:2] / digest
+
+    def has(self, digest: str) -> bool:
+        """Whether the blob `digest` is in the store."""
+        return self.blob_path(digest).exists()
+
+    def put_bytes(self, data: bytes) -> str:
+        """Store `data`; return its digest."""
+        digest = hash_bytes(data)
+        if self.has(digest):
+            return digest
+        fd, tmp = self._mkstemp("blob-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fchmod(f.fileno(), 0o444)
+                os.fsync(f.fileno())
+            self._rename_into_cas(tmp, digest)
+        except BaseException:
+            _unlink_quiet(tmp)
+            raise
+        return digest
+
+    def put_file(self, path: StrPath) -> str:
+        """Store a copy of the file at `path`; return its digest."""
+        src = os.fspath(path)
+        digest = hash_file(src)
+        if self.has(digest):
+            return digest
+        fd, tmp = self._mkstemp("blob-")
+        try:
+            try:
+                with open(src, "rb") as f:
+                    _copy_fd(f.fileno(), fd)
+                os.fchmod(fd, 0o444)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            # Name the blob by what was written, not by what was read before: a file
+            # rewritten in between must not land under the old digest.
+            written = hash_file(tmp)
+            if written != digest:
+                raise StoreError(
+                    f"{src}: changed while being stored (digest {digest[:12]} before copying, "
+                    f"{written[:12]} after); is something still writing it?"
+                )
+            self._rename_into_cas(tmp, digest)
+        except BaseException:
+            _unlink_quiet(tmp)
+            raise
+        return digest
+
+    def put_tree(self, directory: StrPath) -> tuple[str, list[TreeEntry]]:
+        """Store every file under `directory` and its manifest; return (tree digest, entries)."""
+        entries = []
+        for rel, abs_, st in iter_files(directory):
+            digest = self.put_file(abs_)
+            size = self.blob_path(digest).stat().st_size
+            entries.append(TreeEntry(rel, mode_of(st.st_mode), size, digest))
+        entries.sort(key=lambda e: e.path)
+        return self.put_bytes(tree_manifest_bytes(entries)), entries
+
+    def read_bytes(self, digest: str) -> bytes:
+        """The content of blob `digest`; BlobMissingError if it is not in the store."""
+        try:
+            return self.blob_path(digest).read_bytes()
+        except FileNotFoundError:
+            raise BlobMissingError(f"blob {digest} is not in the store {self.root}") from None
+
+    def verify(self, digest: str) -> bool:
+        """Whether blob `digest` is present and its bytes still hash to `digest`."""
+        try:
+            return hash_file(self.blob_path(digest)) == digest
+        except FileNotFoundError:
+            return False
+
+    def tree_entries(self, tree_digest: str) -> list[TreeEntry]:
+        """The entries of the stored tree `tree_digest`."""
+        data = self.read_bytes(tree_digest)
+        if hash_bytes(data) != tree_digest:
+            raise StoreError(f"blob {tree_digest} in {self.root} is corrupt (its bytes changed)")
+        try:
+            return parse_tree_manifest(data)
+        except TreeError as e:
+            raise StoreError(f"blob {tree_digest} in {self.root} is not a tree manifest: {e}") from e
+
+    def put_log(self, path: StrPath) -> str:
+        """Store an action's log file; return its digest (for `ActionEntry.log`)."""
+        return self.put_file(path)
+
+    # -- action cache -------------------------------------------------------------------
+
+    def ac_put(self, key: str, entry: ActionEntry | Mapping[str, Any]) -> ActionEntry:
+        """Record a successful action. Call it last, after its blobs are stored."""
+        e = entry if isinstance(entry, ActionEntry) else ActionEntry.model_validate(dict(entry))
+        check_key(key)
+        if e.key != key:
+            raise ValueError(f"action entry is for key {e.key!r}, not {key!r}")
+        missing = self._missing_blobs(e)
+        if missing:
+            raise BlobMissingError(
+                f"action {key}: not recording an entry whose blobs are not stored: "
+                f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"
+            )
+        self._write_atomic(self._ac_path(key), canonical_json(e.model_dump(mode="json")))
+        return e
+
+    def ac_entry(self, key: str) -> ActionEntry | None:
+        """The entry for `key`, or None on a miss (absent, unreadable, or blobs missing)."""
+        path = self._ac_path(key)
+        try:
+            data = path.read_bytes()
+            # Touch the entry before checking its blobs (as Bazel does), so that a gc
+            # running now sees it as recently used and keeps what it references.
+            os.utime(path)
+        except FileNotFoundError:
+            return None
+        try:
+            e = ActionEntry.model_validate_json(data)
+        except ValidationError as err:
+            log.warning("action cache entry %s is unreadable, treating it as a miss: %s", path, err)
+            return None
+        if e.key != key or self._missing_blobs(e):
+            return None
+        return e
+
+    def ac_get(self, key: str) -> dict[str, Any] | None:
+        """The entry for `key` as a dict, or None on a miss (see `ac_entry`)."""
+        e = self.ac_entry(key)
+        return None if e is None else e.model_dump()
+
+    def failed_log_path(self, key: str) -> Path:
+        """Where the log of the last failed run of action `key` is kept."""
+        return self.logs_dir / f"failed-{check_key(key)}.log"
+
+    def keep_failed_log(self, key: str, log_path: StrPath) -> Path:
+        """Copy a failed action's log to `failed_log_path(key)`; failures never enter ac/."""
+        with open(log_path, "rb") as f:
+            data = f.read()
+        dest = self.failed_log_path(key)
+        self._write_atomic(dest, data, mode=0o644)
+        return dest
+
+    # -- locks --------------------------------------------------------------------------
+
+    @contextmanager
+    def lock(self, key: str, *, on_wait: Callable[[], None] | None = None) -> Iterator[None]:
+        """Hold the exclusive lock of action `key` (blocking); `on_wait` runs if it is taken."""
+        with self._flock(check_key(key), shared=False, on_wait=on_wait):
+            yield
+
+    @contextmanager
+    def in_use(self) -> Iterator[None]:
+        """Keep `gc` out while storing an action's outputs or materializing a hit."""
+        with self._flock(_GC_LOCK, shared=True):
+            yield
+
+    # -- materialize --------------------------------------------------------------------
+
+    def materialize(self, tree_digest: str, dest: StrPath) -> MaterializeMethod:
+        """Make `dest` a read-only copy of the stored tree; return how files were placed.
+
+        The tree is built at a temp sibling of `dest` and swapped in, so `dest` is never
+        half-built. Files are reflinked, else hard-linked (not executables: a link shares
+        the blob's 0o444 mode), else copied. Returns the least efficient method any file
+        needed, or "unchanged" when `dest` already held exactly this tree.
+        """
+        target = Path(dest).absolute()
+        entries = self.tree_entries(tree_digest)
+        missing = sorted({e.digest for e in entries if not self.has(e.digest)})
+        if missing:
+            raise BlobMissingError(
+                f"cannot materialize tree {tree_digest} at {target}: "
+                f"{len(missing)} blob(s) missing from {self.root}, e.g. {missing[0]}"
+            )
+        if self._holds_tree(target, entries):
+            return "unchanged"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_siblings(target.parent, max_age_s=3600)
+        tmp = tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{target.name}-", dir=target.parent)
+        try:
+            method = self._fill(tmp, entries)
+            for dirpath, _dirs, _files in os.walk(tmp, topdown=False):
+                os.chmod(dirpath, 0o555)
+            _swap_into_place(tmp, target)
+        except BaseException:
+            _rmtree_ro(tmp)
+            raise
+        return method
+
+    # -- maintenance --------------------------------------------------------------------
+
+    def cleanup_tmp(self, max_age_s: float = 3600, extra_dirs: Iterable[StrPath] = ()) -> int:
+        """Remove temp files older than `max_age_s` left by crashed writers; return a count.
+
+        `extra_dirs` are parents of materialized folders, whose `.mopt-tmp-*` and
+        `.mopt-old-*` children are leftovers of an interrupted `materialize`.
+        """
+        removed = 0
+        now = time.time()
+        for d in _scandir_quiet(self.tmp_dir):
+            try:
+                if now - d.stat(follow_symlinks=False).st_mtime < max_age_s:
+                    continue
+                _rmtree_ro(d.path)
+                removed += 1
+            except FileNotFoundError:
+                continue  # another process finished or removed it meanwhile
+        for parent in extra_dirs:
+            removed += _remove_stale_siblings(Path(parent), max_age_s)
+        return removed
+
+    def usage(self) -> Usage:
+        """Bytes and counts of blobs, action entries and failed logs."""
+        blob_bytes = blobs = 0
+        for _digest, size, _mtime in self._iter_blobs():
+            blobs += 1
+            blob_bytes += size
+        ac_entries = ac_bytes = 0
+        for d in _scandir_quiet(self.ac_dir):
+            if d.name.endswith(".json"):
+                ac_entries += 1
+                ac_bytes += _size_quiet(d)
+        log_bytes = sum(_size_quiet(d) for d in _scandir_quiet(self.logs_dir))
+        return Usage(
+            total_bytes=blob_bytes + ac_bytes + log_bytes,
+            blobs=blobs,
+            blob_bytes=blob_bytes,
+            ac_entries=ac_entries,
+            ac_bytes=ac_bytes,
+            log_bytes=log_bytes,
+        )
+
+    def gc(
+        self,
+        max_size_bytes: int | None = None,
+        older_than_s: float | None = None,
+        keep_keys: Collection[str] = frozenset(),
+        dry_run: bool = False,
+        *,
+        min_blob_age_s: float = 600.0,
+    ) -> GcReport:
+        """Collect garbage, least recently used first.
+
+        Removes action entries not in `keep_keys` (the roots named by lock files), oldest
+        use first, while the store is larger than `max_size_bytes` or the entry is older
+        than `older_than_s`; then every blob no remaining entry references (tree members
+        and logs included). Broken entries (unreadable, blobs missing) always go. Blobs no
+        entry ever referenced are kept for `min_blob_age_s`: they may belong to an action
+        whose entry is about to be written. Failed logs older than `older_than_s` go too.
+        """
+        with self._flock(_GC_LOCK, shared=False):
+            return self._gc(max_size_bytes, older_than_s, set(keep_keys), dry_run, min_blob_age_s)
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _gc(
+        self,
+        max_size_bytes: int | None,
+        older_than_s: float | None,
+        keep_keys: set[str],
+        dry_run: bool,
+        min_blob_age_s: float,
+    ) -> GcReport:
+        now = time.time()
+        live: list[tuple[float, str, int, set[str]]] = []  # (last use, key, size, blobs)
+        drop_entries: list[tuple[str, int]] = []
+        for d in _scandir_quiet(self.ac_dir):
+            if not d.name.endswith(".json"):
+                continue
+            try:
+                st = d.stat()
+                e = ActionEntry.model_validate_json(Path(d.path).read_bytes())
+                refs = self._entry_refs(e)
+            except FileNotFoundError:
+                continue
+            except (ValidationError, StoreError, OSError):
+                drop_entries.append((d.path, _size_quiet(d)))
+                continue
+            if e.key != d.name[: -len(".json")]:
+                drop_entries.append((d.path, st.st_size))
+                continue
+            live.append((st.st_mtime, e.key, st.st_size, refs))
+
+        # Blobs are listed after entries: an entry is written only once its blobs exist,
+        # so every blob of an entry seen above is seen here unless it is really gone.
+        blobs = {digest: (size, mtime) for digest, size, mtime in self._iter_blobs()}
+        broken = [x for x in live if any(r not in blobs for r in x[3])]
+        live = [x for x in live if x not in broken]
+        drop_entries += [(str(self._ac_path(k)), size) for _t, k, size, _r in broken]
+
+        refcount: Counter[str] = Counter()
+        for _t, _k, _s, refs in live:
+            refcount.update(refs)
+
+        drop_logs: list[tuple[str, int]] = []
+        log_bytes = 0
+        for d in _scandir_quiet(self.logs_dir):
+            size = _size_quiet(d)
+            log_bytes += size
+            if older_than_s is not None and now - _mtime_quiet(d) > older_than_s:
+                drop_logs.append((d.path, size))
+
+        total = sum(s for s, _m in blobs.values()) + sum(x[2] for x in live) + log_bytes
+        total -= sum(s for _p, s in drop_entries) + sum(s for _p, s in drop_logs)
+        drop_blobs: set[str] = set()
+        for digest, (size, mtime) in blobs.items():
+            if refcount[digest] == 0 and now - mtime >= min_blob_age_s:
+                drop_blobs.add(digest)
+                total -= size
+
+        kept_entries = 0
+        for last_use, key, size, refs in sorted(live):
+            too_old = older_than_s is not None and now - last_use > older_than_s
+            too_big = max_size_bytes is not None and total > max_size_bytes
+            if key in keep_keys or not (too_old or too_big):
+                kept_entries += 1
+                continue
+            drop_entries.append((str(self._ac_path(key)), size))
+            total -= size
+            for r in refs:
+                refcount[r] -= 1
+                if refcount[r] == 0:
+                    drop_blobs.add(r)
+                    total -= blobs[r][0]
+
+        if not dry_run:
+            # Entries first: a crash part-way must not leave an entry naming a deleted blob
+            # (it would only be a miss, but a miss that gc already decided to drop).
+            for path, _size in drop_entries:
+                _unlink_quiet(path)
+            for digest in drop_blobs:
+                _unlink_quiet(self.blob_path(digest))
+            for path, _size in drop_logs:
+                _unlink_quiet(path)
+            self.state.prune()
+
+        removed_bytes = (
+            sum(s for _p, s in drop_entries)
+            + sum(blobs[d][0] for d in drop_blobs)
+            + sum(s for _p, s in drop_logs)
+        )
+        return GcReport(
+            dry_run=dry_run,
+            removed_entries=len(drop_entries),
+            removed_blobs=len(drop_blobs),
+            removed_logs=len(drop_logs),
+            removed_bytes=removed_bytes,
+            kept_entries=kept_entries,
+            kept_blobs=len(blobs) - len(drop_blobs),
+            kept_bytes=total,
+        )
+
+    def _entry_refs(self, e: ActionEntry) -> set[str]:
+        """Every blob entry `e` needs: its tree manifest, the tree's files and its log."""
+        refs = {e.outputs_tree, *(x.digest for x in self.tree_entries(e.outputs_tree))}
+        if e.log is not None:
+            refs.add(e.log)
+        return refs
+
+    def _missing_blobs(self, e: ActionEntry) -> list[str]:
+        top = [e.outputs_tree] + ([e.log] if e.log is not None else [])
+        missing = [d for d in top if not self.has(d)]
+        if missing:
+            return missing
+        try:
+            members = {x.digest for x in self.tree_entries(e.outputs_tree)}
+        except StoreError:
+            return [e.outputs_tree]
+        return sorted(d for d in members if not self.has(d))
+
+    def _iter_blobs(self) -> Iterator[tuple[str, int, float]]:
+        for sub in _scandir_quiet(self.cas_dir):
+            if not sub.is_dir(follow_symlinks=False):
+                continue
+            for d in _scandir_quiet(Path(sub.path)):
+                if not is_digest(d.name):
+                    continue
+                try:
+                    st = d.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                yield d.name, st.st_size, st.st_mtime
+
+    def _ac_path(self, key: str) -> Path:
+        return self.ac_dir / f"{check_key(key)}.json"
+
+    def _mkstemp(self, prefix: str) -> tuple[int, str]:
+        # Temp files live in root/tmp: the same filesystem as cas/ and ac/, so the final
+        # rename is atomic, and one folder for cleanup_tmp to sweep after a crash.
+        return tempfile.mkstemp(prefix=prefix, dir=self.tmp_dir)
+
+    def _rename_into_cas(self, tmp: str, digest: str) -> None:
+        final = self.blob_path(digest)
+        final.parent.mkdir(exist_ok=True)
+        # Another process may have stored the same digest meanwhile; the bytes are equal,
+        # so replacing its blob with ours is harmless. Unlike ac/, the cas/ folder is not
+        # fsynced: a blob lost to a power cut only turns a later hit into a miss.
+        os.replace(tmp, final)
+
+    def _write_atomic(self, final: Path, data: bytes, mode: int = 0o444) -> None:
+        fd, tmp = self._mkstemp("write-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fchmod(f.fileno(), mode)
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+        except BaseException:
+            _unlink_quiet(tmp)
+            raise
+        _fsync_dir(final.parent)
+
+    @contextmanager
+    def _flock(self, name: str, *, shared: bool, on_wait: Callable[[], None] | None = None) -> Iterator[None]:
+        # Lock files are never deleted: unlinking one while another process waits on it
+        # would let a third process lock a new file of the same name at the same time.
+        fd = os.open(self.locks_dir / f"{name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            op = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
+            try:
+                fcntl.flock(fd, op | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if on_wait is not None:
+                    on_wait()
+                fcntl.flock(fd, op)
+            yield
+        finally:
+            os.close(fd)  # closing the descriptor releases the lock
+
+    def _holds_tree(self, target: Path, entries: list[TreeEntry]) -> bool:
+        """Whether `target` holds exactly `entries`, read-only, checked by stat where possible."""
+        if not target.is_dir() or target.is_symlink():
+            return False
+        want = {e.path: e for e in entries}
+        try:
+            found = list(iter_files(target))
+        except (TreeError, OSError):
+            return False
+        if len(found) != len(want):
+            return False
+        for rel, _abs, st in found:
+            e = want.get(rel)
+            if e is None or st.st_size != e.size or stat.S_IMODE(st.st_mode) != _ro_mode(e.mode):
+                return False
+        with self.state.batch():
+            for rel, abs_, st in found:
+                e = want[rel]
+                try:
+                    blob = os.stat(self.blob_path(e.digest))
+                except FileNotFoundError:
+                    return False
+                # A hard link to the blob is the blob: no need to read it.
+                if (blob.st_dev, blob.st_ino) == (st.st_dev, st.st_ino):
+                    continue
+                if self.state.file_digest(abs_) != e.digest:
+                    return False
+        return True
+
+    def _fill(self, root: str, entries: list[TreeEntry]) -> MaterializeMethod:
+        methods: tuple[MaterializeMethod, ...] = ("reflink", "hardlink", "copy")
+        worst = 0
+        can_reflink = can_hardlink = True
+        made: set[str] = {root}
+        for e in entries:
+            dst = os.path.join(root, e.path)
+            parent = os.path.dirname(dst)
+            if parent not in made:
+                os.makedirs(parent, exist_ok=True)
+                made.add(parent)
+            blob = os.fspath(self.blob_path(e.digest))
+            mode = _ro_mode(e.mode)
+            used = -1
+            if can_reflink:
+                if _reflink(blob, dst, mode):
+                    used = 0
+                else:
+                    can_reflink = False  # not on this filesystem: do not retry per file
+            if used < 0 and can_hardlink and mode == 0o444:
+                try:
+                    os.link(blob, dst)
+                    used = 1
+                except OSError as err:
+                    if err.errno in (errno.EXDEV, errno.EPERM, errno.EOPNOTSUPP):
+                        can_hardlink = False
+                    elif err.errno != errno.EMLINK:  # too many links to this one blob
+                        raise
+            if used < 0:
+                _copy_file(blob, dst, mode)
+                used = 2
+            worst = max(worst, used)
+        return methods[worst]
+
+
+# -- file helpers -------------------------------------------------------------------------
+
+
+def _ro_mode(tree_mode: int) -> int:
+    return 0o555 if tree_mode == MODE_EXEC else 0o444
+
+
+def _copy_fd(src: int, dst: int) -> None:
+    """Copy the rest of `src` to `dst`, in the kernel where it can (reflinks on btrfs/xfs)."""
+    try:
+        while os.copy_file_range(src, dst, _COPY_CHUNK):
+            pass
+        return
+    except OSError as e:
+        if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM):
+            raise
+    # Fall back from wherever the offsets are: copy_file_range advanced both.
+    while chunk := os.read(src, 8 * 1024 * 1024):
+        view = memoryview(chunk)
+        while view:
+            view = view[os.write(dst, view) :]
+
+
+def _copy_file(src: str, dst: str, mode: int) -> None:
+    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        with open(src, "rb") as f:
+            _copy_fd(f.fileno(), fd)
+        os.fchmod(fd, mode)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _reflink(src: str, dst: str, mode: int) -> bool:
+    """Clone `src` to a new file `dst` sharing its extents; False if the fs cannot."""
+    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        with open(src, "rb") as f:
+            try:
+                fcntl.ioctl(fd, _FICLONE, f.fileno())
+            except OSError:
+                os.close(fd)
+                fd = -1
+                os.unlink(dst)
+                return False
+        os.fchmod(fd, mode)
+        os.fsync(fd)
+        return True
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def _swap_into_place(new: str, dest: Path) -> None:
+    """Put the folder `new` at `dest`, removing what was there."""
+    if not os.path.lexists(dest):
+        try:
+            os.rename(new, dest)
+            return
+        except OSError as e:
+            # Someone created dest meanwhile; replace it like any existing dest.
+            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
+                raise
+    if _exchange(new, os.fspath(dest)):
+        _rmtree_ro(new)  # now holds the old tree
+        return
+    # No atomic exchange here: move the old one aside, then the new one in. A crash in
+    # between leaves the old tree at a .mopt-old- name for cleanup_tmp.
+    old = tempfile.mkdtemp(prefix=f"{_OLD_PREFIX}{dest.name}-", dir=dest.parent)
+    os.rmdir(old)
+    os.rename(dest, old)
+    os.rename(new, dest)
+    _rmtree_ro(old)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False if unsupported."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), b)
+
+
+def _remove_stale_siblings(parent: Path, max_age_s: float) -> int:
+    """Remove `.mopt-tmp-*`/`.mopt-old-*` leftovers of interrupted materializations."""
+    removed = 0
+    now = time.time()
+    for d in _scandir_quiet(parent):
+        if not d.name.startswith((_TMP_PREFIX, _OLD_PREFIX)):
+            continue
+        try:
+            if now - d.stat(follow_symlinks=False).st_mtime < max_age_s:
+                continue
+            _rmtree_ro(d.path)
+            removed += 1
+        except FileNotFoundError:
+            continue
+    return removed
+
+
+def _rmtree_ro(path: StrPath) -> None:
+    """Remove a file or a folder tree even where we made it read-only."""
+    p = os.fspath(path)
+    if not os.path.lexists(p):
+        return
+    if os.path.isdir(p) and not os.path.islink(p):
+        # Unlinking needs write permission on each folder; the files' own modes do not matter.
+        os.chmod(p, 0o700)
+        for dirpath, dirnames, _files in os.walk(p):
+            for name in dirnames:
+                sub = os.path.join(dirpath, name)
+                if not os.path.islink(sub):
+                    os.chmod(sub, 0o700)
+        shutil.rmtree(p)
+    else:
+        os.unlink(p)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unlink_quiet(path: StrPath) -> None:
+    with suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _scandir_quiet(path: Path) -> list[os.DirEntry[str]]:
+    try:
+        with os.scandir(path) as it:
+            return list(it)
+    except FileNotFoundError:
+        return []
+
+
+def _size_quiet(d: os.DirEntry[str]) -> int:
+    try:
+        return d.stat(follow_symlinks=False).st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _mtime_quiet(d: os.DirEntry[str]) -> float:
+    try:
+        return d.stat(follow_symlinks=False).st_mtime
+    except FileNotFoundError:
+        return 0.0
