@@ -118,7 +118,7 @@ class Engine:
             src = self.registry.sources[model.source_kind]()
             fam = self.registry.families.get(model.spec.family)
             ctx = SourceContext(
-                project_dir=self.recipe.project_dir,
+                project_dir=model.base_dir,
                 cache_dir=self.store.root / "sources",
                 offline=self.offline,
                 family=fam() if fam else None,

@@ -132,8 +132,8 @@ def _version_of(pm: pluggy.PluginManager, name: str) -> tuple[str | None, str]:
 def build_registry(pm: pluggy.PluginManager, disabled: Iterable[str] = ()) -> Registry:
     """Call every registration hook, plugin by plugin, validating each registration."""
     reg = Registry(disabled=list(disabled))
-    for name, _plugin in pm.list_name_plugin():
-        if name is None:
+    for name, plugin in pm.list_name_plugin():
+        if name is None or plugin is None:  # blocked (disabled) names stay listed with None
             continue
         dist, version = _version_of(pm, name)
         reg.plugins[name] = PluginInfo(
@@ -145,7 +145,7 @@ def build_registry(pm: pluggy.PluginManager, disabled: Iterable[str] = ()) -> Re
         )
     for category in CATEGORIES:
         hook = getattr(pm.hook, f"mopt_register_{category}")
-        for impl in reversed(hook.get_hookimpls()):
+        for impl in hook.get_hookimpls():  # registration order: the core first
             plugin_name = impl.plugin_name
             impl.function(register=_registrar(reg, category, plugin_name))
     return reg

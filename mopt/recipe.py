@@ -61,6 +61,7 @@ class Model:
     source_params: Any
     config_path: Path | None
     where: Where
+    base_dir: Path  # folder of the file that declared the source: relative paths start here
 
 
 @dataclass
@@ -257,7 +258,8 @@ def _merge_models(chain: list[_File], registry: Registry) -> dict[str, Model]:
         cfg = (f.path.parent / spec.config).resolve() if spec.config else None
         if cfg is not None and not cfg.is_file():
             raise f.error(f"config file {spec.config!r} not found", table, "config")
-        models[name] = Model(name, spec, kind, params, cfg, f.where(table))
+        src_file = next(g for g in reversed(chain) if "source" in g.data.get("models", {}).get(name, {}))
+        models[name] = Model(name, spec, kind, params, cfg, f.where(table), src_file.path.parent)
     return models
 
 

@@ -1,0 +1,921 @@
+"""`mopt check`: a recipe against its hardware profiles, before any build, in well under a second.
+
+Generic rules read the params every engine / serving kind uses (precision, dtype,
+max_batch_size, max_seq_len, max_num_seqs, max_model_len, gpu_memory_utilization,
+tensor_parallel_size / tp_size, tokens_per_block, kv_cache_dtype, quantization, ...), so a
+kind written later is checked without doing anything; each kind's own `check()` adds its
+specific findings. The model's shape comes from its config.json (`[models.X] config`, the
+local `path` / `package` / cached `hf` checkpoint, or a synthetic source's `config`).
+
+A kind may steer the memory rules with a class attribute `memory_model` = "engine" (batch ×
+sequence through one forward pass, no KV cache), "vllm" (gpu_memory_utilization pool with a
+KV cache), "trtllm" (KV cache from the free-memory fraction) or "none"; without one it is
+inferred from the param names.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from mopt.api import CheckContext, Finding, HardwareProfile, SourceContext, TargetKind
+from mopt.estimate import (
+    BYTES,
+    GIB,
+    ConfigError,
+    MemoryEstimate,
+    ModelDims,
+    Workload,
+    estimate,
+    gib,
+    largest_fitting,
+    normalize_precision,
+)
+from mopt.graph import Graph, Node
+from mopt.recipe import Model, Recipe, Section
+
+#: the lowest compute capability with hardware support for each precision
+MIN_CC: dict[str, tuple[int, int]] = {
+    "fp32": (0, 0),
+    "fp16": (5, 3),
+    "int8": (6, 1),
+    "int4": (7, 5),
+    "bf16": (8, 0),
+    "fp8": (8, 9),
+    "nvfp4": (10, 0),
+}
+PRECISION_KEYS = ("precision", "dtype")
+TP_KEYS = ("tensor_parallel_size", "tp_size")
+PP_KEYS = ("pipeline_parallel_size", "pp_size")
+FRACTION_KEYS = ("gpu_memory_utilization", "kv_cache_free_gpu_memory_fraction")
+_SEQ_KEY = re.compile(r"(^|_)(seq_len|seq_length|sequence_length|model_len|input_len|max_length)$")
+_MEMORY_KEYS = frozenset(
+    {
+        "max_batch_size",
+        "max_seq_len",
+        "max_input_len",
+        "max_num_tokens",
+        "max_num_seqs",
+        "max_model_len",
+        "max_num_batched_tokens",
+        "gpu_memory_utilization",
+        "kv_cache_free_gpu_memory_fraction",
+        "workspace_gb",
+    }
+)
+#: defaults the runtimes use when the recipe leaves a setting out (assumed for estimates)
+VLLM_DEFAULT_UTILIZATION = 0.9
+VLLM_DEFAULT_MAX_NUM_SEQS = 256
+VLLM_DEFAULT_BATCHED_TOKENS = 8192
+TRTLLM_DEFAULT_KV_FRACTION = 0.9
+TRTLLM_DEFAULT_MAX_NUM_TOKENS = 8192
+TRTLLM_DEFAULT_MAX_BATCH = 2048
+ENGINE_DEFAULT_SEQ = 512
+
+
+@dataclass
+class NodeEstimate:
+    """The estimator's breakdown for one target (or a section's baseline) on its profile."""
+
+    section: str
+    target: str
+    hardware: str
+    estimate: MemoryEstimate
+    basis: str  # which params it came from
+    largest: dict[str, int | None] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "section": self.section,
+            "target": self.target,
+            "hardware": self.hardware,
+            "basis": self.basis,
+            "largest_fitting": self.largest,
+            **self.estimate.to_json(),
+        }
+
+
+@dataclass
+class CheckReport:
+    """Findings, the memory estimates behind them, and where each model's config came from."""
+
+    findings: list[Finding]
+    estimates: list[NodeEstimate]
+    configs: dict[str, str]
+    sections: list[str]
+    seconds: float = 0.0
+
+    @property
+    def errors(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == "error"]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ok": not self.errors,
+            "counts": {s: sum(1 for f in self.findings if f.severity == s) for s in ("error", "warning", "info")},
+            "findings": [finding_json(f) for f in self.findings],
+            "estimates": [e.to_json() for e in self.estimates],
+            "model_configs": self.configs,
+            "sections": self.sections,
+            "seconds": round(self.seconds, 4),
+        }
+
+
+def finding_json(f: Finding) -> dict[str, Any]:
+    return {
+        "severity": f.severity,
+        "code": f.code,
+        "section": f.section,
+        "target": f.target,
+        "key": f.key,
+        "message": f.message,
+        "fix": f.fix,
+    }
+
+
+# --------------------------------------------------------------------------- model configs
+
+
+@dataclass
+class _ModelInfo:
+    config: dict[str, Any] | None
+    origin: str  # where the config came from, or why there is none
+    dims: ModelDims | None = None
+    problem: Finding | None = None  # an error about the config itself (bad JSON)
+
+
+def load_model_config(model: Model, recipe: Recipe, registry: Any) -> tuple[dict[str, Any] | None, str]:
+    """The model's config.json as a dict and where it came from, or (None, why not).
+
+    Never downloads: `hf` sources are read from the local cache only."""
+    if model.config_path is not None:
+        return _read_json(model.config_path)
+    kind, params = model.source_kind, model.source_params
+    if kind in ("path", "package", "hf") and kind in registry.sources:
+        ctx = SourceContext(
+            project_dir=recipe.project_dir,
+            cache_dir=recipe.project_dir / ".mopt" / "sources",
+            offline=True,
+            family=None,
+            model_name=model.name,
+        )
+        try:
+            folder = registry.sources[kind]().resolve(params, ctx)
+        except Exception as exc:  # a missing checkpoint is not a check failure
+            return None, f"{kind} source not available locally ({_short(exc)})"
+        cfg = Path(folder) / "config.json"
+        if not cfg.is_file():
+            return None, f"no config.json in {folder}"
+        return _read_json(cfg)
+    overrides = getattr(params, "config", None)
+    if overrides is not None or "synthetic" in kind:
+        fam = registry.families.get(model.spec.family)
+        defaults: Any = None
+        for attr in ("synthetic_config", "default_config"):
+            defaults = getattr(fam, attr, None)
+            if defaults is not None:
+                break
+        if callable(defaults):
+            try:
+                defaults = defaults()
+            except Exception:
+                defaults = None
+        merged = {**(defaults if isinstance(defaults, dict) else {}), **(overrides or {})}
+        if merged:
+            return merged, f"{kind} source config" + (" over the family's defaults" if defaults else "")
+        return None, f"{kind} source gives no config"
+    return None, f"{kind} source: config.json is only known after fetching"
+
+
+def _read_json(path: Path) -> tuple[dict[str, Any] | None, str]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise _BadConfig(f"{path}: {_short(exc)}") from None
+    if not isinstance(data, dict):
+        raise _BadConfig(f"{path}: not a JSON object")
+    return data, str(path)
+
+
+class _BadConfig(Exception):
+    pass
+
+
+def _short(exc: BaseException) -> str:
+    s = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return s if len(s) < 200 else s[:197] + "..."
+
+
+def _model_info(model: Model, recipe: Recipe, registry: Any) -> _ModelInfo:
+    try:
+        cfg, origin = load_model_config(model, recipe, registry)
+    except _BadConfig as exc:
+        f = Finding(
+            severity="error",
+            code="model-config-invalid",
+            message=f"config.json of model {model.name!r} cannot be read: {exc}",
+            fix=f"point [models.{model.name}] config at a valid Hugging Face config.json",
+            section=f"models.{model.name}",
+            key="config",
+        )
+        return _ModelInfo(None, str(exc), None, f)
+    if cfg is None:
+        return _ModelInfo(None, origin)
+    try:
+        dims = ModelDims.from_config(cfg, model.spec.family)
+    except ConfigError as exc:
+        return _ModelInfo(cfg, f"{origin} (lacks {', '.join(exc.missing)})")
+    return _ModelInfo(cfg, origin, dims)
+
+
+# --------------------------------------------------------------------------- the rules
+
+
+def _num(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _first(params: dict[str, Any], keys: tuple[str, ...]) -> tuple[str | None, Any]:
+    for k in keys:
+        if params.get(k) is not None:
+            return k, params[k]
+    return None, None
+
+
+def _cc(hw: HardwareProfile) -> str:
+    return ".".join(map(str, hw.compute_capability)) if hw.compute_capability else "-"
+
+
+def _profiles_with(registry: Any, precision: str) -> list[str]:
+    return [p.name for p in registry.hardware.values() if p.is_gpu and precision in p.precisions]
+
+
+def _needs_gpu(reqs: list[str]) -> list[str]:
+    return [r for r in reqs if r in ("gpu", "hardware") or r.startswith("cuda")]
+
+
+class _Checker:
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self.registry = graph.registry
+        self.recipe = graph.recipe
+        self.findings: list[Finding] = []
+        self.estimates: list[NodeEstimate] = []
+        self.models: dict[str, _ModelInfo] = {}
+
+    def model(self, name: str) -> _ModelInfo:
+        if name not in self.models:
+            info = _model_info(self.recipe.models[name], self.recipe, self.registry)
+            self.models[name] = info
+            if info.problem is not None:
+                self.findings.append(info.problem)
+        return self.models[name]
+
+    def add(self, severity: str, code: str, section: str, target: str, key: str | None, message: str, fix: str) -> None:
+        self.findings.append(Finding(severity, code, message, fix, section, target, key))
+
+    # ----------------------------------------------------------------- per node
+
+    def check_node(self, node: Node, section: Section, label: str) -> bool:
+        """Run every rule on one target of one section; True when it had a memory workload."""
+        hw = self.registry.hardware[section.hardware]
+        cls: type[TargetKind] = self.registry.targets[node.kind]
+        kind = cls()
+        params = node.params_json()
+        sec = section.id
+        info = self.model(section.model)
+        dims = info.dims
+
+        try:
+            reqs = list(kind.requirements(node.target.params, hw))
+        except Exception:
+            reqs = list(cls.requires)
+        gpu_reqs = _needs_gpu(reqs)
+        on_cpu_profile = not hw.is_gpu
+        if on_cpu_profile and gpu_reqs:
+            gpus = [p.name for p in self.registry.hardware.values() if p.is_gpu]
+            self.add(
+                "error",
+                "kind-needs-gpu",
+                sec,
+                label,
+                "hardware",
+                f"target kind {node.kind!r} requires {', '.join(gpu_reqs)}, but profile {hw.name!r} "
+                "has no GPU",
+                f"remove {node.target.name!r} from this section's targets, or set hardware to a GPU "
+                f"profile ({', '.join(gpus[:5])}{', ...' if len(gpus) > 5 else ''}; `mopt hardware`)",
+            )
+
+        had_workload = False
+        if not (on_cpu_profile and gpu_reqs):  # the params of a target that cannot run say nothing
+            self._precision(params, hw, sec, label)
+            self._fractions(params, sec, label)
+            self._tokens_per_block(params, sec, label)
+            if not on_cpu_profile:
+                self._parallel(params, hw, dims, sec, label, section.model)
+            if dims is not None:
+                self._seq_lengths(params, dims, sec, label, section.model, info.origin)
+            if hw.is_gpu and hw.memory_gb and dims is not None:
+                had_workload = self._memory(cls, params, hw, dims, sec, label)
+
+        ctx = CheckContext(
+            hardware=hw,
+            model_config=info.config,
+            family=self._family(section.model),
+            section=sec,
+            target=label,
+        )
+        try:
+            extra = kind.check(node.target.params, ctx)
+        except Exception as exc:
+            plugin = self.registry.plugin_of("targets", node.kind).name
+            self.add(
+                "warning",
+                "kind-check-failed",
+                sec,
+                label,
+                None,
+                f"kind {node.kind!r} (plugin {plugin!r}) crashed in check(): {type(exc).__name__}: {_short(exc)}",
+                f"report it to the plugin's authors; disable with MOPT_DISABLE_PLUGINS={plugin}",
+            )
+            extra = []
+        for f in extra or []:
+            self.findings.append(
+                Finding(
+                    f.severity, f.code, f.message, f.fix, f.section or sec, f.target or label, f.key
+                )
+            )
+        return had_workload
+
+    def _family(self, model: str) -> Any:
+        cls = self.registry.families.get(self.recipe.models[model].spec.family)
+        try:
+            return cls() if cls is not None else None
+        except Exception:
+            return None
+
+    def _precision(self, params: dict[str, Any], hw: HardwareProfile, sec: str, label: str) -> None:
+        for key in PRECISION_KEYS:
+            value = params.get(key)
+            p = normalize_precision(value)
+            if p is None or p in hw.precisions:
+                continue
+            if not hw.is_gpu:
+                self.add(
+                    "warning",
+                    "precision-unsupported",
+                    sec,
+                    label,
+                    key,
+                    f"{key} = {value!r}: profile {hw.name!r} is a CPU profile without native {p} "
+                    f"(it has {', '.join(hw.precisions)}); CPU kernels for {p} are missing or slow",
+                    f"use {key} = \"fp32\" (or int8 quantization) for CPU targets",
+                )
+                continue
+            need = MIN_CC[p]
+            others = [n for n in _profiles_with(self.registry, p) if n != hw.name]
+            alt = "fp16 or bf16" if "bf16" in hw.precisions else "fp16"
+            if p == "int4":
+                alt = "int8"
+            self.add(
+                "error",
+                "precision-unsupported",
+                sec,
+                label,
+                key,
+                f"{key} = {value!r} needs compute capability ≥ {need[0]}.{need[1]}; "
+                f"{hw.name} ({hw.gpu_name}) has {_cc(hw)} (supports {', '.join(hw.precisions)})",
+                f"use {alt} on {hw.name}, or build for a profile with {p}: {', '.join(others[:6])}",
+            )
+        q = params.get("quantization")
+        qp = normalize_precision(q)
+        if hw.is_gpu and qp is not None and qp not in hw.precisions:
+            if qp == "fp8":
+                self.add(
+                    "warning",
+                    "precision-unsupported",
+                    sec,
+                    label,
+                    "quantization",
+                    f"quantization = {q!r} on {hw.name} (CC {_cc(hw)}): FP8 compute needs CC ≥ 8.9; "
+                    "vLLM runs it as weight-only W8A16 (FP8 Marlin): memory saved, no FP8 math",
+                    "keep it for the memory saving, or use int8 (W8A8) for faster math on this GPU",
+                )
+            else:
+                need = MIN_CC[qp]
+                self.add(
+                    "error",
+                    "precision-unsupported",
+                    sec,
+                    label,
+                    "quantization",
+                    f"quantization = {q!r} ({qp}) needs compute capability ≥ {need[0]}.{need[1]}; "
+                    f"{hw.name} has {_cc(hw)}",
+                    f"use awq / gptq (int4) or fp8 on {hw.name}, or a profile with {qp}: "
+                    + ", ".join(_profiles_with(self.registry, qp)[:6]),
+                )
+        kv = params.get("kv_cache_dtype")
+        kp = normalize_precision(kv)
+        if hw.is_gpu and kp is not None and kp not in hw.precisions:
+            self.add(
+                "warning" if kp == "fp8" else "error",
+                "precision-unsupported",
+                sec,
+                label,
+                "kv_cache_dtype",
+                f"kv_cache_dtype = {kv!r} on {hw.name} (CC {_cc(hw)}): no hardware {kp} "
+                f"(needs CC ≥ {MIN_CC[kp][0]}.{MIN_CC[kp][1]}); only some attention backends can "
+                "store the cache in it and compute in fp16",
+                'use kv_cache_dtype = "auto" on this GPU, or check that your runtime version '
+                "supports an fp8 KV cache on it",
+            )
+
+    def _fractions(self, params: dict[str, Any], sec: str, label: str) -> None:
+        for key in FRACTION_KEYS:
+            v = _num(params.get(key))
+            if v is not None and not 0 < v <= 1:
+                self.add(
+                    "error",
+                    "fraction-out-of-range",
+                    sec,
+                    label,
+                    key,
+                    f"{key} = {v:g} is a fraction of GPU memory and must be in (0, 1]",
+                    f"set {key} between 0.5 and 0.95 (0.9 is the usual default)",
+                )
+
+    def _tokens_per_block(self, params: dict[str, Any], sec: str, label: str) -> None:
+        v = _int(params.get("tokens_per_block"))
+        if v is None or (v > 0 and v & (v - 1) == 0):
+            return
+        lower = 1 << (max(v, 1).bit_length() - 1)
+        upper = lower * 2
+        self.add(
+            "error",
+            "tokens-per-block-not-pow2",
+            sec,
+            label,
+            "tokens_per_block",
+            f"tokens_per_block = {v} is not a power of two (TensorRT-LLM's paged KV cache requires one)",
+            f"use tokens_per_block = {lower} or {upper} (32 and 64 are common)"
+            if v > 0
+            else "use tokens_per_block = 32 or 64",
+        )
+
+    def _parallel(
+        self, params: dict[str, Any], hw: HardwareProfile, dims: ModelDims | None, sec: str, label: str, model: str
+    ) -> None:
+        tp_key, tp_v = _first(params, TP_KEYS)
+        pp_key, pp_v = _first(params, PP_KEYS)
+        tp, pp = _int(tp_v) or 1, _int(pp_v) or 1
+        if tp_key is None and pp_key is None:
+            return
+        if tp < 1 or pp < 1:
+            bad = tp_key if tp < 1 else pp_key
+            self.add("error", "tp-invalid", sec, label, bad, f"{bad} must be ≥ 1", f"set {bad} = 1")
+            return
+        if tp * pp > hw.gpu_count:
+            key = tp_key if tp > 1 else pp_key
+            self.add(
+                "error",
+                "tp-over-gpus",
+                sec,
+                label,
+                key,
+                " × ".join(f"{k} = {v}" for k, v in ((tp_key, tp), (pp_key, pp)) if k)
+                + f" needs {tp * pp} GPUs; profile {hw.name!r} has {hw.gpu_count}",
+                f"set {key} so that TP × PP ≤ {hw.gpu_count}, or use a profile with {tp * pp} GPUs "
+                "(a hardware plugin can register one with gpu_count)",
+            )
+        if dims is None or tp == 1:
+            return
+        valid = [t for t in range(1, max(dims.heads, 1) + 1) if _tp_ok(dims, t)]
+        fix_tp = f"use {tp_key} in {{{', '.join(map(str, valid[:8]))}}} for {model}"
+        if dims.heads % tp:
+            self.add(
+                "error",
+                "tp-heads",
+                sec,
+                label,
+                tp_key,
+                f"{tp_key} = {tp} does not divide the {dims.heads} attention heads of {model}",
+                fix_tp,
+            )
+        if dims.kv_heads % tp and tp % dims.kv_heads:
+            self.add(
+                "error",
+                "tp-kv-heads",
+                sec,
+                label,
+                tp_key,
+                f"{tp_key} = {tp} and the {dims.kv_heads} KV heads of {model}: neither divides the "
+                "other, so KV heads can be neither split nor replicated evenly",
+                fix_tp,
+            )
+        if dims.intermediate % tp:
+            self.add(
+                "error",
+                "tp-intermediate",
+                sec,
+                label,
+                tp_key,
+                f"{tp_key} = {tp} does not divide the MLP width {dims.intermediate} of {model}",
+                fix_tp,
+            )
+
+    def _seq_lengths(
+        self, params: dict[str, Any], dims: ModelDims, sec: str, label: str, model: str, origin: str
+    ) -> None:
+        limit = dims.max_sequence
+        if limit is None:
+            return
+        for key, value, written in _seq_values(params):
+            if value <= limit:
+                continue
+            if dims.encoder:
+                why = "absolute position embeddings: inputs must be truncated to it"
+            elif dims.rope_factor:
+                why = f"RoPE scaling factor {dims.rope_factor:g} already applied"
+            else:
+                why = "longer inputs need RoPE scaling (rope_scaling in config.json, e.g. YaRN)"
+            self.add(
+                "error",
+                "seq-over-max-position",
+                sec,
+                label,
+                key,
+                (
+                    f"{key} = {value}" if written == str(value) else f"{key} has a shape {written} of sequence length {value},"
+                )
+                + f" over {model}'s max_position_embeddings {limit} ({origin})",
+                f"keep {key} ≤ {limit}; {why}",
+            )
+
+    # ----------------------------------------------------------------- memory
+
+    def _memory(
+        self, cls: type[TargetKind], params: dict[str, Any], hw: HardwareProfile, dims: ModelDims, sec: str, label: str
+    ) -> bool:
+        spec = workload_for(params, dims, hw, getattr(cls, "memory_model", None))
+        if spec is None:
+            return False
+        w, keys = spec
+        assert hw.memory_gb is not None
+        cap = hw.memory_gb
+        e = estimate(dims, w, cap)
+        ne = NodeEstimate(sec, label, hw.name, e, _basis(w, keys))
+        self.estimates.append(ne)
+        breakdown = _breakdown(e)
+        if w.runtime == "engine":
+            bkey, skey = keys.get("batch"), keys.get("seq")
+            max_b = largest_fitting(dims, w, cap, "batch", max(w.batch, 1) * 64 + 1024)
+            max_s = largest_fitting(dims, w, cap, "seq_len", max(dims.max_sequence or 0, w.seq_len))
+            ne.largest = {bkey or "batch": max_b, skey or "seq_len": max_s}
+            if e.fits:
+                return True
+            opts = []
+            if max_b is not None and max_b < w.batch:
+                opts.append(f"{bkey or 'max_batch_size'} ≤ {max_b} at {skey or 'seq'} {w.seq_len}")
+            if max_s is not None and max_s < w.seq_len:
+                opts.append(f"{skey or 'max_seq_len'} ≤ {max_s} at batch {w.batch}")
+            opts += _smaller_precisions(dims, w, hw, keys.get("precision"))
+            if not opts:
+                opts.append("the weights alone do not fit: quantize (int8/fp8/int4) or use a larger GPU")
+            self.add(
+                "error",
+                "memory-over-capacity",
+                sec,
+                label,
+                bkey or skey,
+                f"estimated {gib(e.total)} > {hw.memory_gb:g} GiB of {hw.name}: {breakdown}",
+                "largest that fits: " + "; or ".join(opts),
+            )
+            return True
+        # pooled runtimes: vLLM and TensorRT-LLM
+        skey = keys.get("seq") or ("max_model_len" if w.runtime == "vllm" else "max_seq_len")
+        bkey = keys.get("batch") or ("max_num_seqs" if w.runtime == "vllm" else "max_batch_size")
+        fkey = "gpu_memory_utilization" if w.runtime == "vllm" else "kv_cache_free_gpu_memory_fraction"
+        kv_tokens = e.kv_tokens_available or 0
+        max_seqs = kv_tokens // max(w.seq_len, 1)
+        max_len = largest_fitting(
+            dims, w, cap, "seq_len", w.seq_len, fits=lambda x: (x.kv_tokens_available or 0) >= x.workload.seq_len
+        )
+        ne.largest = {bkey: max_seqs, skey: max_len}
+        pool = (
+            f"{w.memory_fraction:g} × {hw.memory_gb:g} GiB = {gib(e.budget or 0)}"
+            if w.memory_fraction is not None
+            else f"{hw.memory_gb:g} GiB"
+        )
+        if not e.model_fits:
+            need = e.fixed / (cap * GIB)
+            fixes = []
+            if w.memory_fraction is not None and need < 0.97:
+                fixes.append(f"raise {fkey} to {min(0.97, need + 0.03):.2f}")
+            fixes += _smaller_precisions(dims, w, hw, keys.get("precision"))
+            if hw.gpu_count > w.tp:
+                fixes.append(f"shard with tensor_parallel_size up to {hw.gpu_count}")
+            fixes.append("lower max_num_batched_tokens / max_num_tokens" if w.runtime == "vllm" else "lower max_num_tokens")
+            self.add(
+                "error",
+                "memory-over-capacity",
+                sec,
+                label,
+                keys.get("fraction") or keys.get("precision") or fkey,
+                f"the model does not fit in {pool} of {hw.name}: {_breakdown(e, kv=False)} = {gib(e.fixed)}, "
+                "before any KV cache",
+                "; or ".join(fixes),
+            )
+            return True
+        kv_need_one = e.kv_per_token * w.seq_len
+        if kv_tokens < w.seq_len:
+            fixes = []
+            if max_len:
+                fixes.append(f"{skey} ≤ {max_len}")
+            if w.memory_fraction is not None:
+                frac = (e.fixed + kv_need_one) / (cap * GIB)
+                if frac <= 0.97:
+                    fixes.append(f"{fkey} = {frac + 0.01:.2f}")
+            if w.kv_dtype is None and "fp8" in hw.precisions:
+                fixes.append('kv_cache_dtype = "fp8"')
+            self.add(
+                "error",
+                "kv-cache-too-small",
+                sec,
+                label,
+                skey,
+                f"the KV cache left in {pool} of {hw.name} holds {kv_tokens:,} tokens "
+                f"({gib(e.kv_available or 0)} at {e.kv_per_token / 1024:.0f} KiB/token), fewer than one "
+                f"{skey} = {w.seq_len:,} sequence ({gib(kv_need_one)}); the runtime refuses to start. "
+                f"The rest: {_breakdown(e, kv=False)}",
+                "set " + ", or ".join(fixes) if fixes else "use a larger GPU",
+            )
+            return True
+        if not e.fits:
+            fixes = [f"{bkey} ≤ {max_seqs} for full-length sequences"]
+            short = kv_tokens // max(w.batch, 1)
+            if short >= 1:
+                fixes.append(f"{skey} ≤ {short} for {w.batch} concurrent sequences")
+            if w.kv_dtype is None and "fp8" in hw.precisions:
+                fixes.append('kv_cache_dtype = "fp8" (halves the KV cache)')
+            self.add(
+                "warning",
+                "kv-cache-short",
+                sec,
+                label,
+                bkey,
+                f"{bkey} = {w.batch} × {skey} = {w.seq_len:,} needs {gib(e.kv_cache)} of KV cache; "
+                f"{gib(e.kv_available or 0)} is left in {pool} of {hw.name}, room for {max_seqs} "
+                f"full-length sequences at once (the rest queue)",
+                "; or ".join(fixes),
+            )
+        return True
+
+    def baseline(self, section: Section) -> None:
+        """An estimate for a GPU section none of whose targets sets batch / sequence limits."""
+        hw = self.registry.hardware[section.hardware]
+        dims = self.model(section.model).dims
+        if not hw.is_gpu or not hw.memory_gb or dims is None:
+            return
+        prec = dims.config_dtype if dims.config_dtype in ("fp16", "bf16") else "fp16"
+        if prec not in hw.precisions:
+            prec = "fp16"
+        seq = min(ENGINE_DEFAULT_SEQ, dims.max_sequence or ENGINE_DEFAULT_SEQ)
+        w = Workload(precision=prec, batch=1, seq_len=seq)
+        e = estimate(dims, w, hw.memory_gb)
+        ne = NodeEstimate(section.id, "(model)", hw.name, e, f"{prec}, batch 1 × {seq} tokens (no target sets limits)")
+        ne.largest = {
+            "batch": largest_fitting(dims, w, hw.memory_gb, "batch", 1 << 20),
+            "seq_len": largest_fitting(dims, w, hw.memory_gb, "seq_len", dims.max_sequence or 1 << 20),
+        }
+        self.estimates.append(ne)
+
+
+def _tp_ok(dims: ModelDims, tp: int) -> bool:
+    return (
+        dims.heads % tp == 0
+        and (dims.kv_heads % tp == 0 or tp % dims.kv_heads == 0)
+        and dims.intermediate % tp == 0
+    )
+
+
+def _seq_values(params: dict[str, Any], prefix: str = "") -> list[tuple[str, int, str]]:
+    """(dotted key, sequence length, how it was written) for every sequence-length param and
+    every [batch, seq] shape in a param whose name mentions 'shape' (lists of shapes, tables
+    of them per input, 'NxM' strings)."""
+    out: list[tuple[str, int, str]] = []
+    for k, v in params.items():
+        dotted = f"{prefix}{k}"
+        if _SEQ_KEY.search(k) and _int(v) is not None:
+            out.append((dotted, v, str(v)))
+        elif "shape" in k.lower():
+            out += _shape_seqs(v, dotted)
+        elif isinstance(v, dict):
+            out += _seq_values(v, dotted + ".")
+    return out
+
+
+def _shape_seqs(v: Any, key: str) -> list[tuple[str, int, str]]:
+    if isinstance(v, dict):
+        return [s for k, x in v.items() for s in _shape_seqs(x, f"{key}.{k}")]
+    if isinstance(v, str):
+        return [(key, int(m.group(2)), m.group(0)) for m in re.finditer(r"(\d+)x(\d+)(x\d+)*", v)]
+    if isinstance(v, list):
+        if len(v) >= 2 and all(_int(x) is not None for x in v):
+            return [(key, v[1], json.dumps(v))]
+        return [s for x in v for s in _shape_seqs(x, key)]
+    return []
+
+
+def _basis(w: Workload, keys: dict[str, str]) -> str:
+    parts = [w.runtime, w.precision]
+    parts.append(f"{keys.get('batch', 'batch')} {w.batch} × {keys.get('seq', 'seq')} {w.seq_len:,}")
+    if w.num_tokens is not None:
+        parts.append(f"{w.num_tokens:,} tokens/pass")
+    if w.tp > 1 or w.pp > 1:
+        parts.append(f"TP {w.tp} PP {w.pp}")
+    if w.memory_fraction is not None:
+        parts.append(f"utilization {w.memory_fraction:g}")
+    if w.kv_fraction is not None:
+        parts.append(f"KV fraction {w.kv_fraction:g}")
+    assumed = keys.get("assumed")
+    if assumed:
+        parts.append(f"assumed {assumed}")
+    return ", ".join(parts)
+
+
+def _breakdown(e: MemoryEstimate, kv: bool = True) -> str:
+    parts = [f"weights {gib(e.weights)}"]
+    if e.workload.kv_cache and kv:
+        parts.append(f"KV cache {gib(e.kv_cache)}")
+    parts.append(f"activations {gib(e.activations)}")
+    if e.workspace:
+        parts.append(f"workspace {gib(e.workspace)}")
+    if e.runtime:
+        parts.append(f"runtime {gib(e.runtime)}")
+    w = e.workload
+    return " + ".join(parts) + f" (batch {w.batch} × {w.seq_len:,} tokens, {w.precision})"
+
+
+def _smaller_precisions(dims: ModelDims, w: Workload, hw: HardwareProfile, key: str | None) -> list[str]:
+    out = []
+    assert hw.memory_gb is not None
+    for p in ("fp8", "int8", "int4"):
+        if p not in hw.precisions or BYTES[p] >= BYTES[w.precision]:
+            continue
+        e = estimate(dims, replace(w, precision=p), hw.memory_gb)
+        if e.fits or (w.kv_cache and e.model_fits and not estimate(dims, w, hw.memory_gb).model_fits):
+            out.append(f"{key or 'precision'} = {p!r} ({gib(e.total if not w.kv_cache else e.fixed)})")
+            break
+    return out
+
+
+def workload_for(
+    params: dict[str, Any], dims: ModelDims, hw: HardwareProfile, memory_model: str | None = None
+) -> tuple[Workload, dict[str, str]] | None:
+    """The workload a target's params describe, and which param gave each number
+    (`batch`, `seq`, `precision`, `fraction` → param name; `assumed` → defaults used).
+    None when the params say nothing about memory (or `memory_model` is "none")."""
+    present = _MEMORY_KEYS & {k for k, v in params.items() if v is not None}
+    mode = memory_model
+    if mode is None:
+        if not present and not any(params.get(k) is not None for k in TP_KEYS):
+            return None
+        if present & {"gpu_memory_utilization", "max_num_seqs", "max_model_len", "max_num_batched_tokens"}:
+            mode = "vllm"
+        elif present & {"kv_cache_free_gpu_memory_fraction", "max_num_tokens"} or params.get("tokens_per_block") is not None:
+            mode = "trtllm"
+        elif present & {"max_batch_size", "max_seq_len", "max_input_len", "workspace_gb"}:
+            mode = "engine"
+        else:
+            return None
+    if mode not in ("engine", "vllm", "trtllm"):
+        return None
+    keys: dict[str, str] = {}
+    assumed: list[str] = []
+
+    pkey, pval = _first(params, PRECISION_KEYS)
+    prec = normalize_precision(pval)
+    if prec is None:
+        prec = dims.config_dtype if dims.config_dtype in ("fp16", "bf16") else "fp16"
+        if prec == "bf16" and "bf16" not in hw.precisions:
+            prec = "fp16"
+    if pkey:
+        keys["precision"] = pkey
+    q = normalize_precision(params.get("quantization"))
+    if q is not None and BYTES[q] < BYTES[prec]:
+        prec = q
+        keys["precision"] = "quantization"
+    kv_dtype = normalize_precision(params.get("kv_cache_dtype"))
+
+    _, tp_v = _first(params, TP_KEYS)
+    _, pp_v = _first(params, PP_KEYS)
+    tp, pp = max(1, _int(tp_v) or 1), max(1, _int(pp_v) or 1)
+    max_pos = dims.max_sequence or 2048
+
+    def pick(names: tuple[str, ...], default: int, what: str) -> tuple[int, str | None]:
+        for n in names:
+            v = _int(params.get(n))
+            if v is not None and v > 0:
+                return v, n
+        assumed.append(f"{what} {default:,}")
+        return default, None
+
+    if mode == "vllm":
+        batch, bk = pick(("max_num_seqs", "max_batch_size"), VLLM_DEFAULT_MAX_NUM_SEQS, "max_num_seqs")
+        seq, sk = pick(("max_model_len", "max_seq_len"), max_pos, "max_model_len")
+        nt = _int(params.get("max_num_batched_tokens"))
+        tokens = nt if nt else min(max(seq, VLLM_DEFAULT_BATCHED_TOKENS), batch * seq)
+        frac_v = _num(params.get("gpu_memory_utilization"))
+        if frac_v is None:
+            assumed.append(f"gpu_memory_utilization {VLLM_DEFAULT_UTILIZATION}")
+        else:
+            keys["fraction"] = "gpu_memory_utilization"
+        frac = frac_v if frac_v is not None and 0 < frac_v <= 1 else VLLM_DEFAULT_UTILIZATION
+        w = Workload(
+            precision=prec, kv_dtype=kv_dtype, batch=batch, seq_len=seq, num_tokens=tokens, kv_cache=True,
+            tp=tp, pp=pp, memory_fraction=frac, runtime="vllm",
+        )
+    elif mode == "trtllm":
+        batch, bk = pick(("max_batch_size", "max_num_seqs"), TRTLLM_DEFAULT_MAX_BATCH, "max_batch_size")
+        seq, sk = pick(("max_seq_len", "max_model_len"), max_pos, "max_seq_len")
+        nt = _int(params.get("max_num_tokens"))
+        tokens = nt if nt else min(TRTLLM_DEFAULT_MAX_NUM_TOKENS, batch * seq)
+        frac_v = _num(params.get("kv_cache_free_gpu_memory_fraction"))
+        if frac_v is not None:
+            keys["fraction"] = "kv_cache_free_gpu_memory_fraction"
+        frac = frac_v if frac_v is not None and 0 < frac_v <= 1 else TRTLLM_DEFAULT_KV_FRACTION
+        w = Workload(
+            precision=prec, kv_dtype=kv_dtype, batch=batch, seq_len=seq, num_tokens=tokens, kv_cache=True,
+            tp=tp, pp=pp, kv_fraction=frac, runtime="trtllm",
+        )
+    else:
+        batch, bk = pick(("max_batch_size",), 1, "batch")
+        seq, sk = pick(("max_seq_len", "max_input_len"), min(ENGINE_DEFAULT_SEQ, max_pos), "seq")
+        ws = _num(params.get("workspace_gb")) or 0.0
+        w = Workload(precision=prec, batch=batch, seq_len=seq, tp=tp, pp=pp, workspace_gb=ws, runtime="engine")
+    if bk:
+        keys["batch"] = bk
+    if sk:
+        keys["seq"] = sk
+    if assumed:
+        keys["assumed"] = ", ".join(assumed)
+    return w, keys
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def run_checks(graph: Graph, ids: list[str] | None = None) -> CheckReport:
+    """Check the selected nodes (all when `ids` is None) on every section they belong to."""
+    t0 = time.perf_counter()
+    ids = list(graph.nodes) if ids is None else ids
+    c = _Checker(graph)
+    by_id = {s.id: s for s in graph.recipe.sections}
+    selected_sections = [s.id for s in graph.recipe.sections if any(graph.nodes[i].section.id == s.id for i in ids)]
+    wanted = set(selected_sections)
+    with_workload: set[str] = set()
+    relevant: set[str] = set()
+    for i in ids:
+        node = graph.nodes[i]
+        for addr in node.addresses:
+            sec_id, _, label = addr.partition(":")
+            if sec_id not in wanted:
+                continue
+            section = by_id[sec_id]
+            params = node.params_json()
+            if (_MEMORY_KEYS | set(TP_KEYS)) & set(params) or any(True for _ in _seq_values(params)):
+                relevant.add(sec_id)
+            if c.check_node(node, section, label):
+                with_workload.add(sec_id)
+    for sec_id in selected_sections:
+        section = by_id[sec_id]
+        hw = graph.registry.hardware[section.hardware]
+        info = c.model(section.model)
+        if info.dims is None and hw.is_gpu and sec_id in relevant:
+            c.add(
+                "info",
+                "model-config-unknown",
+                sec_id,
+                "",
+                "config",
+                f"memory, sequence-length and tensor-parallel rules skipped for model {section.model!r}: "
+                f"{info.origin}",
+                f'add config = "<path to its config.json>" under [models.{section.model}]',
+            )
+        if sec_id not in with_workload:
+            c.baseline(section)
+    configs = {name: info.origin for name, info in c.models.items()}
+    return CheckReport(c.findings, c.estimates, configs, selected_sections, time.perf_counter() - t0)
+
+
+def check_graph(graph: Graph, ids: list[str] | None = None) -> list[Finding]:
+    """The findings of `mopt check` for the selected nodes (see `run_checks`)."""
+    return run_checks(graph, ids).findings
