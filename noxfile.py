@@ -1,0 +1,73 @@
+"""Developer sessions: tests, demo, lint, typecheck, bench, gpu.
+
+`nox -s tests` is the README's test command and what `.ci/run` runs.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import nox
+
+nox.options.sessions = ["tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+# CPU build of torch, pinned: an unpinned torch pulls a multi-GB CUDA build.
+TORCH = "torch==2.13.0"
+PLUGINS = sorted(p for p in glob.glob("plugins/*") if os.path.isfile(f"{p}/pyproject.toml"))
+
+
+def install_all(session: nox.Session, *extra: str) -> None:
+    session.install(TORCH)
+    session.install("-e", ".", *[a for p in PLUGINS for a in ("-e", p)], *extra)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The test suite (no GPU; slow and GPU tests excluded: see `slow` and `gpu`)."""
+    install_all(session, "-e", "tests/fixture_plugin", "pytest>=8", "pytest-xdist>=3")
+    n = os.environ.get("PYTEST_WORKERS", "2")
+    session.run("pytest", "-n", n, "-m", "not slow and not gpu", *session.posargs)
+
+
+@nox.session
+def slow(session: nox.Session) -> None:
+    """Tests marked slow (minutes each on 2 cores)."""
+    install_all(session, "-e", "tests/fixture_plugin", "pytest>=8", "pytest-xdist>=3")
+    session.run("pytest", "-m", "slow and not gpu", *session.posargs)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job on the embedded demo: build recipes/demo.toml on CPU."""
+    install_all(session)
+    session.run("mopt", "build", "recipes/demo.toml", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff."""
+    session.install("ruff")
+    session.run("ruff", "check", "mopt", "tests", "plugins", "noxfile.py", "benchmarks")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy on the core."""
+    session.install("mypy", "-e", ".")
+    session.run("mypy", "mopt")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmarks that print numbers: no-op / touch / change vs DVC and Snakemake, hashing."""
+    install_all(session, "dvc", "snakemake")
+    session.run("python", "benchmarks/bench_build.py", *session.posargs)
+
+
+@nox.session
+def gpu(session: nox.Session) -> None:
+    """GPU tests and benchmarks, where a CUDA GPU and the GPU libraries exist."""
+    session.install("-e", ".", *[a for p in PLUGINS for a in ("-e", p)], "pytest>=8")
+    session.run("pytest", "-m", "gpu", "-rs", *session.posargs)
