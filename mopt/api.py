@@ -119,6 +119,10 @@ class TargetKind:
         """Requirements for these params on this profile (default: `requires`)."""
         return list(self.requires)
 
+    def bind(self, params: Any, *, model: str, hardware: str, section: str) -> Any:
+        """Params specialised to a section (e.g. filling `{model}` in paths); default as is."""
+        return params
+
     def input_files(self, params: Any, project_dir: Path) -> list[Path]:
         """Files outside the store this target reads (data sets, scripts): their content
         digests go into the action key."""

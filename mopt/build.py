@@ -115,6 +115,14 @@ class Engine:
         """(folder, content digest, lock info) of a model's source checkpoint."""
         if model_name not in self._sources:
             model = self.recipe.models[model_name]
+            if model.spec.source is None:
+                raise MoptError(
+                    "model has no `source`, and a target of it reads the checkpoint",
+                    file=model.where.file,
+                    table=model.where.table,
+                    key="source",
+                    hint='add e.g. source = { path = "models/x" }',
+                )
             src = self.registry.sources[model.source_kind]()
             fam = self.registry.families.get(model.spec.family)
             ctx = SourceContext(

@@ -5,37 +5,72 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import click
-import typer
-from rich.console import Console
-from rich.table import Table
 
 from mopt import __version__
 from mopt.errors import BuildFailed, MoptError
 
-app = typer.Typer(
-    name="mopt",
-    help="make for model optimization: build model artifacts (weights, ONNX, quantized "
-    "graphs, engines, serving configs, images) from a recipe, reproducibly and incrementally.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    rich_markup_mode=None,
-    context_settings={"help_option_names": ["-h", "--help"]},
-)
-# listings are read by people and by grep: never wrap or cut a line when piped
-out = Console(highlight=False, markup=False, soft_wrap=True, width=None if sys.stdout.isatty() else 10_000)
-err = Console(stderr=True, highlight=False, markup=False, soft_wrap=True)
 
-RecipeArg = typer.Argument(..., help="recipe file, e.g. recipes/demo.toml", show_default=False)
-SelectorsArg = typer.Argument(
-    None,
-    help="targets to select: model.hardware:target, globs allowed ('*.h200', '*:onnx')",
-    show_default=False,
-)
-JsonOpt = typer.Option(False, "--json", help="machine-readable output on stdout")
+class _Console:
+    """Plain output (rich is imported only for tables on a terminal)."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr if self._stream == "stderr" else sys.stdout
+
+    def print(self, text: object = "", **_: Any) -> None:
+        self.stream.write(f"{text}\n")
+        self.stream.flush()
+
+    def table(self, columns: list[str], rows: list[list[str]]) -> None:
+        """Aligned columns; never wrapped or cut when piped."""
+        widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(columns)]
+        fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+        self.print(fmt.format(*columns).rstrip())
+        for r in rows:
+            self.print(fmt.format(*r).rstrip())
+
+
+out = _Console("stdout")
+err = _Console("stderr")
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+class _Group(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        _register_extra_commands()
+        return super().list_commands(ctx)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        _register_extra_commands()
+        return super().get_command(ctx, name)
+
+
+@click.group(cls=_Group, context_settings=CONTEXT)
+@click.version_option(__version__, "--version", prog_name="mopt", message="%(prog)s %(version)s")
+def app() -> None:
+    """make for model optimization: build model artifacts (weights, ONNX, quantized graphs,
+    engines, serving configs, images) from a recipe, reproducibly and incrementally.
+
+    Exit codes: 0 ok, 1 a build failed, 2 bad input."""
+
+
+def recipe_arg(f: Any) -> Any:
+    return click.argument("recipe", type=click.Path(path_type=Path))(f)
+
+
+def selectors_arg(f: Any) -> Any:
+    return click.argument("selectors", nargs=-1)(f)
+
+
+def json_opt(f: Any) -> Any:
+    return click.option("--json", "as_json", is_flag=True, help="machine-readable output on stdout")(f)
 
 
 def _print_json(obj: Any) -> None:
@@ -67,33 +102,19 @@ def _registry() -> Any:
     return get_registry(project.config.plugins.disable)
 
 
-def _version_callback(value: bool) -> None:
-    if value:
-        out.print(f"mopt {__version__}")
-        raise typer.Exit()
-
-
-@app.callback()
-def _root(
-    version: bool = typer.Option(
-        False, "--version", callback=_version_callback, is_eager=True, help="print the version"
-    ),
-) -> None:
-    """make for model optimization."""
-
-
 # --------------------------------------------------------------------------- plan / graph
 
 
-@app.command()
-def plan(
-    recipe: Path = RecipeArg,
-    selectors: Optional[list[str]] = SelectorsArg,
-    as_json: bool = JsonOpt,
-) -> None:
-    """Show every node of the graph: its kind, inputs, and whether it is up to date and why."""
+@app.command(context_settings=CONTEXT)
+@recipe_arg
+@selectors_arg
+@json_opt
+def plan(recipe: Path, selectors: tuple[str, ...], as_json: bool) -> None:
+    """Show every node of RECIPE: kind, inputs, and whether it is up to date and why.
+
+    SELECTORS are model.hardware:target, globs allowed ('*.h200', '*:onnx')."""
     s = Session(recipe)
-    ids = s.graph.select(selectors or [])
+    ids = s.graph.select(list(selectors))
     statuses = _statuses(s, ids)
     if as_json:
         _print_json(
@@ -103,20 +124,13 @@ def plan(
             }
         )
         return
-    table = Table(box=None, pad_edge=False)
-    for col in ("target", "kind", "inputs", "status"):
-        table.add_column(col)
+    rows = []
     for i in ids:
         n = s.graph.nodes[i]
         shared = f" (+{len(n.addresses) - 1} shared)" if len(n.addresses) > 1 else ""
         st = statuses.get(i)
-        table.add_row(
-            n.id + shared,
-            n.kind,
-            ", ".join(n.input_ids()) or "-",
-            st["summary"] if st else "-",
-        )
-    out.print(table)
+        rows.append([n.id + shared, n.kind, ", ".join(n.input_ids()) or "-", st["summary"] if st else "-"])
+    out.table(["target", "kind", "inputs", "status"], rows)
     out.print(f"{len(ids)} node(s) in {len({s.graph.nodes[i].section.id for i in ids})} section(s)")
 
 
@@ -149,27 +163,27 @@ def _node_json(s: Session, i: str, status: dict[str, Any] | None) -> dict[str, A
     return d
 
 
-@app.command()
-def graph(
-    recipe: Path = RecipeArg,
-    selectors: Optional[list[str]] = SelectorsArg,
-    fmt: str = typer.Option("dot", "--format", "-f", help="dot or mermaid"),
-) -> None:
-    """Print the build graph as Graphviz dot or a Mermaid flowchart."""
+@app.command(context_settings=CONTEXT)
+@recipe_arg
+@selectors_arg
+@click.option("--format", "-f", "fmt", default="dot", show_default=True, help="dot or mermaid")
+def graph(recipe: Path, selectors: tuple[str, ...], fmt: str) -> None:
+    """Print the build graph of RECIPE as Graphviz dot or a Mermaid flowchart."""
     from mopt.graph import to_dot, to_mermaid
 
     if fmt not in ("dot", "mermaid"):
         raise MoptError(f"unknown format {fmt!r}", key="--format", hint="use dot or mermaid")
     s = Session(recipe)
-    ids = s.graph.select(selectors or [])
+    ids = s.graph.select(list(selectors))
     sys.stdout.write(to_dot(s.graph, ids) if fmt == "dot" else to_mermaid(s.graph, ids))
 
 
 # --------------------------------------------------------------------------- listings
 
 
-@app.command()
-def plugins(as_json: bool = JsonOpt) -> None:
+@app.command(context_settings=CONTEXT)
+@json_opt
+def plugins(as_json: bool) -> None:
     """List loaded plugins, their versions and what each registered."""
     reg = _registry()
     rows = [
@@ -185,19 +199,24 @@ def plugins(as_json: bool = JsonOpt) -> None:
     if as_json:
         _print_json({"plugins": rows, "disabled": reg.disabled})
         return
-    table = Table(box=None, pad_edge=False)
-    for col in ("plugin", "version", "registers"):
-        table.add_column(col)
-    for r in rows:
-        regs = "; ".join(f"{k}: {', '.join(v)}" for k, v in r["registered"].items())
-        table.add_row(r["name"], f"{r['distribution'] or ''} {r['version']}".strip(), regs or "-")
-    out.print(table)
+    out.table(
+        ["plugin", "version", "registers"],
+        [
+            [
+                r["name"],
+                f"{r['distribution'] or ''} {r['version']}".strip(),
+                "; ".join(f"{k}: {', '.join(v)}" for k, v in r["registered"].items()) or "-",
+            ]
+            for r in rows
+        ],
+    )
     if reg.disabled:
         out.print(f"disabled: {', '.join(reg.disabled)}")
 
 
-@app.command()
-def hardware(as_json: bool = JsonOpt) -> None:
+@app.command(context_settings=CONTEXT)
+@json_opt
+def hardware(as_json: bool) -> None:
     """List hardware profiles (compute capability, memory, bandwidth, SMs, precisions)."""
     reg = _registry()
     profiles = list(reg.hardware.values())
@@ -215,26 +234,27 @@ def hardware(as_json: bool = JsonOpt) -> None:
             }
         )
         return
-    table = Table(box=None, pad_edge=False)
-    for col in ("profile", "device", "CC", "memory", "bandwidth", "SMs", "GPUs", "precisions"):
-        table.add_column(col)
+    rows = []
     for p in profiles:
         cc = ".".join(map(str, p.compute_capability)) if p.compute_capability else "-"
-        table.add_row(
-            p.name,
-            p.gpu_name or p.device,
-            cc,
-            f"{p.memory_gb:g} GB" if p.memory_gb else "-",
-            f"{p.bandwidth_gbps:g} GB/s" if p.bandwidth_gbps else "-",
-            str(p.sm_count or "-"),
-            str(p.gpu_count),
-            ",".join(p.precisions),
+        rows.append(
+            [
+                p.name,
+                p.gpu_name or p.device,
+                cc,
+                f"{p.memory_gb:g} GB" if p.memory_gb else "-",
+                f"{p.bandwidth_gbps:g} GB/s" if p.bandwidth_gbps else "-",
+                str(p.sm_count or "-"),
+                str(p.gpu_count),
+                ",".join(p.precisions),
+            ]
         )
-    out.print(table)
+    out.table(["profile", "device", "CC", "memory", "bandwidth", "SMs", "GPUs", "precisions"], rows)
 
 
-@app.command()
-def schema(output: Optional[Path] = typer.Option(None, "--output", "-o", help="write to a file")) -> None:
+@app.command(context_settings=CONTEXT)
+@click.option("--output", "-o", type=click.Path(path_type=Path), help="write to a file")
+def schema(output: Path | None) -> None:
     """Print the JSON Schema of the recipe format (for editor completion)."""
     from mopt.recipe import json_schema
 
@@ -248,12 +268,19 @@ def schema(output: Optional[Path] = typer.Option(None, "--output", "-o", help="w
 
 # --------------------------------------------------------------------------- entry point
 
+_EXTRA = ("mopt.cli_build", "mopt.cli_check", "mopt.cli_cache")
+_extra_done = False
+
 
 def _register_extra_commands() -> None:
-    """Commands that live in their own modules (build engine, checks, doctor)."""
+    """Commands that live in their own modules (build engine, checks, doctor, cache)."""
+    global _extra_done
+    if _extra_done:
+        return
+    _extra_done = True
     import importlib
 
-    for modname in ("mopt.cli_build", "mopt.cli_check"):
+    for modname in _EXTRA:
         try:
             mod = importlib.import_module(modname)
         except ModuleNotFoundError as exc:
@@ -265,24 +292,22 @@ def _register_extra_commands() -> None:
 
 def main() -> None:
     """Console entry point: map errors to exit codes, never a traceback for bad input."""
-    _register_extra_commands()
     try:
-        rv = app(standalone_mode=False)
+        rv = app.main(standalone_mode=False, prog_name="mopt")
     except MoptError as exc:
-        err.print(f"error: {exc}", markup=False)
+        err.print(f"error: {exc}")
         sys.exit(exc.exit_code)
     except BuildFailed as exc:
         if str(exc):
-            err.print(f"error: {exc}", markup=False)
+            err.print(f"error: {exc}")
         sys.exit(1)
-    except click.exceptions.Abort:
-        err.print("interrupted")
-        sys.exit(130)
-    except KeyboardInterrupt:
+    except (click.exceptions.Abort, KeyboardInterrupt):
         err.print("interrupted")
         sys.exit(130)
     except click.ClickException as exc:
         exc.show()
+        sys.exit(exc.exit_code)
+    except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
     sys.exit(rv if isinstance(rv, int) else 0)
 

@@ -8,9 +8,9 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
-import typer
+import click
 
 from mopt.errors import BuildFailed, MoptError
 
@@ -83,10 +83,12 @@ class LineReporter:
 class LiveReporter(LineReporter):
     """A live view of running actions (elapsed, last log line) on a terminal."""
 
-    def __init__(self, console: Any) -> None:
+    def __init__(self) -> None:
         super().__init__(sys.stderr)
+        from rich.console import Console
         from rich.live import Live
 
+        console = Console(stderr=True, highlight=False)
         self.console = console
         self.running: dict[str, Any] = {}
         self.counts: dict[str, int] = {}
@@ -132,29 +134,40 @@ class LiveReporter(LineReporter):
         self.live.stop()
 
 
-def register(app: typer.Typer) -> None:
+def register(app: click.Group) -> None:
     """Add the store commands to the CLI."""
-    from mopt.cli import JsonOpt, RecipeArg, SelectorsArg, Session, _print_json, err, out
+    from mopt.cli import CONTEXT, Session, _print_json, err, json_opt, out, recipe_arg, selectors_arg
 
-    @app.command()
+    @app.command(context_settings=CONTEXT)
+    @recipe_arg
+    @selectors_arg
+    @click.option("--jobs", "-j", type=click.IntRange(min=1), help="parallel actions (default: CPU count)")
+    @click.option("--keep-going", "-k", is_flag=True, help="build what can be built after a failure")
+    @click.option("--offline", is_flag=True, help="never touch the network")
+    @click.option("--frozen", is_flag=True, help="fail if sources or tools differ from mopt.lock")
+    @click.option("--no-check", is_flag=True, help="skip `mopt check` before building")
+    @click.option("--quiet", "-q", is_flag=True, help="do not list cached actions")
+    @json_opt
     def build(
-        recipe: Path = RecipeArg,
-        selectors: Optional[list[str]] = SelectorsArg,
-        jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1, help="parallel actions (CPU count)"),
-        keep_going: bool = typer.Option(False, "--keep-going", "-k", help="build what can be built after a failure"),
-        offline: bool = typer.Option(False, "--offline", help="never touch the network"),
-        frozen: bool = typer.Option(False, "--frozen", help="fail if sources or tools differ from mopt.lock"),
-        no_check: bool = typer.Option(False, "--no-check", help="skip `mopt check` before building"),
-        quiet: bool = typer.Option(False, "--quiet", "-q", help="do not list cached actions"),
-        as_json: bool = JsonOpt,
+        recipe: Path,
+        selectors: tuple[str, ...],
+        jobs: int | None,
+        keep_going: bool,
+        offline: bool,
+        frozen: bool,
+        no_check: bool,
+        quiet: bool,
+        as_json: bool,
     ) -> None:
-        """Build the selected targets: cache hits are reused, misses run."""
+        """Build the selected targets of RECIPE: cache hits are reused, misses run.
+
+        SELECTORS are model.hardware:target, globs allowed ('*.h200', '*:onnx')."""
         from mopt import procs
         from mopt.build import Engine, current_lock, frozen_diff, write_lock
 
         t0 = time.time()
         s = Session(recipe)
-        ids = s.graph.select(selectors or [])
+        ids = s.graph.select(list(selectors))
         if not no_check:
             _run_check(s, ids)
         engine = Engine(s, offline=offline)
@@ -171,7 +184,7 @@ def register(app: typer.Typer) -> None:
         if as_json or not sys.stderr.isatty() or os.environ.get("CI"):
             reporter = LineReporter(sys.stderr, quiet=quiet or as_json)
         else:
-            reporter = LiveReporter(err)
+            reporter = LiveReporter()
         try:
             states = engine.build(ids, jobs=jobs, keep_going=keep_going, reporter=reporter)
         except KeyboardInterrupt:
@@ -211,20 +224,22 @@ def register(app: typer.Typer) -> None:
                         err.print(f"  full log: {st.log_path}")
             summary = ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
             err.print(f"{len(states)} action(s): {summary} in {time.time() - t0:.2f}s")
-            reports = sorted(engine.build_dir.glob("**/report.html"))
+            built_dirs = {engine.build_dir / s.graph.nodes[i].model.name for i in ids}
+            reports = sorted(p for d in built_dirs if d.exists() for p in d.glob("**/report.html"))
             if reports:
-                err.print(f"reports: {', '.join(str(r) for r in reports[:5])}")
+                err.print("reports:")
+                for r in reports[:20]:
+                    err.print(f"  {r}")
             err.print(f"artifacts under {engine.build_dir}")
         if failed:
             raise BuildFailed("")
 
-    @app.command()
-    def explain(
-        recipe: Path = RecipeArg,
-        target: str = typer.Argument(..., help="model.hardware:target", show_default=False),
-        as_json: bool = JsonOpt,
-    ) -> None:
-        """Print the parts of a target's action key (what its cache entry depends on)."""
+    @app.command(context_settings=CONTEXT)
+    @recipe_arg
+    @click.argument("target")
+    @json_opt
+    def explain(recipe: Path, target: str, as_json: bool) -> None:
+        """Print the parts of TARGET's action key (what its cache entry depends on)."""
         from mopt.build import Engine
 
         s = Session(recipe)
@@ -241,13 +256,12 @@ def register(app: typer.Typer) -> None:
         for p in info["inputs_not_built"]:
             out.print(f"  input not built yet: {p}")
 
-    @app.command()
-    def show(
-        recipe: Path = RecipeArg,
-        target: str = typer.Argument(..., help="model.hardware:target", show_default=False),
-        as_json: bool = JsonOpt,
-    ) -> None:
-        """Print a built target's manifest (files, sizes, digests) and provenance."""
+    @app.command(context_settings=CONTEXT)
+    @recipe_arg
+    @click.argument("target")
+    @json_opt
+    def show(recipe: Path, target: str, as_json: bool) -> None:
+        """Print a built TARGET's manifest (files, sizes, digests) and provenance."""
         from mopt.build import Engine, address_path
 
         s = Session(recipe)
@@ -256,7 +270,7 @@ def register(app: typer.Typer) -> None:
         info = engine.explain(node_id)
         entry = engine.store.ac_entry(info["key"]) if info["key"] else None
         if entry is None:
-            raise MoptError(f"{node_id} is not built", hint=f"run: mopt build {recipe} {node_id}")
+            raise MoptError(f"{node_id} is not built", hint=f"run: mopt build {recipe} '{node_id}'")
         files = engine.store.tree_entries(entry.outputs_tree)
         data = {
             "id": node_id,
@@ -292,17 +306,16 @@ def register(app: typer.Typer) -> None:
         if prov["result"]:
             out.print(f"  result {json.dumps(prov['result'], sort_keys=True)[:400]}")
 
-    @app.command("ls")
-    def ls_(
-        recipe: Path = RecipeArg,
-        selectors: Optional[list[str]] = SelectorsArg,
-        as_json: bool = JsonOpt,
-    ) -> None:
-        """List built artifacts of a recipe with their sizes."""
+    @app.command("ls", context_settings=CONTEXT)
+    @recipe_arg
+    @selectors_arg
+    @json_opt
+    def ls_(recipe: Path, selectors: tuple[str, ...], as_json: bool) -> None:
+        """List built artifacts of RECIPE with their sizes."""
         from mopt.build import Engine, address_path
 
         s = Session(recipe)
-        ids = s.graph.select(selectors or [])
+        ids = s.graph.select(list(selectors))
         engine = Engine(s)
         status = engine.plan(ids)
         rows = []
@@ -330,13 +343,12 @@ def register(app: typer.Typer) -> None:
             out.print(f"{human(r['bytes']):>10}  {r['files']:>4} files  {r['built']}  {r['id']}  ({r['kind']})")
         out.print(f"{len(rows)} built of {len(ids)}; {human(sum(r['bytes'] for r in rows))} in all")
 
-    @app.command()
-    def gc(
-        max_size: Optional[str] = typer.Option(None, "--max-size", help="shrink the store below this (e.g. 200G)"),
-        older_than: Optional[str] = typer.Option(None, "--older-than", help="drop entries unused this long (e.g. 30d)"),
-        dry_run: bool = typer.Option(False, "--dry-run", help="say what would go, remove nothing"),
-        as_json: bool = JsonOpt,
-    ) -> None:
+    @app.command(context_settings=CONTEXT)
+    @click.option("--max-size", help="shrink the store below this (e.g. 200G)")
+    @click.option("--older-than", help="drop entries unused for this long (e.g. 30d)")
+    @click.option("--dry-run", is_flag=True, help="say what would go, remove nothing")
+    @json_opt
+    def gc(max_size: str | None, older_than: str | None, dry_run: bool, as_json: bool) -> None:
         """Remove least recently used cache entries; never what lock files reference."""
         from mopt.config import load_project
         from mopt.store import Store

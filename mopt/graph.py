@@ -243,6 +243,8 @@ def build_graph(recipe: Recipe, registry: Registry) -> Graph:
         wiring = _wire(section, registry)
         variants: dict[str, list[Target]] = {}
         for t in section.targets:
+            kind = registry.targets[t.kind]()
+            t.params = kind.bind(t.params, model=section.model, hardware=section.key, section=section.id)
             variants.setdefault(t.name, []).append(t)
         built: dict[str, list[Node]] = {}  # target name → its nodes in this section
         for name in _topo_names(wiring):

@@ -35,6 +35,7 @@ ENTRY_POINT_GROUP = "mopt"
 #: the core's own plugins, registered exactly like third-party ones
 BUILTIN_PLUGINS = (
     "mopt.builtin.hardware",
+    "mopt.builtin.families",
     "mopt.builtin.sources",
     "mopt.builtin.targets",
     "mopt.builtin.executors",

@@ -34,9 +34,11 @@ class ModelSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    family: str = Field(description="a model-family plugin: qwen3, bert, ...")
+    family: str = Field(default="generic", description="a model-family plugin: qwen3, bert, ...")
     task: str = Field(default="embedding", description="embedding, ...")
-    source: dict[str, Any] = Field(description="{ hf = ..., revision = ... } | { path = ... } | ...")
+    source: dict[str, Any] | None = Field(
+        default=None, description="{ hf = ..., revision = ... } | { path = ... } | ... (kinds that read it need it)"
+    )
     config: str | None = Field(
         default=None,
         description="a config.json used by `mopt check` when the checkpoint is not local",
@@ -44,13 +46,28 @@ class ModelSpec(BaseModel):
     description: str = ""
 
 
-@dataclass(frozen=True)
 class Where:
-    """Where a value was written."""
+    """Where a value was written; the line is found only when an error needs it."""
 
-    file: str
-    table: str
-    line: int | None = None
+    __slots__ = ("_line", "_locate", "file", "table")
+
+    def __init__(
+        self, file: str, table: str, line: int | None = None, locate: Any = None
+    ) -> None:
+        self.file = file
+        self.table = table
+        self._line = line
+        self._locate = locate
+
+    @property
+    def line(self) -> int | None:
+        if self._line is None and self._locate is not None:
+            self._line = self._locate()
+            self._locate = None
+        return self._line
+
+    def __repr__(self) -> str:
+        return f"Where({self.file!r}, {self.table!r})"
 
 
 @dataclass
@@ -134,7 +151,7 @@ class _File:
     data: dict[str, Any]
 
     def where(self, table: list[str], key: str | None = None) -> Where:
-        return Where(self.shown, ".".join(table), tomlfile.find_line(self.text, table, key))
+        return Where(self.shown, ".".join(table), locate=lambda: tomlfile.find_line(self.text, table, key))
 
     def error(self, msg: str, table: list[str], key: str | None = None, hint: str | None = None) -> MoptError:
         w = self.where(table, key)
@@ -254,11 +271,11 @@ def _merge_models(chain: list[_File], registry: Registry) -> dict[str, Model]:
                 hint=did_you_mean(spec.family, registry.families, "families")
                 + "; families come from plugins (`mopt plugins`)",
             )
-        kind, params = _validate_source(spec.source, f, table, registry)
+        kind, params = _validate_source(spec.source, f, table, registry) if spec.source is not None else ("", None)
         cfg = (f.path.parent / spec.config).resolve() if spec.config else None
         if cfg is not None and not cfg.is_file():
             raise f.error(f"config file {spec.config!r} not found", table, "config")
-        src_file = next(g for g in reversed(chain) if "source" in g.data.get("models", {}).get(name, {}))
+        src_file = next((g for g in reversed(chain) if "source" in g.data.get("models", {}).get(name, {})), f)
         models[name] = Model(name, spec, kind, params, cfg, f.where(table), src_file.path.parent)
     return models
 

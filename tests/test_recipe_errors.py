@@ -117,7 +117,7 @@ CASES: list[tuple[str, dict[str, str], str]] = [
     (
         "misspelled_model_key",
         {"r.toml": MODEL.replace("source =", "soruce =")},
-        "r.toml:5: [models.toy] soruce: unknown key (and 1 more error) (did you mean 'source'?)",
+        "r.toml:5: [models.toy] soruce: unknown key (did you mean 'source'?)",
     ),
     (
         "sweep_over_unknown_target",

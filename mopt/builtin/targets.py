@@ -12,7 +12,7 @@ from pydantic import Field, field_validator
 from mopt import procs
 from mopt.api import BuildContext, Input, Params, TargetKind, hookimpl
 
-_TOKEN = re.compile(r"\{(out|in|file)(?::([^{}]+))?\}")
+_TOKEN = re.compile(r"\{(out|in|file|model|hardware|section)(?::([^{}]+))?\}")
 
 
 class CommandKind(TargetKind):
@@ -20,7 +20,8 @@ class CommandKind(TargetKind):
 
     Placeholders in `argv`: `{out}` (the output folder), `{in}` (the first input target's
     folder), `{in:NAME}` (input target NAME's folder), `{file}` / `{file:N}` (the first /
-    N-th declared file, absolute). The key covers the argv, the declared files' and input
+    N-th declared file, absolute); in `argv` and `files`: `{model}`, `{hardware}` (the
+    section's names), so one `[defaults]` table can serve many sections. The key covers the argv, the declared files' and input
     targets' digests and the values of the env variables in `env` (nothing else of the
     environment reaches the command besides PATH, HOME and LANG).
     """
@@ -47,6 +48,17 @@ class CommandKind(TargetKind):
     def input_files(self, params: Any, project_dir: Path) -> list[Path]:
         return [(project_dir / f).resolve() for f in params.files]
 
+    def bind(self, params: Any, *, model: str, hardware: str, section: str) -> Any:
+        """Params with {model}, {hardware}, {section} filled in (before keying)."""
+        names = {"model": model, "hardware": hardware, "section": section}
+
+        def fill(text: str) -> str:
+            return _TOKEN.sub(lambda m: names.get(m.group(1), m.group(0)), text)
+
+        return params.model_copy(
+            update={"argv": [fill(a) for a in params.argv], "files": [fill(f) for f in params.files]}
+        )
+
     def env_values(self, params: Any) -> dict[str, str | None]:
         """The allow-listed env values (part of the key)."""
         return {k: os.environ.get(k) for k in sorted(params.env)}
@@ -58,6 +70,8 @@ class CommandKind(TargetKind):
 
         def sub(m: re.Match[str]) -> str:
             what, arg = m.group(1), m.group(2)
+            if what in ("model", "hardware", "section"):
+                return m.group(0)
             if what == "out":
                 return str(ctx.out)
             if what == "in":

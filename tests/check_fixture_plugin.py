@@ -1,0 +1,207 @@
+"""A plugin for the check tests: toy families, a synthetic-style source, toy GPU kinds with the
+param names real engine / serving kinds use, and two extra hardware profiles.
+
+Names are prefixed `toy` so they never clash with the real plugins installed beside them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from pydantic import Field
+
+from mopt.api import (
+    BuildContext,
+    CheckContext,
+    Family,
+    Finding,
+    HardwareProfile,
+    Params,
+    Source,
+    SourceContext,
+    TargetKind,
+    hookimpl,
+)
+
+PLUGIN_NAME = "check-fixture"
+
+#: a small qwen3 config the toy family hands to synthetic sources
+TOY_QWEN3_DEFAULTS: dict[str, Any] = {
+    "model_type": "qwen3",
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+}
+
+
+class ToyQwen3(Family):
+    name = "toy-qwen3"
+    description = "qwen3-like decoder (tests)"
+    architectures = ("Qwen3ForCausalLM",)
+    pooling = "last-token"
+    synthetic_config = TOY_QWEN3_DEFAULTS
+
+
+class ToyBert(Family):
+    name = "toy-bert"
+    description = "bert-like encoder (tests)"
+    architectures = ("BertModel",)
+    pooling = "mean"
+
+
+class ToySynth(Source):
+    """Random weights of the family's architecture, configured by `config` overrides."""
+
+    name = "toysynth"
+    description = "random weights (tests)"
+
+    class Params(Params):
+        toysynth: str
+        seed: int = 0
+        config: dict[str, Any] = Field(default_factory=dict)
+
+    def resolve(self, params: Any, ctx: SourceContext) -> Path:
+        raise NotImplementedError
+
+
+class _Kind(TargetKind):
+    def run(self, ctx: BuildContext) -> dict[str, Any] | None:
+        raise NotImplementedError("toy kinds do not build")
+
+
+class ToyOnnx(_Kind):
+    name = "toy-onnx"
+    uses_source = True
+
+    class Params(Params):
+        dtype: str = "fp32"
+        opset: int = 17
+
+
+class ToyTrt(_Kind):
+    name = "toy-trt"
+    per_hardware = True
+    requires = ("gpu", "hardware")
+
+    class Params(Params):
+        precision: str = "fp16"
+        max_batch_size: int = 1
+        max_seq_len: int = 512
+        opt_level: int = 3
+        workspace_gb: float | None = None
+        shapes: dict[str, list[list[int]]] | None = None
+
+    def check(self, params: Any, ctx: CheckContext) -> list[Finding]:
+        if params.opt_level > 5:
+            return [
+                Finding(
+                    "error",
+                    "toy-opt-level",
+                    f"opt_level {params.opt_level} > 5",
+                    "use 0-5",
+                    key="opt_level",
+                )
+            ]
+        return []
+
+
+class ToyVllm(_Kind):
+    name = "toy-vllm"
+    per_hardware = True
+    requires = ("gpu",)
+
+    class Params(Params):
+        dtype: str = "auto"
+        max_num_seqs: int = 256
+        max_model_len: int | None = None
+        gpu_memory_utilization: float = 0.9
+        tensor_parallel_size: int = 1
+        block_size: int = 16
+        kv_cache_dtype: str = "auto"
+        quantization: str | None = None
+
+
+class ToyTrtllm(_Kind):
+    name = "toy-trtllm"
+    per_hardware = True
+    requires = ("gpu", "python:tensorrt_llm")
+
+    class Params(Params):
+        tokens_per_block: int = 32
+        tp_size: int = 1
+        max_batch_size: int = 8
+        max_seq_len: int | None = None
+        max_num_tokens: int | None = None
+        kv_cache_free_gpu_memory_fraction: float = 0.9
+
+
+class ToyBroken(_Kind):
+    name = "toy-broken"
+
+    def check(self, params: Any, ctx: CheckContext) -> list[Finding]:
+        raise RuntimeError("boom")
+
+
+PROFILES = [
+    HardwareProfile(
+        name="toy-t4",
+        description="Turing test profile",
+        gpu_name="Tesla T4",
+        compute_capability=(7, 5),
+        memory_gb=15,
+        bandwidth_gbps=320,
+        sm_count=40,
+    ),
+    HardwareProfile(
+        name="toy-h100x4",
+        description="four H100 SXM",
+        gpu_name="NVIDIA H100 80GB HBM3",
+        compute_capability=(9, 0),
+        memory_gb=80,
+        bandwidth_gbps=3350,
+        sm_count=132,
+        gpu_count=4,
+    ),
+]
+
+
+@hookimpl
+def mopt_register_families(register: Callable[[Any], None]) -> None:
+    register(ToyQwen3)
+    register(ToyBert)
+
+
+@hookimpl
+def mopt_register_sources(register: Callable[[Any], None]) -> None:
+    register(ToySynth)
+
+
+@hookimpl
+def mopt_register_targets(register: Callable[[Any], None]) -> None:
+    for k in (ToyOnnx, ToyTrt, ToyVllm, ToyTrtllm, ToyBroken):
+        register(k)
+
+
+@hookimpl
+def mopt_register_hardware(register: Callable[[Any], None]) -> None:
+    for p in PROFILES:
+        register(p)
+
+
+def registry() -> Any:
+    """The built-in registry plus this plugin."""
+    import sys
+
+    from mopt.plugins import build_registry, make_plugin_manager
+
+    pm = make_plugin_manager()
+    pm.register(sys.modules[__name__], name=PLUGIN_NAME)
+    return build_registry(pm)

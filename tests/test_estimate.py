@@ -1,0 +1,201 @@
+"""The memory estimator: parameter counts against transformers, the KV-cache formula, the
+pooled-runtime arithmetic, and the "largest setting that fits" search."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mopt.estimate import (
+    GIB,
+    ConfigError,
+    ModelDims,
+    Workload,
+    activation_bytes,
+    bytes_per_value,
+    estimate,
+    kv_bytes_per_token,
+    largest_fitting,
+    normalize_precision,
+    weight_bytes,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+QWEN3 = json.loads((ROOT / "recipes" / "configs" / "qwen3-embedding-0.6b.json").read_text())
+MINILM = json.loads((Path(__file__).parent / "check_recipes" / "models" / "minilm" / "config.json").read_text())
+
+
+def test_qwen3_embedding_config_is_the_published_shape() -> None:
+    d = ModelDims.from_config(QWEN3)
+    assert (d.layers, d.hidden, d.intermediate, d.heads, d.kv_heads, d.head_dim) == (28, 1024, 3072, 16, 8, 128)
+    assert (d.vocab, d.max_position, d.tied, d.gated_mlp, d.qk_norm) == (151669, 32768, True, True, True)
+    assert d.q_dim == 2048  # 16 heads × 128: wider than hidden
+    assert d.config_dtype == "bf16"
+
+
+def test_qwen3_embedding_param_count_matches_transformers_exactly() -> None:
+    # transformers counts 595,776,512 for Qwen3Model with this config (checked with torch's
+    # meta device; the test below repeats it where transformers is installed)
+    assert ModelDims.from_config(QWEN3).param_counts().total == 595_776_512
+
+
+def test_minilm_param_count_is_22_7m() -> None:
+    d = ModelDims.from_config(MINILM)
+    assert d.encoder and not d.gated_mlp and d.pooler
+    assert d.param_counts().total == 22_713_216
+
+
+SHAPES = {
+    "qwen3-0.6b": {},
+    "qwen3-gqa-1kv": {"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512,
+                      "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 1000},
+    "qwen3-untied": {"tie_word_embeddings": False, "num_hidden_layers": 3},
+}
+
+
+@pytest.fixture(scope="module")
+def transformers_counts() -> dict[str, int]:
+    """Parameter counts transformers itself reports (meta device, one subprocess for all)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    cases = {name: ("Qwen3Model", "Qwen3Config", {**QWEN3, **o}) for name, o in SHAPES.items()}
+    cases["minilm"] = ("BertModel", "BertConfig", MINILM)
+    code = (
+        "import json, sys, torch, transformers as t\n"
+        "out = {}\n"
+        "for name, (model, config, cfg) in json.loads(sys.argv[1]).items():\n"
+        "    with torch.device('meta'):\n"
+        "        m = getattr(t, model)(getattr(t, config)(**cfg))\n"
+        "    out[name] = sum(p.numel() for p in m.parameters())\n"
+        "print(json.dumps(out))\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(cases)], capture_output=True, text=True, timeout=600, check=True
+    )
+    counts: dict[str, int] = json.loads(res.stdout.strip().splitlines()[-1])
+    return counts
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_param_count_equals_transformers_for_qwen3_shapes(name: str, transformers_counts: dict[str, int]) -> None:
+    d = ModelDims.from_config({**QWEN3, **SHAPES[name]})
+    # Qwen3Model has no lm_head: the estimator counts an untied one for serving
+    assert d.param_counts().total - d.param_counts().lm_head == transformers_counts[name]
+
+
+def test_bert_param_count_equals_transformers(transformers_counts: dict[str, int]) -> None:
+    assert ModelDims.from_config(MINILM).param_counts().total == transformers_counts["minilm"]
+
+
+def test_missing_keys_are_named() -> None:
+    with pytest.raises(ConfigError) as exc:
+        ModelDims.from_config({"hidden_size": 64, "model_type": "qwen3"})
+    assert exc.value.missing == ["num_hidden_layers", "num_attention_heads", "vocab_size"]
+
+
+@pytest.mark.parametrize(
+    ("name", "canonical"),
+    [("float16", "fp16"), ("BF16", "bf16"), ("bfloat16", "bf16"), ("fp8_e4m3", "fp8"), ("int4_awq", "int4"),
+     ("modelopt_fp4", "nvfp4"), ("torch.float32", "fp32"), ("auto", None), ("mixed", None), (3, None)],
+)
+def test_precision_names(name: object, canonical: str | None) -> None:
+    assert normalize_precision(name) == canonical
+
+
+def test_bytes_per_value_include_scales() -> None:
+    assert bytes_per_value("fp16") == 2
+    assert bytes_per_value("int4") == pytest.approx(0.5 + 2 / 128)
+    assert bytes_per_value("nvfp4") == pytest.approx(0.5625)
+
+
+def test_weights_by_precision() -> None:
+    d = ModelDims.from_config(QWEN3)
+    pc = d.param_counts()
+    assert weight_bytes(d, "fp32") == pc.total * 4
+    assert weight_bytes(d, "bf16") == pc.total * 2
+    # quantized: linear layers in 1 byte, embeddings and norms stay 16-bit
+    assert weight_bytes(d, "fp8") == pc.linear * 1 + (pc.total - pc.linear) * 2
+    assert weight_bytes(d, "int4") < weight_bytes(d, "int8") < weight_bytes(d, "fp16")
+
+
+def test_kv_cache_formula() -> None:
+    d = ModelDims.from_config(QWEN3)
+    # 2 × 28 layers × 8 kv heads × 128 × 2 bytes = 114,688 bytes per token
+    assert kv_bytes_per_token(d, "fp16") == 2 * 28 * 8 * 128 * 2 == 114_688
+    assert kv_bytes_per_token(d, "fp8") == 57_344
+    assert kv_bytes_per_token(d, "fp16", tp=2) == 57_344  # kv heads split
+    assert kv_bytes_per_token(d, "fp16", tp=16) == 2 * 28 * 1 * 128 * 2  # replicated past 8
+    e = estimate(d, Workload(precision="bf16", batch=4, seq_len=1000, kv_cache=True))
+    assert e.kv_cache == 114_688 * 4000
+
+
+def test_activations_grow_with_tokens_and_eager_attention() -> None:
+    d = ModelDims.from_config(QWEN3)
+    a1 = activation_bytes(d, 1024, "fp16")
+    assert activation_bytes(d, 2048, "fp16") == pytest.approx(2 * a1)
+    eager = activation_bytes(d, 4096, "fp16", batch=1, seq_len=4096, attention="eager")
+    assert eager - activation_bytes(d, 4096, "fp16") == 2 * 2 * 16 * 4096 * 4096
+
+
+def test_engine_estimate_breakdown_sums_up() -> None:
+    d = ModelDims.from_config(QWEN3)
+    e = estimate(d, Workload(precision="fp16", batch=8, seq_len=512, workspace_gb=1.0), capacity_gb=8)
+    assert e.total == e.weights + e.activations + e.workspace + e.runtime
+    assert e.workspace == GIB and e.runtime == GIB // 2 and e.kv_cache == 0
+    assert e.fits and e.budget == 8 * GIB
+    assert [ln.name for ln in e.lines] == ["weights", "activations", "workspace", "runtime"]
+    js = e.to_json()
+    assert js["bytes"]["total"] == round(e.total) and js["fits"] is True
+
+
+def test_vllm_pool_leaves_the_rest_for_kv_cache() -> None:
+    d = ModelDims.from_config(QWEN3)
+    w = Workload(precision="bf16", batch=16, seq_len=32768, num_tokens=32768, kv_cache=True, memory_fraction=0.9)
+    e = estimate(d, w, capacity_gb=141)
+    assert e.budget == pytest.approx(0.9 * 141 * GIB)
+    assert e.kv_available == pytest.approx(e.budget - e.fixed)
+    assert e.kv_tokens_available == int(e.kv_available // 114_688)
+    assert e.fits  # 16 × 32768 tokens × 112 KiB = 56 GiB < ~124 GiB left
+    e2 = estimate(d, Workload(**{**w.__dict__, "batch": 64}), capacity_gb=141)
+    assert e2.model_fits and not e2.fits
+
+
+def test_trtllm_kv_fraction_of_free_memory() -> None:
+    d = ModelDims.from_config(QWEN3)
+    w = Workload(precision="bf16", batch=8, seq_len=8192, num_tokens=8192, kv_cache=True, kv_fraction=0.5)
+    e = estimate(d, w, capacity_gb=80)
+    assert e.kv_available == pytest.approx(0.5 * (80 * GIB - e.fixed))
+
+
+def test_tensor_parallel_shards_weights() -> None:
+    d = ModelDims.from_config(QWEN3)
+    one = estimate(d, Workload(precision="bf16"))
+    four = estimate(d, Workload(precision="bf16", tp=4))
+    assert four.weights == pytest.approx(one.weights / 4)
+
+
+def test_largest_fitting_is_the_boundary() -> None:
+    d = ModelDims.from_config(QWEN3)
+    w = Workload(precision="fp16", batch=512, seq_len=2048)
+    b = largest_fitting(d, w, 8, "batch", 4096)
+    assert b is not None and 1 < b < 512
+    assert estimate(d, Workload(precision="fp16", batch=b, seq_len=2048), 8).fits
+    assert not estimate(d, Workload(precision="fp16", batch=b + 1, seq_len=2048), 8).fits
+    # nothing fits when the weights alone exceed the GPU
+    assert largest_fitting(d, Workload(precision="fp32"), 1, "batch", 64) is None
+
+
+def test_rope_scaling_extends_the_max_sequence() -> None:
+    cfg = {**QWEN3, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+    assert ModelDims.from_config(cfg).max_sequence == 131072
+    assert ModelDims.from_config(QWEN3).max_sequence == 32768
+
+
+def test_estimator_imports_no_torch() -> None:
+    code = "import sys, mopt.estimate, mopt.check, mopt.machine, mopt.doctor, mopt.cli_check; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "False"
