@@ -278,8 +278,14 @@ class Engine:
         jobs: int | None = None,
         keep_going: bool = False,
         reporter: Reporter | None = None,
+        materialize: set[str] | None = None,
     ) -> dict[str, NodeState]:
-        """Build `ids` (in topological order); return each node's final state."""
+        """Build `ids` (in topological order); return each node's final state.
+
+        Only nodes in `materialize` (default: all) get folders under build/; the others
+        stay in the store (their dependents read them from there).
+        """
+        self._want = set(ids) if materialize is None else set(materialize)
         from mopt.procs import gpu_slots, unmet
 
         reporter = reporter or Reporter()
@@ -425,6 +431,8 @@ class Engine:
         self.record(st.node, st.key, st.parts)
 
     def _materialize(self, node: Node, tree: str) -> None:
+        if node.id not in getattr(self, "_want", {node.id}):
+            return
         with self.store.in_use():
             for address in node.addresses:
                 self.store.materialize(tree, address_path(self.build_dir, address))

@@ -167,7 +167,8 @@ def register(app: click.Group) -> None:
 
         t0 = time.time()
         s = Session(recipe)
-        ids = s.graph.select(list(selectors))
+        wanted = s.graph.match(list(selectors))
+        ids = s.graph.closure(wanted)
         if not no_check:
             _run_check(s, ids)
         engine = Engine(s, offline=offline)
@@ -186,7 +187,9 @@ def register(app: click.Group) -> None:
         else:
             reporter = LiveReporter()
         try:
-            states = engine.build(ids, jobs=jobs, keep_going=keep_going, reporter=reporter)
+            states = engine.build(
+                ids, jobs=jobs, keep_going=keep_going, reporter=reporter, materialize=set(wanted)
+            )
         except KeyboardInterrupt:
             procs.kill_all()
             err.print("interrupted: running actions stopped; nothing partial was stored")
@@ -209,6 +212,11 @@ def register(app: click.Group) -> None:
                     "recipe": str(s.recipe.path),
                     "seconds": round(time.time() - t0, 3),
                     "counts": counts,
+                    "io": {
+                        "hashed_files": engine.store.state.hashed_files,
+                        "hashed_bytes": engine.store.state.hashed_bytes,
+                        "stat_hits": engine.store.state.hits,
+                    },
                     "build_dir": str(engine.build_dir),
                     "nodes": [st.as_json() for st in states.values()],
                 }

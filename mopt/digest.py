@@ -14,7 +14,6 @@ import re
 import stat
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import PurePosixPath
 from typing import Any
 
 import blake3
@@ -28,6 +27,21 @@ MODE_EXEC = 0o755
 _DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 
 StrPath = str | os.PathLike[str]
+
+
+# BLAKE3's worker threads do not survive fork(): a child of a process that hashed with them
+# (multiprocessing's default on Linux) deadlocks on the first threaded hash. Children of such
+# a process hash on one thread instead.
+_threads_started = False
+_threads_lost = False
+
+
+def _after_fork_in_child() -> None:
+    global _threads_lost
+    _threads_lost = _threads_lost or _threads_started
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class TreeError(ValueError):
@@ -63,7 +77,12 @@ def hash_file(path: StrPath) -> str:
             return blake3.blake3(f.read()).hexdigest()
     # Large files: mmap avoids copying into Python and lets BLAKE3 hash on every core
     # (about 2x on two cores). mmap of an empty file would fail, hence the threshold first.
-    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    global _threads_started
+    if _threads_lost:
+        h = blake3.blake3()
+    else:
+        _threads_started = True
+        h = blake3.blake3(max_threads=blake3.blake3.AUTO)
     h.update_mmap(os.fspath(path))
     return h.hexdigest()
 
@@ -93,12 +112,14 @@ class TreeEntry:
         # Manifests may come from a shared or remote cache: a path that escapes the tree
         # would let a bad manifest write outside the folder being materialized.
         p = self.path
+        wrapped = f"/{p}/"
         if (
             not isinstance(p, str)
             or not p
             or "\0" in p
-            or p.startswith("/")
-            or any(part in ("", ".", "..") for part in p.split("/"))
+            or "//" in wrapped
+            or "/./" in wrapped
+            or "/../" in wrapped
         ):
             raise TreeError(f"tree entry path must be relative, normalised posix: {p!r}")
         if type(self.mode) is not int or self.mode not in (MODE_FILE, MODE_EXEC):
@@ -141,22 +162,28 @@ def parse_tree_manifest(data: bytes) -> list[TreeEntry]:
 
 def _check_paths(ordered: list[TreeEntry]) -> None:
     # A path cannot be both a file and a folder ("a" and "a/b"). Sorting does not put the
-    # two next to each other ("a-b" sorts between them), so check every entry's parents.
-    paths = set()
+    # two next to each other ("a-b" sorts between them), so compare against every parent.
+    files: set[str] = set()
+    folders: set[str] = set()
     for e in ordered:
-        if e.path in paths:
+        if e.path in files:
             raise TreeError(f"tree has {e.path!r} twice")
-        paths.add(e.path)
-    for e in ordered:
-        for parent in PurePosixPath(e.path).parents:
-            if str(parent) in paths:
-                raise TreeError(f"tree has {str(parent)!r} both as a file and as a folder")
+        files.add(e.path)
+        p = e.path
+        while (i := p.rfind("/")) > 0:
+            p = p[:i]
+            if p in folders:
+                break  # its parents are in already
+            folders.add(p)
+    both = files & folders
+    if both:
+        raise TreeError(f"tree has {min(both)!r} both as a file and as a folder")
 
 
 def iter_files(root: StrPath) -> Iterator[tuple[str, str, os.stat_result]]:
     """Yield (relative posix path, absolute path, lstat) for each regular file under `root`.
 
-    Walks in sorted order without following links. A symlink raises SymlinkError and any
+    Walks each folder in name order without following links. A symlink raises SymlinkError and any
     other non-regular file raises TreeError, both naming the path and what to do.
     """
     base = os.path.abspath(root)

@@ -77,6 +77,10 @@ class Graph:
 
     def select(self, selectors: list[str]) -> list[str]:
         """Node ids matched by `model.hardware:target` selectors (globs), with their deps."""
+        return self.closure(self.match(selectors))
+
+    def match(self, selectors: list[str]) -> list[str]:
+        """Node ids matched by the selectors themselves (all nodes when there are none)."""
         if not selectors:
             return list(self.nodes)
         picked: set[str] = set()
@@ -106,7 +110,7 @@ class Graph:
                     f"selector {sel!r} matches no target",
                     hint=hint + "; selectors look like model.hardware:target, globs allowed",
                 )
-        return self.closure(picked)
+        return [i for i in self.nodes if i in picked]
 
 
 def _candidates(slot: Input, section: Section, me: Target) -> list[str]:

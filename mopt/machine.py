@@ -515,6 +515,11 @@ def reset() -> None:
         f.cache_clear()
 
 
+def gpu_count() -> int:
+    """NVIDIA GPUs visible to this process (after CUDA_VISIBLE_DEVICES)."""
+    return len(probe_gpus().visible)
+
+
 # --------------------------------------------------------------------------- matching
 
 
@@ -657,5 +662,10 @@ def check_requirement(req: str, hardware: HardwareProfile) -> str | None:
 
 
 def check_requirements(reqs: Iterable[str], hardware: HardwareProfile) -> list[str]:
-    """The reasons this machine cannot meet `reqs` (empty when it can)."""
-    return [why for r in reqs if (why := check_requirement(r, hardware)) is not None]
+    """The reasons this machine cannot meet `reqs` (empty when it can), without repeats."""
+    out: list[str] = []
+    for r in reqs:
+        why = check_requirement(r, hardware)
+        if why is not None and why not in out:
+            out.append(why)
+    return out

@@ -291,11 +291,16 @@ class Store:
         path = self._ac_path(key)
         try:
             data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
             # Touch the entry before checking its blobs (as Bazel does), so that a gc
             # running now sees it as recently used and keeps what it references.
             os.utime(path)
         except FileNotFoundError:
             return None
+        except PermissionError:
+            pass  # another user's entry in a shared store: still a hit, just not touched
         try:
             e = ActionEntry.model_validate_json(data)
         except ValidationError as err:

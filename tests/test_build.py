@@ -289,3 +289,29 @@ def test_show_and_ls_and_explain(toy: Path) -> None:
     assert set(ex["parts"]) >= {"kind", "kind_version", "plugin", "plugin_version", "params", "inputs",
                                  "fingerprint", "platform", "salt", "hardware"}
     assert ex["key"] == show["key"] or ex["id"] != show["id"]
+
+
+def test_sigint_mid_action_stops_cleanly_and_next_build_recovers(toy: Path) -> None:
+    with open(toy / "r.toml", "a") as fh:
+        fh.write("[toy.cpu.toy-export]\nsleep = 30\n")
+    counter = toy / "counter.txt"
+    env = dict(os.environ, MOPT_FIXTURE_COUNTER=str(counter))
+    p = subprocess.Popen([sys.executable, "-m", "mopt", "build", "r.toml", "--no-check", "toy.cpu"],
+                         cwd=toy, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not counter.exists() and time.time() < deadline:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGINT)
+    _, stderr = p.communicate(timeout=30)
+    assert p.returncode == 130
+    assert "interrupted" in stderr and "Traceback" not in stderr
+    assert not (toy / "build/toy/cpu/toy-export").exists()
+    (toy / "r.toml").write_text((toy / "r.toml").read_text().replace("sleep = 30", "sleep = 0"))
+    assert build(toy, "toy.cpu")["returncode"] == 0
+
+
+def test_selected_target_is_materialized_but_not_its_dependencies(toy: Path) -> None:
+    data = build(toy, "toy.gpu:toy-engine")
+    assert data["counts"] == {"built": 3}
+    assert (toy / "build/toy/gpu/toy-engine/engine.plan").is_file()
+    assert not (toy / "build/toy/gpu/toy-export").exists()

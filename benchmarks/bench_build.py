@@ -1,0 +1,175 @@
+"""Build-tool benchmark: mopt vs DVC and Snakemake on the peers' DAG, side by side in one run.
+
+The DAG (../shared/bench/peers): M models × 5 chained stages, `sha1sum in > out`, the first
+stage reading an S-MiB weight file. Phases: full build, no-op, touch of every weight file
+without a content change, one input changed. Prints a table and the ratios.
+
+    python benchmarks/bench_build.py                 # M=40 S=64 and M=400 S=1, with peers
+    python benchmarks/bench_build.py --no-peers      # mopt only
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from gen_mopt_dag import write as write_recipe  # noqa: E402
+
+PEERS = (HERE.parent.parent / "shared" / "bench" / "peers").resolve()
+
+
+def mopt(recipe: Path) -> tuple[float, dict]:
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "mopt", "build", recipe.name, "--json", "--no-check", "-q"],
+        cwd=recipe.parent, capture_output=True, text=True,
+    )
+    dt = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"mopt build failed:\n{proc.stderr[-2000:]}")
+    return dt, json.loads(proc.stdout)
+
+
+def built(data: dict) -> int:
+    return data["counts"].get("built", 0)
+
+
+def bench_mopt(root: Path, m: int, reps: int, full_phases: bool) -> dict[str, list]:
+    recipe = write_recipe(root, m)
+    for d in (recipe.parent / ".mopt", recipe.parent / "build"):
+        shutil.rmtree(d, ignore_errors=True)
+    res: dict[str, list] = {}
+
+    def run(phase: str) -> None:
+        dt, data = mopt(recipe)
+        res.setdefault(phase, []).append((dt, built(data), data["io"]["hashed_bytes"]))
+
+    run("full")
+    run("warm")  # first no-op records blob stats; not reported
+    for _ in range(reps):
+        run("noop")
+    if full_phases:
+        weights = sorted(glob.glob(str(root / "weights" / "*.bin")))
+        for w in weights:
+            os.utime(w)
+        run("touched")
+        run("after_touch")
+        with open(weights[len(weights) // 2], "ab") as fh:
+            fh.write(b"x")
+        run("incremental")
+        for _ in range(reps):
+            run("after_change")
+    return res
+
+
+def bench_peers(m: int, s: int, reps: int, noop_only: bool) -> dict[str, dict[str, list]]:
+    """Run the peers' measure.sh for dvc and snakemake; parse its TSV."""
+    res_dir = Path("/tmp/peers/results-bench")
+    res_dir.mkdir(parents=True, exist_ok=True)
+    before = set(res_dir.glob("*.tsv"))
+    args = ["bash", str(PEERS / "measure.sh"), "-t", "dvc snakemake", "-M", str(m), "-S", str(s), "-r", str(reps)]
+    if noop_only:
+        args += ["-n", "-f"]
+    env = dict(os.environ, VENV=sys.prefix, RES=str(res_dir))
+    subprocess.run(args, env=env, check=True, stdout=subprocess.DEVNULL)
+    tsv = sorted(set(res_dir.glob("*.tsv")) - before)[-1]
+    out: dict[str, dict[str, list]] = {}
+    with open(tsv) as fh:
+        rows = csv.DictReader((line for line in fh if not line.startswith("#")), delimiter="\t")
+        for r in rows:
+            out.setdefault(r["tool"], {}).setdefault(r["phase"], []).append(
+                (float(r["seconds"]), int(r["rewritten"]), None)
+            )
+    return out
+
+
+def fmt(xs: list | None) -> str:
+    if not xs:
+        return "-"
+    secs = [x[0] for x in xs]
+    n = max(x[1] for x in xs)
+    t = f"{min(secs):.3f}" if len(secs) == 1 else f"{min(secs):.3f}/{statistics.median(secs):.3f}"
+    return f"{t}s [{n}]"
+
+
+def hashing() -> None:
+    import hashlib
+    import tempfile
+
+    from mopt.digest import hash_file
+
+    with tempfile.NamedTemporaryFile(dir="/tmp", delete=False) as fh:
+        for _ in range(512):
+            fh.write(os.urandom(1 << 20))
+        path = fh.name
+    try:
+        hash_file(path)
+        t0 = time.perf_counter()
+        for _ in range(3):
+            hash_file(path)
+        b3 = 3 * 512 / 1024 / (time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        with open(path, "rb") as f:
+            h = hashlib.sha256()
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+        sha = 512 / 1024 / (time.perf_counter() - t0)
+    finally:
+        os.unlink(path)
+    print(f"hashing 512 MiB, warm page cache: BLAKE3 (mopt.digest) {b3:.2f} GiB/s, SHA-256 {sha:.2f} GiB/s")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--no-peers", action="store_true", help="measure mopt only")
+    ap.add_argument("-r", type=int, default=5, help="no-op repetitions")
+    ap.add_argument("--only", choices=["small", "large"], help="one configuration")
+    a = ap.parse_args()
+    hashing()
+    configs = [("small", 40, 64, True), ("large", 400, 1, False)]
+    for name, m, s, full in configs:
+        if a.only and a.only != name:
+            continue
+        root = Path(f"/tmp/peers/dag_M{m}_S{s}")
+        subprocess.run([sys.executable, str(PEERS / "gen_dag.py"), str(root), "-M", str(m), "-S", str(s),
+                        "--tools", "make"], check=True, stdout=subprocess.DEVNULL)
+        res = {"mopt": bench_mopt(root, m, a.r, full)}
+        if not a.no_peers:
+            res.update(bench_peers(m, s, a.r, noop_only=not full))
+        phases = ["full", "noop", "touched", "incremental", "after_change"]
+        print(f"\n## M={m} models × 5 stages = {m * 5} targets, weights {s} MiB each")
+        print("seconds min/median [outputs rewritten]")
+        print("| tool | " + " | ".join(phases) + " |")
+        print("|---" * (len(phases) + 1) + "|")
+        for tool, ph in res.items():
+            cells = [fmt(ph.get(p) or (ph.get("full_commit") if p == "full" else None)) for p in phases]
+            print(f"| {tool} | " + " | ".join(cells) + " |")
+        mo = res["mopt"]
+        noop = min(x[0] for x in mo["noop"])
+        read = max(x[2] for x in mo["noop"])
+        print(f"mopt no-op: {noop:.3f} s, artifact bytes hashed during no-op: {read}")
+        if "touched" in mo:
+            t = mo["touched"][0]
+            print(f"mopt touched: {t[0]:.3f} s, reran {t[1]}, rehashed {t[2] / 2**30:.2f} GiB")
+        for peer in ("dvc", "snakemake"):
+            if peer in res and res[peer].get("noop"):
+                pn = min(x[0] for x in res[peer]["noop"])
+                print(f"ratio no-op {peer}/mopt: {pn / noop:.1f}×")
+            if peer in res and res[peer].get("touched") and "touched" in mo:
+                print(f"ratio touched {peer}/mopt: {res[peer]['touched'][0][0] / mo['touched'][0][0]:.1f}×"
+                      f" ({peer} reran {res[peer]['touched'][0][1]})")
+
+
+if __name__ == "__main__":
+    main()

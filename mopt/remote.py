@@ -1,0 +1,695 @@
+"""The remote cache: the local store's `ac/` + `cas/` layout on any fsspec URL.
+
+Layout under the URL (the same as a local store)::
+
+    ac/<key>.json          an action entry (canonical JSON of `ActionEntry`), written last
+    cas/<2 hex>/<digest>   a blob named by the BLAKE3 digest of its bytes
+    tmp/                   temp names of in-flight uploads (filesystems with rename only)
+
+Reads are "build without the bytes": `fetch_entry` reads and validates one entry and
+downloads nothing else; `fetch_tree` / `fetch_blob` download only what the local store
+lacks. Every downloaded blob is written to a temp file in the local store, re-hashed, and
+renamed into the local CAS only if its bytes match its digest; otherwise it is deleted and
+`RemoteIntegrityError` raised, so a corrupt or tampered remote blob never reaches a build.
+
+Writes (`push`) upload the blobs the remote lacks first (tree members, the manifest, the
+log) and the action entry last, so an entry on the remote always names blobs that are
+there. Each object reaches its final name whole: object stores (s3, gs, az, memory) make a
+PUT atomic; on filesystems (file://, and others with rename) the bytes go to a unique temp
+name under `tmp/` and are renamed into place. Concurrent pushes of the same action are
+safe: blobs are content addressed (identical bytes, either copy wins) and every writer's
+entry names only blobs it uploaded before writing it (last writer wins).
+
+Credentials come from fsspec's and the cloud SDKs' usual configuration (environment,
+~/.aws, instance roles, `options` passed to fsspec). They never enter action keys or
+entries, and every URL or error message this module logs or raises has user info, query
+values and known secret option values replaced by `***`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
+from dataclasses import asdict, dataclass, field
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
+
+from pydantic import ValidationError
+
+from mopt.digest import TreeEntry, TreeError, canonical_json, check_digest, hash_file
+from mopt.store import ActionEntry, BlobMissingError, Store, StoreError, check_key
+
+log = logging.getLogger(__name__)
+
+#: protocols whose single-object writes are atomic (no temp name + rename needed)
+OBJECT_STORES = frozenset(
+    {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oci", "oss", "r2", "memory", "hf"}
+)
+#: option names whose values are secrets (matched case-insensitively, as substrings)
+_SECRET_WORDS = ("secret", "token", "password", "passwd", "credential", "sas", "key", "signature")
+#: an action entry larger than this is not an action entry
+MAX_ENTRY_BYTES = 16 * 1024 * 1024
+_TMP_PREFIX = ".mopt-tmp-"
+
+
+class RemoteError(StoreError):
+    """The remote cache could not be read or written (the message has no credentials)."""
+
+
+class RemoteBlobMissingError(RemoteError, BlobMissingError):
+    """A blob that an entry names is not on the remote."""
+
+
+class RemoteIntegrityError(RemoteError):
+    """A downloaded blob's bytes do not hash to its digest; it was not stored."""
+
+
+# --------------------------------------------------------------------------- redaction
+
+
+def redact_url(url: str) -> str:
+    """`url` without user info and with query values masked (for logs and messages)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable url>"
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = "***@" + netloc.rsplit("@", 1)[1]
+    query = parts.query
+    if query:
+        query = "&".join(f"{k}=***" for k, _v in parse_qsl(query, keep_blank_values=True))
+    return urlunsplit((parts.scheme, netloc, parts.path, query, ""))
+
+
+def _secret_values(url: str, options: Mapping[str, Any]) -> list[str]:
+    """Strings that must never appear in a log line or message."""
+    out: list[str] = []
+    try:
+        parts = urlsplit(url)
+        if parts.username:
+            out.append(parts.username)
+        if parts.password:
+            out.append(parts.password)
+        if "@" in parts.netloc:
+            out.append(parts.netloc.rsplit("@", 1)[0])
+        out += [v for _k, v in parse_qsl(parts.query)]
+    except ValueError:
+        pass
+
+    def walk(obj: Any, secret: bool) -> None:
+        if isinstance(obj, Mapping):
+            for k, v in obj.items():
+                walk(v, secret or any(w in str(k).lower() for w in _SECRET_WORDS))
+        elif isinstance(obj, list | tuple):
+            for v in obj:
+                walk(v, secret)
+        elif secret and isinstance(obj, str) and obj:
+            out.append(obj)
+
+    walk(options, False)
+    # longest first, so that a secret containing another is masked whole
+    return sorted({s for s in out if len(s) >= 3}, key=len, reverse=True)
+
+
+# --------------------------------------------------------------------------- reports
+
+
+@dataclass(frozen=True)
+class PushReport:
+    """What one `push` did."""
+
+    key: str | None
+    uploaded_blobs: int = 0
+    uploaded_bytes: int = 0
+    present_blobs: int = 0
+    entry_written: bool = False
+
+
+@dataclass(frozen=True)
+class RemoteStatus:
+    """The remote cache as `mopt cache status` shows it."""
+
+    url: str
+    protocol: str
+    push: bool
+    reachable: bool
+    error: str | None = None
+    ac_entries: int | None = None
+    blobs: int | None = None
+    blob_bytes: int | None = None
+    tmp_files: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class _Counters:
+    downloaded_blobs: int = 0
+    downloaded_bytes: int = 0
+    uploaded_blobs: int = 0
+    uploaded_bytes: int = 0
+    rejected_blobs: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, **kw: int) -> None:
+        with self.lock:
+            for k, v in kw.items():
+                setattr(self, k, getattr(self, k) + v)
+
+
+# --------------------------------------------------------------------------- the cache
+
+
+class RemoteCache:
+    """A remote action cache + CAS at an fsspec `url`, feeding the local `store`.
+
+    `options` are fsspec storage options (e.g. `{"client_kwargs": {"endpoint_url": ...}}`
+    for an S3-compatible server); credentials are best left to the SDK's own configuration.
+    `transfers` is how many blobs move in parallel.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        store: Store,
+        *,
+        push: bool = True,
+        options: Mapping[str, Any] | None = None,
+        transfers: int = 8,
+    ) -> None:
+        import fsspec  # an optional dependency: mopt[remote]
+
+        self.store = store
+        self.push_enabled = push
+        self.transfers = max(1, transfers)
+        self._options = dict(options or {})
+        self._secrets = _secret_values(url, self._options)
+        self.url = redact_url(url)
+        try:
+            fs, root = fsspec.core.url_to_fs(url, skip_instance_cache=True, **self._options)
+        except (ImportError, ValueError) as exc:
+            raise RemoteError(f"remote cache {self.url}: {self._scrub(str(exc))}") from None
+        self.fs = fs
+        protocols = fs.protocol if isinstance(fs.protocol, tuple | list) else (fs.protocol,)
+        self.protocol = str(protocols[0])
+        self.is_local = self.protocol in ("file", "local")
+        self.atomic_put = bool(set(protocols) & OBJECT_STORES)
+        self.root = root.rstrip("/") if root not in ("/", "") else root
+        if self.is_local:
+            self.root = os.path.abspath(self.root)
+        self.stats = _Counters()
+        #: digests known to be on the remote (uploaded or seen) during this process
+        self._present: set[str] = set()
+        #: digests whose remote bytes were found corrupt: push re-uploads them
+        self._bad: set[str] = set()
+        self._warned: set[str] = set()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_settings(
+        cls,
+        settings: Any,
+        local_store: Store,
+        *,
+        options: Mapping[str, Any] | None = None,
+        offline: bool = False,
+    ) -> RemoteCache | None:
+        """A cache from `[remote]` settings (`url`, `push`, optional `options`), or None
+        when no URL is set, or when `offline` and the URL is not on a local filesystem."""
+        url = getattr(settings, "url", None)
+        if not url:
+            return None
+        opts = dict(getattr(settings, "options", None) or {})
+        opts.update(options or {})
+        cache = cls(url, local_store, push=bool(getattr(settings, "push", True)), options=opts)
+        if offline and not cache.is_local:
+            return None
+        return cache
+
+    def __repr__(self) -> str:
+        return f"RemoteCache({self.url!r}, push={self.push_enabled})"
+
+    # ------------------------------------------------------------------ paths
+
+    def _join(self, *parts: str) -> str:
+        if self.is_local:
+            return os.path.join(self.root, *parts)
+        return "/".join([self.root, *parts]) if self.root else "/".join(parts)
+
+    def blob_rpath(self, digest: str) -> str:
+        """Where blob `digest` lives on the remote (a path for `self.fs`)."""
+        check_digest(digest)
+        return self._join("cas", digest[:2], digest)
+
+    def ac_rpath(self, key: str) -> str:
+        """Where the entry of action `key` lives on the remote."""
+        return self._join("ac", f"{check_key(key)}.json")
+
+    # ------------------------------------------------------------------ errors
+
+    def _scrub(self, text: str) -> str:
+        for s in self._secrets:
+            text = text.replace(s, "***")
+        return text
+
+    def _error(self, what: str, exc: BaseException) -> RemoteError:
+        return RemoteError(f"remote cache {self.url}: {what}: {type(exc).__name__}: {self._scrub(str(exc))}")
+
+    def _warn_once(self, what: str, exc: BaseException) -> None:
+        msg = str(self._error(what, exc))
+        level = logging.DEBUG if what in self._warned else logging.WARNING
+        self._warned.add(what)
+        log.log(level, "%s (treated as a miss)", msg)
+
+    # ------------------------------------------------------------------ reads
+
+    def fetch_entry(self, key: str, *, verify: bool = False) -> ActionEntry | None:
+        """The remote entry of `key`, validated, or None (absent, invalid, unreachable).
+
+        Downloads no output blob. With `verify`, also downloads the tree manifest (into the
+        local CAS, re-hashed) and checks that every blob the entry names is on the remote.
+        """
+        check_key(key)
+        try:
+            data = self.fs.cat_file(self.ac_rpath(key))
+        except FileNotFoundError:
+            return None
+        except Exception as exc:
+            self._warn_once("reading the action cache", exc)
+            return None
+        if len(data) > MAX_ENTRY_BYTES:
+            log.warning("remote cache %s: entry %s is %d bytes; ignoring it", self.url, key, len(data))
+            return None
+        try:
+            entry = ActionEntry.model_validate_json(data)
+        except ValidationError as exc:
+            log.warning(
+                "remote cache %s: entry %s is not a valid action entry, treating it as a miss: %s",
+                self.url,
+                key,
+                self._scrub(str(exc).splitlines()[0]),
+            )
+            return None
+        if entry.key != key:
+            log.warning("remote cache %s: entry %s names key %s; ignoring it", self.url, key, entry.key)
+            return None
+        if verify:
+            try:
+                members = self.fetch_tree(entry.outputs_tree, blobs=False)
+                missing = self.missing_blobs(
+                    [m.digest for m in members] + ([entry.log] if entry.log else [])
+                )
+            except RemoteError as exc:
+                log.warning("remote cache %s: entry %s: %s; treating it as a miss", self.url, key, exc)
+                return None
+            if missing:
+                log.warning(
+                    "remote cache %s: entry %s names %d missing blob(s); treating it as a miss",
+                    self.url,
+                    key,
+                    len(missing),
+                )
+                return None
+        return entry
+
+    def has_blob(self, digest: str) -> bool:
+        """Whether blob `digest` is on the remote (RemoteError if that cannot be told)."""
+        if digest in self._present and digest not in self._bad:
+            return True
+        try:
+            ok = bool(self.fs.exists(self.blob_rpath(digest)))
+        except Exception as exc:
+            raise self._error(f"checking blob {digest[:12]}", exc) from None
+        if ok:
+            with self._lock:
+                self._present.add(digest)
+        return ok
+
+    def missing_blobs(self, digests: Iterable[str]) -> list[str]:
+        """The digests among `digests` that the remote lacks, in order, without repeats."""
+        todo = list(dict.fromkeys(digests))
+        with ThreadPoolExecutor(max_workers=min(self.transfers, max(1, len(todo)))) as pool:
+            present = list(pool.map(self.has_blob, todo))
+        return [d for d, ok in zip(todo, present, strict=True) if not ok]
+
+    def fetch_blob(self, digest: str) -> str:
+        """Download blob `digest` into the local CAS unless it is there; return its local path.
+
+        The bytes are re-hashed before they get their final name: RemoteIntegrityError when
+        they do not match (nothing is stored), RemoteBlobMissingError when the remote lacks
+        the blob.
+        """
+        local = self.store.blob_path(digest)
+        if local.exists():
+            return os.fspath(local)
+        fd, tmp = tempfile.mkstemp(prefix="remote-", dir=self.store.tmp_dir)
+        os.close(fd)
+        try:
+            try:
+                self.fs.get_file(self.blob_rpath(digest), tmp)
+            except FileNotFoundError:
+                raise RemoteBlobMissingError(
+                    f"remote cache {self.url}: blob {digest} is missing"
+                ) from None
+            except Exception as exc:
+                raise self._error(f"downloading blob {digest[:12]}", exc) from None
+            got = hash_file(tmp)
+            if got != digest:
+                self.stats.add(rejected_blobs=1)
+                with self._lock:
+                    self._bad.add(digest)
+                    self._present.discard(digest)
+                raise RemoteIntegrityError(
+                    f"remote cache {self.url}: blob {digest} is corrupt (its bytes hash to "
+                    f"{got[:16]}…); rejected, not stored"
+                )
+            size = os.path.getsize(tmp)
+            os.chmod(tmp, 0o444)
+            with open(tmp, "rb") as fh:
+                os.fsync(fh.fileno())
+            local.parent.mkdir(exist_ok=True)
+            os.replace(tmp, local)
+        except BaseException:
+            with suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        self.stats.add(downloaded_blobs=1, downloaded_bytes=size)
+        with self._lock:
+            self._present.add(digest)
+        return os.fspath(local)
+
+    def fetch_tree(self, tree_digest: str, *, blobs: bool = True) -> list[TreeEntry]:
+        """Download the tree manifest and (with `blobs`) every member the local store lacks.
+
+        Returns the tree's entries. Members are fetched in parallel; the first error
+        (missing, corrupt, transport) is raised after the others finish, and only verified
+        blobs are kept.
+        """
+        self.fetch_blob(tree_digest)
+        try:
+            entries = self.store.tree_entries(tree_digest)
+        except StoreError as exc:
+            # The manifest hashed right, so its bytes are what was pushed: not a tree.
+            raise RemoteError(f"remote cache {self.url}: {exc}") from None
+        if not blobs:
+            return entries
+        todo = sorted({e.digest for e in entries if not self.store.has(e.digest)})
+        errors: list[BaseException] = []
+        if todo:
+            with ThreadPoolExecutor(max_workers=min(self.transfers, len(todo))) as pool:
+                for fut in [pool.submit(self.fetch_blob, d) for d in todo]:
+                    failure = fut.exception()
+                    if failure is not None:
+                        errors.append(failure)
+        if errors:
+            # Integrity errors first: they say the most about what is wrong.
+            errors.sort(key=lambda e: not isinstance(e, RemoteIntegrityError))
+            raise errors[0]
+        return entries
+
+    def pull(self, key: str, entry: ActionEntry | None = None) -> ActionEntry | None:
+        """Make `key` a local hit: fetch its entry (unless given), its tree and log, verify
+        them, and record the entry in the local action cache. None on a miss, a missing
+        or corrupt blob, or an unreachable remote (each logged, without credentials)."""
+        if entry is None:
+            entry = self.fetch_entry(key)
+            if entry is None:
+                return None
+        elif entry.key != key:
+            raise ValueError(f"entry is for key {entry.key!r}, not {key!r}")
+        try:
+            self.fetch_tree(entry.outputs_tree)
+            if entry.log:
+                self.fetch_blob(entry.log)
+            with self.store.in_use():
+                return self.store.ac_put(key, entry)
+        except RemoteError as exc:
+            log.warning("%s; action %s will be rebuilt", exc, key[:16])
+            return None
+        except (StoreError, TreeError) as exc:
+            log.warning("remote cache %s: entry %s unusable (%s); action will be rebuilt", self.url, key[:16], exc)
+            return None
+
+    # ------------------------------------------------------------------ writes
+
+    def push_blob(self, digest: str) -> int:
+        """Upload local blob `digest` unless the remote has it; return bytes uploaded."""
+        if digest not in self._bad and self.has_blob(digest):
+            return 0
+        local = self.store.blob_path(digest)
+        try:
+            ok = self.store.state.file_digest(local) == digest
+        except FileNotFoundError:
+            raise BlobMissingError(f"cannot push blob {digest}: not in the local store {self.store.root}") from None
+        if not ok:
+            raise StoreError(f"cannot push blob {digest}: the local copy is corrupt ({local})")
+        size = local.stat().st_size
+        try:
+            self._put_file(os.fspath(local), self.blob_rpath(digest), mode=0o444)
+        except Exception as exc:
+            raise self._error(f"uploading blob {digest[:12]}", exc) from None
+        with self._lock:
+            self._bad.discard(digest)
+            self._present.add(digest)
+        self.stats.add(uploaded_blobs=1, uploaded_bytes=size)
+        return size
+
+    def push_tree(self, tree_digest: str) -> PushReport:
+        """Upload a local tree (members first, manifest last) where the remote lacks it."""
+        entries = self.store.tree_entries(tree_digest)
+        up, nbytes, present = self._push_blobs([e.digest for e in entries])
+        n = self.push_blob(tree_digest)
+        return PushReport(
+            key=None,
+            uploaded_blobs=up + (1 if n else 0),
+            uploaded_bytes=nbytes + n,
+            present_blobs=present + (0 if n else 1),
+        )
+
+    def push(self, key: str, entry: ActionEntry | None = None) -> PushReport:
+        """Upload action `key`: its blobs the remote lacks first, then its entry.
+
+        `entry` defaults to the local store's. The entry is rewritten only when the remote
+        has none, or one that is invalid or names other outputs (last writer wins); an
+        identical-output entry already there is left alone.
+        """
+        check_key(key)
+        if entry is None:
+            entry = self.store.ac_entry(key)
+            if entry is None:
+                raise BlobMissingError(f"action {key} is not in the local store {self.store.root}")
+        if entry.key != key:
+            raise ValueError(f"entry is for key {entry.key!r}, not {key!r}")
+        members = [e.digest for e in self.store.tree_entries(entry.outputs_tree)]
+        tail = [entry.outputs_tree] + ([entry.log] if entry.log else [])
+        up, nbytes, present = self._push_blobs(members)  # members before the manifest
+        up2, nbytes2, present2 = self._push_blobs(tail)
+        existing = self._remote_entry_quiet(key)
+        written = False
+        if existing is None or existing.outputs_tree != entry.outputs_tree or existing.log != entry.log:
+            data = canonical_json(entry.model_dump(mode="json"))
+            try:
+                self._put_bytes(data, self.ac_rpath(key), mode=0o644)
+            except Exception as exc:
+                raise self._error(f"writing entry {key[:16]}", exc) from None
+            written = True
+        return PushReport(
+            key=key,
+            uploaded_blobs=up + up2,
+            uploaded_bytes=nbytes + nbytes2,
+            present_blobs=present + present2,
+            entry_written=written,
+        )
+
+    def _remote_entry_quiet(self, key: str) -> ActionEntry | None:
+        try:
+            data = self.fs.cat_file(self.ac_rpath(key))
+            e = ActionEntry.model_validate_json(data)
+        except Exception:
+            return None
+        return e if e.key == key else None
+
+    def _push_blobs(self, digests: list[str]) -> tuple[int, int, int]:
+        todo = list(dict.fromkeys(digests))
+        if not todo:
+            return 0, 0, 0
+        with ThreadPoolExecutor(max_workers=min(self.transfers, len(todo))) as pool:
+            sizes = list(pool.map(self.push_blob, todo))
+        up = sum(1 for s in sizes if s)
+        # An empty blob uploads 0 bytes; count it by whether it was present before instead.
+        return up, sum(sizes), len(todo) - up
+
+    def _put_file(self, local: str, rpath: str, *, mode: int) -> None:
+        if self.is_local:
+            self._local_atomic(rpath, mode, lambda fd: _copy_into(local, fd))
+        elif self.atomic_put:
+            self.fs.put_file(local, rpath)
+        else:
+            tmp = self._join("tmp", f"{_TMP_PREFIX}{uuid.uuid4().hex}")
+            self.fs.makedirs(self._join("tmp"), exist_ok=True)
+            self.fs.makedirs(rpath.rsplit("/", 1)[0], exist_ok=True)
+            try:
+                self.fs.put_file(local, tmp)
+                self.fs.mv(tmp, rpath)
+            except BaseException:
+                with suppress(Exception):
+                    self.fs.rm_file(tmp)
+                raise
+
+    def _put_bytes(self, data: bytes, rpath: str, *, mode: int) -> None:
+        if self.is_local:
+            self._local_atomic(rpath, mode, lambda fd: _write_all(fd, data))
+        elif self.atomic_put:
+            self.fs.pipe_file(rpath, data)
+        else:
+            tmp = self._join("tmp", f"{_TMP_PREFIX}{uuid.uuid4().hex}")
+            self.fs.makedirs(self._join("tmp"), exist_ok=True)
+            self.fs.makedirs(rpath.rsplit("/", 1)[0], exist_ok=True)
+            try:
+                self.fs.pipe_file(tmp, data)
+                self.fs.mv(tmp, rpath)
+            except BaseException:
+                with suppress(Exception):
+                    self.fs.rm_file(tmp)
+                raise
+
+    def _local_atomic(self, final: str, mode: int, write: Any) -> None:
+        """Write a file on a local (or mounted) filesystem: temp in tmp/, fsync, rename."""
+        tmp_dir = self._join("tmp")
+        os.makedirs(tmp_dir, exist_ok=True)
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=tmp_dir)
+        try:
+            try:
+                write(fd)
+                os.fchmod(fd, mode)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
+        except BaseException:
+            with suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+
+    # ------------------------------------------------------------------ listing
+
+    def list_keys(self) -> list[str]:
+        """Keys of every entry under `ac/` (sorted)."""
+        try:
+            names = self._ls(self._join("ac"))
+        except Exception as exc:
+            raise self._error("listing the action cache", exc) from None
+        keys = []
+        for name in names:
+            base = name.rsplit("/", 1)[-1]
+            if base.endswith(".json"):
+                with suppress(ValueError):
+                    keys.append(check_key(base[: -len(".json")]))
+        return sorted(keys)
+
+    def _ls(self, path: str) -> list[str]:
+        try:
+            out = [str(x) for x in self.fs.ls(path, detail=False)]
+        except FileNotFoundError:
+            return []
+        finally:
+            with suppress(Exception):
+                self.fs.invalidate_cache()
+        return out
+
+    def _iter_blob_sizes(self) -> Iterator[tuple[str, int]]:
+        try:
+            found = self.fs.find(self._join("cas"), detail=True)
+        except FileNotFoundError:
+            return
+        finally:
+            with suppress(Exception):
+                self.fs.invalidate_cache()
+        for path, info in found.items():
+            name = str(path).rsplit("/", 1)[-1]
+            if len(name) == 64:
+                yield name, int(info.get("size") or 0)
+
+    def status(self, *, deep: bool = True) -> RemoteStatus:
+        """Whether the remote answers and (with `deep`) how many entries and blobs it holds."""
+        try:
+            keys = self.list_keys()
+        except RemoteError as exc:
+            return RemoteStatus(self.url, self.protocol, self.push_enabled, False, error=str(exc))
+        if not deep:
+            return RemoteStatus(self.url, self.protocol, self.push_enabled, True, ac_entries=len(keys))
+        try:
+            blobs = list(self._iter_blob_sizes())
+            tmp = len(self._ls(self._join("tmp"))) if not self.atomic_put else 0
+        except Exception as exc:
+            err = self._error("listing blobs", exc)
+            return RemoteStatus(
+                self.url, self.protocol, self.push_enabled, True, error=str(err), ac_entries=len(keys)
+            )
+        return RemoteStatus(
+            self.url,
+            self.protocol,
+            self.push_enabled,
+            True,
+            ac_entries=len(keys),
+            blobs=len(blobs),
+            blob_bytes=sum(s for _d, s in blobs),
+            tmp_files=tmp,
+        )
+
+    def cleanup_tmp(self, max_age_s: float = 24 * 3600) -> int:
+        """Remove temp uploads older than `max_age_s` left by crashed writers (file:// only)."""
+        if not self.is_local:
+            return 0
+        removed = 0
+        now = time.time()
+        tmp_dir = self._join("tmp")
+        try:
+            items = list(os.scandir(tmp_dir))
+        except FileNotFoundError:
+            return 0
+        for d in items:
+            try:
+                if now - d.stat(follow_symlinks=False).st_mtime >= max_age_s:
+                    os.unlink(d.path)
+                    removed += 1
+            except FileNotFoundError:
+                continue
+        return removed
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _copy_into(src: str, fd: int) -> None:
+    with open(src, "rb") as f, os.fdopen(os.dup(fd), "wb") as out:
+        shutil.copyfileobj(f, out, 8 * 1024 * 1024)
+
+
+__all__ = [
+    "OBJECT_STORES",
+    "PushReport",
+    "RemoteBlobMissingError",
+    "RemoteCache",
+    "RemoteError",
+    "RemoteIntegrityError",
+    "RemoteStatus",
+    "redact_url",
+]
