@@ -352,6 +352,30 @@ def register(app: click.Group) -> None:
         out.print(f"{len(rows)} built of {len(ids)}; {human(sum(r['bytes'] for r in rows))} in all")
 
     @app.command(context_settings=CONTEXT)
+    @recipe_arg
+    @selectors_arg
+    @click.option("--output", "-o", type=click.Path(path_type=Path), help="HTML file (default build/report.html)")
+    @json_opt
+    def report(recipe: Path, selectors: tuple[str, ...], output: Path | None, as_json: bool) -> None:
+        """One HTML page over RECIPE's built artifacts: accuracy, latency, size, provenance."""
+        from mopt.build import Engine
+        from mopt.report import collect, render
+
+        s = Session(recipe)
+        ids = s.graph.select(list(selectors))
+        engine = Engine(s)
+        rows = collect(engine, ids)
+        if as_json:
+            _print_json({"artifacts": rows})
+            return
+        if not rows:
+            raise MoptError("nothing of this recipe is built yet", hint=f"run: mopt build {recipe}")
+        dest = output or engine.build_dir / f"report-{s.recipe.path.stem}.html"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_text(render(s.recipe.path, rows))
+        out.print(f"report: {dest} ({len(rows)} artifacts)")
+
+    @app.command(context_settings=CONTEXT)
     @click.option("--max-size", help="shrink the store below this (e.g. 200G)")
     @click.option("--older-than", help="drop entries unused for this long (e.g. 30d)")
     @click.option("--dry-run", is_flag=True, help="say what would go, remove nothing")
