@@ -136,10 +136,32 @@ class Engine:
                 path = src.resolve(model.source_params, ctx)
             except SourceError as exc:
                 raise MoptError(str(exc), file=model.where.file, table=model.where.table, key="source") from None
-            digest = self.store.state.tree(path)[0]
+            digest = self._source_digest(path)
             info = {"source": src.describe(model.source_params), **src.lock_info(model.source_params, path)}
             self._sources[model_name] = (path, digest, info)
         return self._sources[model_name]
+
+    def _source_digest(self, path: Path) -> str:
+        """Tree digest of a source folder; symlinks (the Hugging Face cache) are followed."""
+        from mopt.digest import SymlinkError, TreeEntry, mode_of, tree_digest
+
+        try:
+            return self.store.state.tree(path)[0]
+        except SymlinkError:
+            pass
+        entries = []
+        base = str(path)
+        with self.store.state.batch():
+            for root, dirs, files in os.walk(base, followlinks=True):
+                dirs.sort()
+                for f in sorted(files):
+                    p = os.path.join(root, f)
+                    real = os.path.realpath(p)
+                    st = os.stat(real)
+                    rel = os.path.relpath(p, base).replace(os.sep, "/")
+                    entries.append(TreeEntry(rel, mode_of(st.st_mode), st.st_size, self.store.state.file_digest(real)))
+        entries.sort(key=lambda e: e.path)
+        return tree_digest(entries)
 
     def file_digest(self, path: Path) -> str:
         if path not in self._file_digests:
@@ -447,7 +469,8 @@ class Engine:
             if entry is not None:
                 self._finish_hit(st, entry, {})
                 return st
-            scratch = Path(tempfile.mkdtemp(prefix=".mopt-tmp-action-", dir=self.store.tmp_dir))
+            scratch_cm = self.store.scratch_dir(prefix="action-")
+            scratch = scratch_cm.__enter__()
             out_dir, tmp_dir, in_dir = scratch / "out", scratch / "tmp", scratch / "in"
             for d in (out_dir, tmp_dir, in_dir):
                 d.mkdir()
@@ -532,7 +555,7 @@ class Engine:
                 st.log_path = self.store.keep_failed_log(key, log_path)
             finally:
                 _close_logger(logger)
-                _rmtree(scratch)
+                scratch_cm.__exit__(None, None, None)
         return st
 
 

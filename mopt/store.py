@@ -189,17 +189,11 @@ class Store:
         digest = hash_bytes(data)
         if self.has(digest):
             return digest
-        fd, tmp = self._mkstemp("blob-")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fchmod(f.fileno(), 0o444)
-                os.fsync(f.fileno())
+        with self._temp_file("blob-") as (fd, tmp):
+            _write_all(fd, data)
+            os.fchmod(fd, 0o444)
+            os.fsync(fd)
             self._rename_into_cas(tmp, digest)
-        except BaseException:
-            _unlink_quiet(tmp)
-            raise
         return digest
 
     def put_file(self, path: StrPath) -> str:
@@ -208,15 +202,11 @@ class Store:
         digest = hash_file(src)
         if self.has(digest):
             return digest
-        fd, tmp = self._mkstemp("blob-")
-        try:
-            try:
-                with open(src, "rb") as f:
-                    _copy_fd(f.fileno(), fd)
-                os.fchmod(fd, 0o444)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        with self._temp_file("blob-") as (fd, tmp):
+            with open(src, "rb") as f:
+                _copy_fd(f.fileno(), fd)
+            os.fchmod(fd, 0o444)
+            os.fsync(fd)
             # Name the blob by what was written, not by what was read before: a file
             # rewritten in between must not land under the old digest.
             written = hash_file(tmp)
@@ -226,9 +216,6 @@ class Store:
                     f"{written[:12]} after); is something still writing it?"
                 )
             self._rename_into_cas(tmp, digest)
-        except BaseException:
-            _unlink_quiet(tmp)
-            raise
         return digest
 
     def put_tree(self, directory: StrPath) -> tuple[str, list[TreeEntry]]:
@@ -327,6 +314,23 @@ class Store:
         self._write_atomic(dest, data, mode=0o644)
         return dest
 
+    @contextmanager
+    def scratch_dir(self, prefix: str = "scratch-") -> Iterator[Path]:
+        """A new folder in root/tmp (e.g. an action's output folder), removed on exit.
+
+        `cleanup_tmp` leaves it alone for as long as it is in use, however long that is;
+        after a crash it is swept like any other leftover.
+        """
+        path = tempfile.mkdtemp(prefix=prefix, dir=self.tmp_dir)
+        busy = _mark_being_written(path)
+        try:
+            yield Path(path)
+        finally:
+            try:
+                _rmtree_ro(path)
+            finally:
+                os.close(busy)
+
     # -- locks --------------------------------------------------------------------------
 
     @contextmanager
@@ -364,6 +368,7 @@ class Store:
         target.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_siblings(target.parent, max_age_s=3600)
         tmp = tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{target.name}-", dir=target.parent)
+        busy = _mark_being_written(tmp)
         try:
             method = self._fill(tmp, entries)
             for dirpath, _dirs, _files in os.walk(tmp, topdown=False):
@@ -372,12 +377,16 @@ class Store:
         except BaseException:
             _rmtree_ro(tmp)
             raise
+        finally:
+            os.close(busy)
         return method
 
     # -- maintenance --------------------------------------------------------------------
 
     def cleanup_tmp(self, max_age_s: float = 3600, extra_dirs: Iterable[StrPath] = ()) -> int:
-        """Remove temp files older than `max_age_s` left by crashed writers; return a count.
+        """Remove temp files left by crashed writers; return how many were removed.
+
+        Only entries older than `max_age_s` whose writer no longer holds them are removed.
 
         `extra_dirs` are parents of materialized folders, whose `.mopt-tmp-*` and
         `.mopt-old-*` children are leftovers of an interrupted `materialize`.
@@ -386,7 +395,7 @@ class Store:
         now = time.time()
         for d in _scandir_quiet(self.tmp_dir):
             try:
-                if now - d.stat(follow_symlinks=False).st_mtime < max_age_s:
+                if now - d.stat(follow_symlinks=False).st_mtime < max_age_s or _being_written(d.path):
                     continue
                 _rmtree_ro(d.path)
                 removed += 1
@@ -571,10 +580,20 @@ class Store:
     def _ac_path(self, key: str) -> Path:
         return self.ac_dir / f"{check_key(key)}.json"
 
-    def _mkstemp(self, prefix: str) -> tuple[int, str]:
-        # Temp files live in root/tmp: the same filesystem as cas/ and ac/, so the final
-        # rename is atomic, and one folder for cleanup_tmp to sweep after a crash.
-        return tempfile.mkstemp(prefix=prefix, dir=self.tmp_dir)
+    @contextmanager
+    def _temp_file(self, prefix: str) -> Iterator[tuple[int, str]]:
+        """A new file in root/tmp, locked while open (see `_being_written`), removed on error."""
+        # root/tmp is on the same filesystem as cas/ and ac/, so the final rename is
+        # atomic, and it is the one folder cleanup_tmp sweeps after a crash.
+        fd, tmp = tempfile.mkstemp(prefix=prefix, dir=self.tmp_dir)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield fd, tmp
+        except BaseException:
+            _unlink_quiet(tmp)
+            raise
+        finally:
+            os.close(fd)
 
     def _rename_into_cas(self, tmp: str, digest: str) -> None:
         final = self.blob_path(digest)
@@ -585,17 +604,11 @@ class Store:
         os.replace(tmp, final)
 
     def _write_atomic(self, final: Path, data: bytes, mode: int = 0o444) -> None:
-        fd, tmp = self._mkstemp("write-")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fchmod(f.fileno(), mode)
-                os.fsync(f.fileno())
+        with self._temp_file("write-") as (fd, tmp):
+            _write_all(fd, data)
+            os.fchmod(fd, mode)
+            os.fsync(fd)
             os.replace(tmp, final)
-        except BaseException:
-            _unlink_quiet(tmp)
-            raise
         _fsync_dir(final.parent)
 
     @contextmanager
@@ -686,6 +699,40 @@ def _ro_mode(tree_mode: int) -> int:
     return 0o555 if tree_mode == MODE_EXEC else 0o444
 
 
+def _mark_being_written(path: str) -> int:
+    """Lock `path` (a temp file or folder) until the returned descriptor is closed."""
+    # An open flock, not an age, says "in use": a two-hour engine build may leave its
+    # scratch folder's mtime untouched, and a crashed writer's lock dies with it.
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _being_written(path: str) -> bool:
+    """Whether a live process holds the lock `_mark_being_written`/`_temp_file` took."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return False  # gone, a link, or unreadable: nobody is writing it through us
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # also drops the lock if we got it
+    return False
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
 def _copy_fd(src: int, dst: int) -> None:
     """Copy the rest of `src` to `dst`, in the kernel where it can (reflinks on btrfs/xfs)."""
     try:
@@ -697,9 +744,7 @@ def _copy_fd(src: int, dst: int) -> None:
             raise
     # Fall back from wherever the offsets are: copy_file_range advanced both.
     while chunk := os.read(src, 8 * 1024 * 1024):
-        view = memoryview(chunk)
-        while view:
-            view = view[os.write(dst, view) :]
+        _write_all(dst, chunk)
 
 
 def _copy_file(src: str, dst: str, mode: int) -> None:
@@ -778,7 +823,7 @@ def _remove_stale_siblings(parent: Path, max_age_s: float) -> int:
         if not d.name.startswith((_TMP_PREFIX, _OLD_PREFIX)):
             continue
         try:
-            if now - d.stat(follow_symlinks=False).st_mtime < max_age_s:
+            if now - d.stat(follow_symlinks=False).st_mtime < max_age_s or _being_written(d.path):
                 continue
             _rmtree_ro(d.path)
             removed += 1
@@ -792,17 +837,20 @@ def _rmtree_ro(path: StrPath) -> None:
     p = os.fspath(path)
     if not os.path.lexists(p):
         return
-    if os.path.isdir(p) and not os.path.islink(p):
-        # Unlinking needs write permission on each folder; the files' own modes do not matter.
-        os.chmod(p, 0o700)
-        for dirpath, dirnames, _files in os.walk(p):
-            for name in dirnames:
-                sub = os.path.join(dirpath, name)
-                if not os.path.islink(sub):
-                    os.chmod(sub, 0o700)
-        shutil.rmtree(p)
-    else:
-        os.unlink(p)
+    # Another process sweeping leftovers may be removing the same tree: what it removed
+    # first is simply gone.
+    with suppress(FileNotFoundError):
+        if os.path.isdir(p) and not os.path.islink(p):
+            # Unlinking needs write permission on each folder; file modes do not matter.
+            os.chmod(p, 0o700)
+            for dirpath, dirnames, _files in os.walk(p):
+                for name in dirnames:
+                    sub = os.path.join(dirpath, name)
+                    if not os.path.islink(sub):
+                        os.chmod(sub, 0o700)
+            shutil.rmtree(p)
+        else:
+            os.unlink(p)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -22,7 +22,6 @@ from mopt.statcache import RACY_WINDOW_S
 from mopt.store import ActionEntry, BlobMissingError, Store, StoreError
 
 REPO = Path(__file__).resolve().parents[1]
-IS_ROOT = os.geteuid() == 0  # root ignores permission bits, so writes to read-only files succeed
 
 
 def make_tree(root: Path, files: dict[str, bytes], executable: tuple[str, ...] = ()) -> Path:
@@ -49,6 +48,20 @@ def build(store: Store, tmp: Path, key: str, files: dict[str, bytes], log: bytes
 
 def all_blobs(store: Store) -> list[Path]:
     return sorted(p for p in store.cas_dir.rglob("*") if p.is_file())
+
+
+def permissions_enforced(tmp: Path) -> bool:
+    """False where permission bits are ignored (root with CAP_DAC_OVERRIDE)."""
+    probe = tmp / "probe"
+    probe.write_bytes(b"")
+    probe.chmod(0o444)
+    try:
+        probe.write_bytes(b"x")
+        return False
+    except PermissionError:
+        return True
+    finally:
+        probe.unlink()
 
 
 def rm_read_only(path: Path) -> None:
@@ -226,7 +239,7 @@ def test_materialize_is_read_only_and_identical(tmp_path: Path) -> None:
         assert stat.S_IMODE(p.stat().st_mode) == 0o444
     for d in (dest, dest / "sub", dest / "sub" / "deep"):
         assert stat.S_IMODE(d.stat().st_mode) == 0o555
-    if not IS_ROOT:
+    if permissions_enforced(tmp_path):
         with pytest.raises(PermissionError):
             (dest / "model.onnx").write_bytes(b"edited")
         with pytest.raises(PermissionError):
@@ -433,6 +446,46 @@ def test_kill_mid_write_leaves_no_final_blob(tmp_path: Path) -> None:
     assert store.verify(store.put_file(src))
 
 
+def _hold_scratch(root: str, ready: str) -> None:
+    with Store(root).scratch_dir(prefix="action-") as d:
+        (d / "partial.bin").write_bytes(b"half an engine")
+        Path(ready).write_text(str(d))
+        time.sleep(60)
+
+
+def test_cleanup_spares_a_scratch_dir_in_use_however_old(tmp_path: Path) -> None:
+    # A long engine build may not touch its scratch folder for hours; another `mopt build`
+    # starting meanwhile must not sweep it away.
+    store = Store(tmp_path / "store")
+    ready = tmp_path / "ready"
+    child = multiprocessing.get_context("fork").Process(
+        target=_hold_scratch, args=(str(store.root), str(ready))
+    )
+    child.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        scratch = Path(ready.read_text())
+        age(scratch, 5 * 3600)
+        assert store.cleanup_tmp(max_age_s=0) == 0
+        assert (scratch / "partial.bin").exists()
+    finally:
+        child.kill()
+        child.join(30)
+    assert store.cleanup_tmp(max_age_s=3600) == 1  # its writer died: a leftover now
+    assert list(store.tmp_dir.iterdir()) == []
+
+
+def test_scratch_dir_is_removed_on_exit(tmp_path: Path) -> None:
+    store = Store(tmp_path / "store")
+    with store.scratch_dir() as d:
+        make_tree(d, {"out/model.onnx": b"x"})
+        (d / "out").chmod(0o555)
+        assert d.parent == store.tmp_dir
+    assert not d.exists()
+
+
 def test_cleanup_removes_leftovers_of_an_interrupted_materialize(tmp_path: Path) -> None:
     store = Store(tmp_path / "store")
     build_dir = tmp_path / "build"
@@ -479,7 +532,8 @@ def test_gc_keeps_locked_roots(tmp_path: Path) -> None:
     entry = store.ac_get("b")
     assert entry is not None
     # b's blobs (including the one it shared with a and c) all survive; a's and c's go.
-    assert sorted(p.name for p in all_blobs(store)) == sorted(store._entry_refs(ActionEntry(**entry)))
+    members = {e.digest for e in store.tree_entries(entry["outputs_tree"])}
+    assert {p.name for p in all_blobs(store)} == {entry["outputs_tree"], entry["log"], *members}
 
 
 def test_gc_by_age_keeps_recent_entries(tmp_path: Path) -> None:
