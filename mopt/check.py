@@ -51,7 +51,8 @@ MIN_CC: dict[str, tuple[int, int]] = {
 PRECISION_KEYS = ("precision", "dtype")
 TP_KEYS = ("tensor_parallel_size", "tp_size")
 PP_KEYS = ("pipeline_parallel_size", "pp_size")
-FRACTION_KEYS = ("gpu_memory_utilization", "kv_cache_free_gpu_memory_fraction")
+FRACTION_KEYS = ("gpu_memory_utilization", "kv_cache_free_gpu_memory_fraction", "free_gpu_memory_fraction")
+KV_FRACTION_KEYS = ("kv_cache_free_gpu_memory_fraction", "free_gpu_memory_fraction")
 _SEQ_KEY = re.compile(r"(^|_)(seq_len|seq_length|sequence_length|model_len|input_len|max_length)$")
 _MEMORY_KEYS = frozenset(
     {
@@ -64,6 +65,7 @@ _MEMORY_KEYS = frozenset(
         "max_num_batched_tokens",
         "gpu_memory_utilization",
         "kv_cache_free_gpu_memory_fraction",
+        "free_gpu_memory_fraction",
         "workspace_gb",
     }
 )
@@ -75,6 +77,8 @@ TRTLLM_DEFAULT_KV_FRACTION = 0.9
 TRTLLM_DEFAULT_MAX_NUM_TOKENS = 8192
 TRTLLM_DEFAULT_MAX_BATCH = 2048
 ENGINE_DEFAULT_SEQ = 512
+#: vocabulary assumed for a synthetic model whose tokenizer is not built yet
+SYNTHETIC_VOCAB_GUESS = 32000
 
 
 @dataclass
@@ -116,7 +120,9 @@ class CheckReport:
     def to_json(self) -> dict[str, Any]:
         return {
             "ok": not self.errors,
-            "counts": {s: sum(1 for f in self.findings if f.severity == s) for s in ("error", "warning", "info")},
+            "counts": {
+                s: sum(1 for f in self.findings if f.severity == s) for s in ("error", "warning", "info")
+            },
             "findings": [finding_json(f) for f in self.findings],
             "estimates": [e.to_json() for e in self.estimates],
             "model_configs": self.configs,
@@ -172,22 +178,25 @@ def load_model_config(model: Model, recipe: Recipe, registry: Any) -> tuple[dict
             return None, f"no config.json in {folder}"
         return _read_json(cfg)
     overrides = getattr(params, "config", None)
-    if overrides is not None or "synthetic" in kind:
+    if isinstance(overrides, dict) or "synthetic" in kind:
+        # a synthetic source: the family's small defaults under the recipe's overrides. Only
+        # plain dicts are read (no plugin code runs: families build configs with transformers)
         fam = registry.families.get(model.spec.family)
         defaults: Any = None
-        for attr in ("synthetic_config", "default_config"):
-            defaults = getattr(fam, attr, None)
-            if defaults is not None:
+        for attr in ("synthetic_defaults", "synthetic_config"):
+            value = getattr(fam, attr, None)
+            if isinstance(value, dict):
+                defaults = value
                 break
-        if callable(defaults):
-            try:
-                defaults = defaults()
-            except Exception:
-                defaults = None
-        merged = {**(defaults if isinstance(defaults, dict) else {}), **(overrides or {})}
-        if merged:
-            return merged, f"{kind} source config" + (" over the family's defaults" if defaults else "")
-        return None, f"{kind} source gives no config"
+        merged = {**(defaults or {}), **(overrides if isinstance(overrides, dict) else {})}
+        if not merged:
+            return None, f"{kind} source gives no config"
+        origin = f"{kind} source config" + (" over the family's synthetic defaults" if defaults else "")
+        if "vocab_size" not in merged and "hidden_size" in merged:
+            # the synthetic tokenizer's vocabulary is only known once built; it is small
+            merged["vocab_size"] = SYNTHETIC_VOCAB_GUESS
+            origin += f"; vocab_size assumed {SYNTHETIC_VOCAB_GUESS}"
+        return merged, origin
     return None, f"{kind} source: config.json is only known after fetching"
 
 
@@ -279,7 +288,9 @@ class _Checker:
                 self.findings.append(info.problem)
         return self.models[name]
 
-    def add(self, severity: str, code: str, section: str, target: str, key: str | None, message: str, fix: str) -> None:
+    def add(
+        self, severity: str, code: str, section: str, target: str, key: str | None, message: str, fix: str
+    ) -> None:
         self.findings.append(Finding(severity, code, message, fix, section, target, key))
 
     # ----------------------------------------------------------------- per node
@@ -300,6 +311,7 @@ class _Checker:
             reqs = list(cls.requires)
         gpu_reqs = _needs_gpu(reqs)
         on_cpu_profile = not hw.is_gpu
+        generic_from = len(self.findings)
         if on_cpu_profile and gpu_reqs:
             gpus = [p.name for p in self.registry.hardware.values() if p.is_gpu]
             self.add(
@@ -347,12 +359,21 @@ class _Checker:
                 f"report it to the plugin's authors; disable with MOPT_DISABLE_PLUGINS={plugin}",
             )
             extra = []
-        for f in extra or []:
-            self.findings.append(
-                Finding(
-                    f.severity, f.code, f.message, f.fix, f.section or sec, f.target or label, f.key
-                )
-            )
+        own = [
+            Finding(f.severity, f.code, f.message, f.fix, f.section or sec, f.target or label, f.key)
+            for f in extra or []
+        ]
+        if own:
+            # the kind knows its params best: its finding on a key (or with a code) replaces the
+            # generic rule's, so a kind that checks e.g. tp_size itself is not reported twice
+            keys = {f.key for f in own if f.key}
+            codes = {f.code for f in own}
+            if on_cpu_profile and gpu_reqs and any(f.severity == "error" for f in own):
+                codes.add("kind-needs-gpu")  # the kind said itself why it cannot run here
+            generic = self.findings[generic_from:]
+            del self.findings[generic_from:]
+            self.findings += [f for f in generic if f.key not in keys and f.code not in codes]
+            self.findings += own
         return had_workload
 
     def _family(self, model: str) -> Any:
@@ -377,7 +398,7 @@ class _Checker:
                     key,
                     f"{key} = {value!r}: profile {hw.name!r} is a CPU profile without native {p} "
                     f"(it has {', '.join(hw.precisions)}); CPU kernels for {p} are missing or slow",
-                    f"use {key} = \"fp32\" (or int8 quantization) for CPU targets",
+                    f'use {key} = "fp32" (or int8 quantization) for CPU targets',
                 )
                 continue
             need = MIN_CC[p]
@@ -471,7 +492,13 @@ class _Checker:
         )
 
     def _parallel(
-        self, params: dict[str, Any], hw: HardwareProfile, dims: ModelDims | None, sec: str, label: str, model: str
+        self,
+        params: dict[str, Any],
+        hw: HardwareProfile,
+        dims: ModelDims | None,
+        sec: str,
+        label: str,
+        model: str,
     ) -> None:
         tp_key, tp_v = _first(params, TP_KEYS)
         pp_key, pp_v = _first(params, PP_KEYS)
@@ -553,7 +580,9 @@ class _Checker:
                 label,
                 key,
                 (
-                    f"{key} = {value}" if written == str(value) else f"{key} has a shape {written} of sequence length {value},"
+                    f"{key} = {value}"
+                    if written == str(value)
+                    else f"{key} has a shape {written} of sequence length {value},"
                 )
                 + f" over {model}'s max_position_embeddings {limit} ({origin})",
                 f"keep {key} ≤ {limit}; {why}",
@@ -562,7 +591,13 @@ class _Checker:
     # ----------------------------------------------------------------- memory
 
     def _memory(
-        self, cls: type[TargetKind], params: dict[str, Any], hw: HardwareProfile, dims: ModelDims, sec: str, label: str
+        self,
+        cls: type[TargetKind],
+        params: dict[str, Any],
+        hw: HardwareProfile,
+        dims: ModelDims,
+        sec: str,
+        label: str,
     ) -> bool:
         spec = workload_for(params, dims, hw, getattr(cls, "memory_model", None))
         if spec is None:
@@ -602,11 +637,18 @@ class _Checker:
         # pooled runtimes: vLLM and TensorRT-LLM
         skey = keys.get("seq") or ("max_model_len" if w.runtime == "vllm" else "max_seq_len")
         bkey = keys.get("batch") or ("max_num_seqs" if w.runtime == "vllm" else "max_batch_size")
-        fkey = "gpu_memory_utilization" if w.runtime == "vllm" else "kv_cache_free_gpu_memory_fraction"
+        fkey = keys.get("fraction") or (
+            "gpu_memory_utilization" if w.runtime == "vllm" else "kv_cache_free_gpu_memory_fraction"
+        )
         kv_tokens = e.kv_tokens_available or 0
         max_seqs = kv_tokens // max(w.seq_len, 1)
         max_len = largest_fitting(
-            dims, w, cap, "seq_len", w.seq_len, fits=lambda x: (x.kv_tokens_available or 0) >= x.workload.seq_len
+            dims,
+            w,
+            cap,
+            "seq_len",
+            w.seq_len,
+            fits=lambda x: (x.kv_tokens_available or 0) >= x.workload.seq_len,
         )
         ne.largest = {bkey: max_seqs, skey: max_len}
         pool = (
@@ -622,7 +664,11 @@ class _Checker:
             fixes += _smaller_precisions(dims, w, hw, keys.get("precision"))
             if hw.gpu_count > w.tp:
                 fixes.append(f"shard with tensor_parallel_size up to {hw.gpu_count}")
-            fixes.append("lower max_num_batched_tokens / max_num_tokens" if w.runtime == "vllm" else "lower max_num_tokens")
+            fixes.append(
+                "lower max_num_batched_tokens / max_num_tokens"
+                if w.runtime == "vllm"
+                else "lower max_num_tokens"
+            )
             self.add(
                 "error",
                 "memory-over-capacity",
@@ -679,18 +725,26 @@ class _Checker:
         return True
 
     def baseline(self, section: Section) -> None:
-        """An estimate for a GPU section none of whose targets sets batch / sequence limits."""
+        """The model's own estimate for a section none of whose targets sets batch / sequence
+        limits: 16-bit on a GPU profile (with what fits), fp32 on a CPU one (no capacity)."""
         hw = self.registry.hardware[section.hardware]
         dims = self.model(section.model).dims
-        if not hw.is_gpu or not hw.memory_gb or dims is None:
+        if dims is None:
+            return
+        seq = min(ENGINE_DEFAULT_SEQ, dims.max_sequence or ENGINE_DEFAULT_SEQ)
+        if not hw.is_gpu or not hw.memory_gb:
+            w = Workload(precision="fp32", batch=1, seq_len=seq, device="cpu")
+            basis = f"fp32 on CPU, batch 1 × {seq} tokens (no target sets limits)"
+            self.estimates.append(NodeEstimate(section.id, "(model)", hw.name, estimate(dims, w), basis))
             return
         prec = dims.config_dtype if dims.config_dtype in ("fp16", "bf16") else "fp16"
         if prec not in hw.precisions:
             prec = "fp16"
-        seq = min(ENGINE_DEFAULT_SEQ, dims.max_sequence or ENGINE_DEFAULT_SEQ)
         w = Workload(precision=prec, batch=1, seq_len=seq)
         e = estimate(dims, w, hw.memory_gb)
-        ne = NodeEstimate(section.id, "(model)", hw.name, e, f"{prec}, batch 1 × {seq} tokens (no target sets limits)")
+        ne = NodeEstimate(
+            section.id, "(model)", hw.name, e, f"{prec}, batch 1 × {seq} tokens (no target sets limits)"
+        )
         ne.largest = {
             "batch": largest_fitting(dims, w, hw.memory_gb, "batch", 1 << 20),
             "seq_len": largest_fitting(dims, w, hw.memory_gb, "seq_len", dims.max_sequence or 1 << 20),
@@ -790,7 +844,10 @@ def workload_for(
             return None
         if present & {"gpu_memory_utilization", "max_num_seqs", "max_model_len", "max_num_batched_tokens"}:
             mode = "vllm"
-        elif present & {"kv_cache_free_gpu_memory_fraction", "max_num_tokens"} or params.get("tokens_per_block") is not None:
+        elif (
+            present & {"kv_cache_free_gpu_memory_fraction", "free_gpu_memory_fraction", "max_num_tokens"}
+            or params.get("tokens_per_block") is not None
+        ):
             mode = "trtllm"
         elif present & {"max_batch_size", "max_seq_len", "max_input_len", "workspace_gb"}:
             mode = "engine"
@@ -840,27 +897,46 @@ def workload_for(
             keys["fraction"] = "gpu_memory_utilization"
         frac = frac_v if frac_v is not None and 0 < frac_v <= 1 else VLLM_DEFAULT_UTILIZATION
         w = Workload(
-            precision=prec, kv_dtype=kv_dtype, batch=batch, seq_len=seq, num_tokens=tokens, kv_cache=True,
-            tp=tp, pp=pp, memory_fraction=frac, runtime="vllm",
+            precision=prec,
+            kv_dtype=kv_dtype,
+            batch=batch,
+            seq_len=seq,
+            num_tokens=tokens,
+            kv_cache=True,
+            tp=tp,
+            pp=pp,
+            memory_fraction=frac,
+            runtime="vllm",
         )
     elif mode == "trtllm":
         batch, bk = pick(("max_batch_size", "max_num_seqs"), TRTLLM_DEFAULT_MAX_BATCH, "max_batch_size")
         seq, sk = pick(("max_seq_len", "max_model_len"), max_pos, "max_seq_len")
         nt = _int(params.get("max_num_tokens"))
         tokens = nt if nt else min(TRTLLM_DEFAULT_MAX_NUM_TOKENS, batch * seq)
-        frac_v = _num(params.get("kv_cache_free_gpu_memory_fraction"))
-        if frac_v is not None:
-            keys["fraction"] = "kv_cache_free_gpu_memory_fraction"
+        fk, fv = _first(params, KV_FRACTION_KEYS)
+        frac_v = _num(fv)
+        if frac_v is not None and fk:
+            keys["fraction"] = fk
         frac = frac_v if frac_v is not None and 0 < frac_v <= 1 else TRTLLM_DEFAULT_KV_FRACTION
         w = Workload(
-            precision=prec, kv_dtype=kv_dtype, batch=batch, seq_len=seq, num_tokens=tokens, kv_cache=True,
-            tp=tp, pp=pp, kv_fraction=frac, runtime="trtllm",
+            precision=prec,
+            kv_dtype=kv_dtype,
+            batch=batch,
+            seq_len=seq,
+            num_tokens=tokens,
+            kv_cache=True,
+            tp=tp,
+            pp=pp,
+            kv_fraction=frac,
+            runtime="trtllm",
         )
     else:
         batch, bk = pick(("max_batch_size",), 1, "batch")
         seq, sk = pick(("max_seq_len", "max_input_len"), min(ENGINE_DEFAULT_SEQ, max_pos), "seq")
         ws = _num(params.get("workspace_gb")) or 0.0
-        w = Workload(precision=prec, batch=batch, seq_len=seq, tp=tp, pp=pp, workspace_gb=ws, runtime="engine")
+        w = Workload(
+            precision=prec, batch=batch, seq_len=seq, tp=tp, pp=pp, workspace_gb=ws, runtime="engine"
+        )
     if bk:
         keys["batch"] = bk
     if sk:
@@ -879,7 +955,9 @@ def run_checks(graph: Graph, ids: list[str] | None = None) -> CheckReport:
     ids = list(graph.nodes) if ids is None else ids
     c = _Checker(graph)
     by_id = {s.id: s for s in graph.recipe.sections}
-    selected_sections = [s.id for s in graph.recipe.sections if any(graph.nodes[i].section.id == s.id for i in ids)]
+    # a node shared by several sections (same definition) is checked in each of them
+    touched = {a.partition(":")[0] for i in ids for a in graph.nodes[i].addresses}
+    selected_sections = [s.id for s in graph.recipe.sections if s.id in touched]
     wanted = set(selected_sections)
     with_workload: set[str] = set()
     relevant: set[str] = set()

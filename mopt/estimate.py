@@ -34,7 +34,8 @@ so only one layer's tensors are alive)
                     contiguous copy; k and v), fused attention (flash / SDPA / TensorRT MHA),
         MLP       = 3.5·I gated (gate activation, up, their product, and the allocator's
                     share) or 2.5·I (intermediate, activation),
-    plus, for eager (unfused) attention, the score matrix 2 · batch · heads · seq² · a.
+    plus, for eager (unfused) attention, batch · heads · seq² score elements × 10 bytes
+    (16-bit: scores, masked scores, fp32 softmax, cast back) or × 8 bytes (fp32).
     a = 2 bytes (fp16/bf16; also for quantized weights), 4 for fp32. The constants were fitted
     to measured peaks of transformers' Qwen3 on CPU (see Accuracy below).
 
@@ -52,12 +53,25 @@ Pooled runtimes
 Units: bytes; profiles' `memory_gb` is read as GiB (2**30), which matches what nvidia-smi
 reports for the built-in profiles to within 1-2 %.
 
-Accuracy (benchmarks/estimator_vs_measured.py: random transformers Qwen3 models, fp32 on
-CPU, SDPA attention, peak RSS of one forward pass minus the RSS before the model was built,
-torch 2.13 / transformers 5.24; see MEASURED below): the estimate is within ±20 % of the
-measured peak for models from 0.05 to 0.6 B parameters and batches of 1 to 8 × 128 to 2048
-tokens; weights alone agree to < 1 %. GPU peaks (torch.cuda.max_memory_allocated) on the
-H200 are listed in MEASURED_GPU where they were measured.
+Accuracy (benchmarks/estimator_vs_measured.py, 2026-11: random transformers 5.x `Qwen3Model`s
+of 11 M, 103 M and 596 M parameters, one forward pass with SDPA attention, estimate = weights
++ activations, no runtime overhead):
+    GPU, H200, bf16, torch 2.11 / CUDA 13, torch.cuda.max_memory_allocated(), 7 cases from
+        8 × 1024 to 64 × 4096 and 4 × 32768 tokens: error -8.2 % to +4.0 % (mean |3.1 %|);
+        Qwen3-Embedding-0.6B: -2.8 % (1 × 512), -0.7 % (8 × 2048), +1.9 % (32 × 2048),
+        +4.0 % (64 × 4096), +2.8 % (4 × 32768).
+    CPU, 2-core x86-64 VM, fp32, torch 2.13: against live tensor memory (peak RSS with
+        MALLOC_MMAP_THRESHOLD_=65536, so freed tensors leave RSS) -4.1 % to +0.2 % for every
+        case of ≥ 512 tokens (Qwen3-Embedding-0.6B: -1.1 %, -0.6 %, -0.6 %); -22 % for
+        1 × 128 tokens of the 11 M model, where ~8 MiB of fixed runtime buffers dominate.
+        Against plain peak RSS (glibc keeps freed blocks resident, and it varies between runs)
+        the estimate is 2 % to 30 % low (mean 12 %): budget RAM with headroom.
+    Weights alone: < 1 % on the GPU, < 1.5 % on CPU from 100 M parameters up (the 11 M model
+        carries ~6 MiB of fixed buffers); parameter counts are exact (tests/test_estimate.py).
+    Eager attention (score matrices) was checked on the H200 at 8 × 1024 and 32 × 2048 tokens:
+        9.5-9.9 bytes per score element, hence the 10 used above.
+Not measured: TensorRT engines, vLLM and TensorRT-LLM (none is installable here); their
+allocators and CUDA graphs add to the runtime line, which is a flat 0.5 GiB guess.
 """
 
 from __future__ import annotations
@@ -467,6 +481,12 @@ def kv_bytes_per_token(dims: ModelDims, kv_dtype: str, tp: int = 1, pp: int = 1)
     return 2 * layers * kv_heads_per_gpu * dims.head_dim * bytes_per_value(kv_dtype)
 
 
+#: bytes per attention-score element alive at once in eager attention: the scores, the masked
+#: scores, the softmax (computed in fp32) and its cast back (16-bit); fp32 needs no cast.
+#: Measured on the H200 (bf16: 9.5-9.9) and on CPU (fp32: 8.3).
+_EAGER_SCORE_BYTES = {"fp16": 10, "bf16": 10, "fp32": 8}
+
+
 def activation_bytes(
     dims: ModelDims, tokens: int, act_dtype: str, *, batch: int = 1, seq_len: int = 0,
     tp: int = 1, attention: str = "fused",
@@ -478,7 +498,7 @@ def activation_bytes(
     per_token = 3 * dims.hidden + 2 * dims.head_dim + max(attn, mlp) / tp
     out = a * tokens * per_token
     if attention == "eager" and seq_len:
-        out += 2 * a * batch * math.ceil(dims.heads / tp) * seq_len * seq_len
+        out += _EAGER_SCORE_BYTES[act_dtype] * batch * math.ceil(dims.heads / tp) * seq_len * seq_len
     return out
 
 
@@ -571,7 +591,8 @@ def largest_fitting(
     test = fits or (lambda e: e.fits)
 
     def ok(v: int) -> bool:
-        return test(estimate(dims, replace(w, **{field_name: v}), capacity_gb))
+        kw: dict[str, Any] = {field_name: v}
+        return test(estimate(dims, replace(w, **kw), capacity_gb))
 
     if upper < 1 or not ok(1):
         return None
@@ -590,10 +611,3 @@ def fraction_needed(e: MemoryEstimate) -> float | None:
     if e.capacity is None or e.capacity <= 0:
         return None
     return e.total / e.capacity
-
-
-#: CPU validation (benchmarks/estimator_vs_measured.py), fp32, SDPA, 2-core x86-64 VM:
-#: (model, batch, seq, estimated MiB, measured MiB). Filled in from the benchmark's output.
-MEASURED: tuple[tuple[str, int, int, float, float], ...] = ()
-#: GPU validation on the H200 (torch.cuda.max_memory_allocated), bf16, SDPA.
-MEASURED_GPU: tuple[tuple[str, int, int, float, float], ...] = ()

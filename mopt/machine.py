@@ -9,6 +9,7 @@ Every probe is cached for the life of the process; `reset()` forgets them (tests
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.metadata as md
 import importlib.util
@@ -233,7 +234,7 @@ def _visible(gpus: list[GPU], cvd: str | None) -> list[GPU]:
 
 def _nvml_gpus() -> tuple[list[GPU], str | None]:
     try:
-        import pynvml  # type: ignore[import-not-found]
+        import pynvml
     except ImportError:
         return [], "pynvml not importable"
     try:
@@ -257,10 +258,8 @@ def _nvml_gpus() -> tuple[list[GPU], str | None]:
     except Exception as exc:
         return [], f"NVML query failed: {exc}"
     finally:
-        try:
+        with contextlib.suppress(Exception):
             pynvml.nvmlShutdown()
-        except Exception:
-            pass
 
 
 @functools.lru_cache(maxsize=1)
@@ -282,7 +281,9 @@ def probe_gpus() -> GPUProbe:
         if rc == 0:
             gpus = parse_nvidia_smi_csv(out)
             if gpus:
-                return GPUProbe(tuple(gpus), tuple(_visible(gpus, cvd)), "nvidia-smi", None, _driver_cuda(smi))
+                return GPUProbe(
+                    tuple(gpus), tuple(_visible(gpus, cvd)), "nvidia-smi", None, _driver_cuda(smi)
+                )
             error = "nvidia-smi lists no GPU"
         else:
             msg = (errtext or out).strip().splitlines()
@@ -568,6 +569,15 @@ def matching_profiles(registry: Any) -> list[str]:
 
 # --------------------------------------------------------------------------- requirements
 
+#: install commands for modules whose distribution has another name or lives on another index
+_INSTALL = {
+    "modelopt": "pip install nvidia-modelopt",
+    "tensorrt": "pip install tensorrt --extra-index-url https://pypi.nvidia.com",
+    "tensorrt_llm": "pip install tensorrt-llm --extra-index-url https://pypi.nvidia.com",
+    "tensorrt-llm": "pip install tensorrt-llm --extra-index-url https://pypi.nvidia.com",
+    "yaml": "pip install pyyaml",
+    "cv2": "pip install opencv-python-headless",
+}
 _REQ = re.compile(r"^\s*([A-Za-z0-9_.\-]+)\s*(>=|<=|==|!=|>|<)?\s*([0-9][0-9A-Za-z.+\-]*)?\s*$")
 
 
@@ -636,7 +646,9 @@ def check_requirement(req: str, hardware: HardwareProfile) -> str | None:
             return None if low == "cuda" else f"unrecognised requirement {req!r} (write e.g. cuda>=12)"
         op, want = m.group(1), m.group(2)
         tp = probe_torch()
-        have, what = (tp.cuda, "torch's CUDA runtime") if tp.cuda else (probe.driver_cuda, "the driver's CUDA")
+        have, what = (
+            (tp.cuda, "torch's CUDA runtime") if tp.cuda else (probe.driver_cuda, "the driver's CUDA")
+        )
         if have is None:
             return f"needs CUDA {op} {want}: no CUDA runtime found (torch is CPU-only or missing)"
         return None if version_ok(have, op, want) else f"needs CUDA {op} {want}, {what} is {have}"
@@ -647,8 +659,13 @@ def check_requirement(req: str, hardware: HardwareProfile) -> str | None:
         name, op, want = m.group(1), m.group(2), m.group(3)
         have = dist_version(name, name.replace("_", "-"), name.replace("-", "_"))
         importable = "-" not in name and importlib.util.find_spec(name.split(".")[0]) is not None
+        if have is None and importable and op:
+            # a module whose distribution has another name (modelopt → nvidia-modelopt)
+            dists = md.packages_distributions().get(name.split(".")[0]) or []
+            have = dist_version(*dists) if dists else None
         if have is None and not importable:
-            return f"Python package {name!r} is not installed (pip install {name.replace('_', '-')})"
+            hint = _INSTALL.get(name, f"pip install {name.replace('_', '-')}")
+            return f"Python package {name!r} is not installed ({hint})"
         if op and want:
             if have is None:
                 return f"needs {name} {op} {want}: its version is unknown (no distribution metadata)"

@@ -6,8 +6,9 @@ Names are prefixed `toy` so they never clash with the real plugins installed bes
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from pydantic import Field
 
@@ -35,7 +36,6 @@ TOY_QWEN3_DEFAULTS: dict[str, Any] = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "head_dim": 64,
-    "vocab_size": 32000,
     "max_position_embeddings": 4096,
     "tie_word_embeddings": True,
     "torch_dtype": "bfloat16",
@@ -47,7 +47,7 @@ class ToyQwen3(Family):
     description = "qwen3-like decoder (tests)"
     architectures = ("Qwen3ForCausalLM",)
     pooling = "last-token"
-    synthetic_config = TOY_QWEN3_DEFAULTS
+    synthetic_defaults = TOY_QWEN3_DEFAULTS
 
 
 class ToyBert(Family):
@@ -142,6 +142,24 @@ class ToyTrtllm(_Kind):
         max_num_tokens: int | None = None
         kv_cache_free_gpu_memory_fraction: float = 0.9
 
+    def check(self, params: Any, ctx: CheckContext) -> list[Finding]:
+        # a kind that checks a key itself: its finding replaces the generic rule's
+        if params.tokens_per_block == 24:
+            return [Finding("error", "toy-tpb", "24 is not allowed", "use 32", key="tokens_per_block")]
+        return []
+
+
+class ToyOwnCpuCheck(_Kind):
+    """A GPU kind that explains itself on a CPU profile (the generic kind-needs-gpu stays quiet)."""
+
+    name = "toy-own-cpu-check"
+    requires = ("gpu",)
+
+    def check(self, params: Any, ctx: CheckContext) -> list[Finding]:
+        if not ctx.hardware.is_gpu:
+            return [Finding("error", "toy-engine-on-cpu", "needs a GPU", "use a GPU profile")]
+        return []
+
 
 class ToyBroken(_Kind):
     name = "toy-broken"
@@ -186,7 +204,7 @@ def mopt_register_sources(register: Callable[[Any], None]) -> None:
 
 @hookimpl
 def mopt_register_targets(register: Callable[[Any], None]) -> None:
-    for k in (ToyOnnx, ToyTrt, ToyVllm, ToyTrtllm, ToyBroken):
+    for k in (ToyOnnx, ToyTrt, ToyVllm, ToyTrtllm, ToyOwnCpuCheck, ToyBroken):
         register(k)
 
 

@@ -38,46 +38,75 @@ VIOLATIONS = [
     ("bad_fp8_on_a10.toml", {("error", "precision-unsupported", "qwen.a10", "precision")}),
     ("bad_bf16_on_t4.toml", {("error", "precision-unsupported", "qwen.t4", "precision")}),
     ("bad_nvfp4_on_h100.toml", {("error", "precision-unsupported", "qwen.h100", "dtype")}),
-    ("bad_fp8_quantization_a10.toml", {
-        ("warning", "precision-unsupported", "qwen.a10", "quantization"),
-        ("warning", "precision-unsupported", "qwen.a10", "kv_cache_dtype"),
-    }),
+    (
+        "bad_fp8_quantization_a10.toml",
+        {
+            ("warning", "precision-unsupported", "qwen.a10", "quantization"),
+            ("warning", "precision-unsupported", "qwen.a10", "kv_cache_dtype"),
+        },
+    ),
     ("bad_engine_oom_rtx4060.toml", {("error", "memory-over-capacity", "qwen.rtx4060", "max_batch_size")}),
     ("bad_sweep_one_variant.toml", {("error", "memory-over-capacity", "qwen.rtx4060", "max_batch_size")}),
-    ("bad_weights_over_budget.toml", {
-        ("error", "memory-over-capacity", "qwen.rtx4060", "gpu_memory_utilization"),
-    }),
+    (
+        "bad_weights_over_budget.toml",
+        {
+            ("error", "memory-over-capacity", "qwen.rtx4060", "gpu_memory_utilization"),
+        },
+    ),
     ("bad_kv_too_small.toml", {("error", "kv-cache-too-small", "qwen.rtx4060", "max_model_len")}),
     ("bad_kv_short.toml", {("warning", "kv-cache-short", "qwen.rtx4060", "max_num_seqs")}),
-    ("bad_tp3_heads.toml", {
-        ("error", "tp-heads", "qwen.h100x4", "tensor_parallel_size"),
-        ("error", "tp-kv-heads", "qwen.h100x4", "tensor_parallel_size"),
-    }),
+    (
+        "bad_tp3_heads.toml",
+        {
+            ("error", "tp-heads", "qwen.h100x4", "tensor_parallel_size"),
+            ("error", "tp-kv-heads", "qwen.h100x4", "tensor_parallel_size"),
+        },
+    ),
     ("bad_tp_over_gpus.toml", {("error", "tp-over-gpus", "qwen.h200", "tp_size")}),
     ("bad_tokens_per_block.toml", {("error", "tokens-per-block-not-pow2", "qwen.h200", "tokens_per_block")}),
     ("bad_max_model_len.toml", {("error", "seq-over-max-position", "qwen.h200", "max_model_len")}),
-    ("bad_bert_seq_and_shapes.toml", {
-        ("error", "seq-over-max-position", "minilm.rtx4090", "shapes.input_ids"),
-    }),
-    ("bad_engine_on_cpu.toml", {
-        ("error", "kind-needs-gpu", "qwen.cpu", "hardware"),
-        ("warning", "precision-unsupported", "qwen.cpu", "dtype"),
-    }),
-    ("bad_fraction.toml", {
-        ("error", "fraction-out-of-range", "qwen.h200", "kv_cache_free_gpu_memory_fraction"),
-    }),
-    ("bad_kind_checks.toml", {
-        ("error", "toy-opt-level", "qwen.rtx4090", "opt_level"),
-        ("warning", "kind-check-failed", "qwen.rtx4090", None),
-    }),
-    ("bad_unknown_config.toml", {
-        ("info", "model-config-unknown", "uncached.h200", "config"),
-        ("info", "model-config-unknown", "synthbert.l40s", "config"),
-    }),
-    ("bad_config_json.toml", {
-        ("error", "model-config-invalid", "models.brokencfg", "config"),
-        ("info", "model-config-unknown", "brokencfg.h200", "config"),
-    }),
+    (
+        "bad_bert_seq_and_shapes.toml",
+        {
+            ("error", "seq-over-max-position", "minilm.rtx4090", "shapes.input_ids"),
+        },
+    ),
+    (
+        "bad_engine_on_cpu.toml",
+        {
+            ("error", "kind-needs-gpu", "qwen.cpu", "hardware"),
+            ("warning", "precision-unsupported", "qwen.cpu", "dtype"),
+            ("error", "toy-engine-on-cpu", "qwen.cpu", None),  # not also kind-needs-gpu
+        },
+    ),
+    (
+        "bad_fraction.toml",
+        {
+            ("error", "fraction-out-of-range", "qwen.h200", "kv_cache_free_gpu_memory_fraction"),
+        },
+    ),
+    (
+        "bad_kind_checks.toml",
+        {
+            ("error", "toy-opt-level", "qwen.rtx4090", "opt_level"),
+            ("warning", "kind-check-failed", "qwen.rtx4090", None),
+        },
+    ),
+    ("bad_kind_replaces_generic.toml", {("error", "toy-tpb", "qwen.h200", "tokens_per_block")}),
+    (
+        "bad_unknown_config.toml",
+        {
+            ("info", "model-config-unknown", "uncached.h200", "config"),
+            ("info", "model-config-unknown", "synthbert.l40s", "config"),
+        },
+    ),
+    (
+        "bad_config_json.toml",
+        {
+            ("error", "model-config-invalid", "models.brokencfg", "config"),
+            ("info", "model-config-unknown", "brokencfg.h200", "config"),
+        },
+    ),
 ]
 
 VALID = [
@@ -117,6 +146,13 @@ def test_every_gpu_section_gets_an_estimate(registry: Any) -> None:
     assert all(e.estimate.fits for e in report.estimates)
 
 
+def test_cpu_sections_get_the_model_estimate(registry: Any) -> None:
+    report = _check("ok_engine_rtx4060.toml", registry)
+    (cpu,) = [e for e in report.estimates if e.section == "qwen.cpu"]
+    assert cpu.target == "(model)" and cpu.estimate.capacity is None
+    assert cpu.estimate.weights == 595_776_512 * 4  # fp32 on CPU
+
+
 def test_memory_finding_carries_the_numbers_and_the_largest_fit(registry: Any) -> None:
     report = _check("bad_engine_oom_rtx4060.toml", registry)
     (f,) = report.findings
@@ -140,7 +176,9 @@ def test_kv_fix_values_actually_fit(registry: Any) -> None:
 
     dims = ModelDims.from_config(json.loads((RECIPES / "configs" / "qwen3-embedding-0.6b.json").read_text()))
     hw = registry.hardware["rtx4060-laptop"]
-    spec = workload_for({"max_model_len": proposed, "max_num_seqs": 4, "gpu_memory_utilization": 0.5}, dims, hw)
+    spec = workload_for(
+        {"max_model_len": proposed, "max_num_seqs": 4, "gpu_memory_utilization": 0.5}, dims, hw
+    )
     assert spec is not None
     e = estimate(dims, spec[0], hw.memory_gb)
     assert (e.kv_tokens_available or 0) >= proposed
@@ -157,6 +195,13 @@ def test_package_and_path_sources_give_the_config(registry: Any) -> None:
     report = _check("ok_bert_sources.toml", registry)
     assert report.configs["minilm"].endswith("models/minilm/config.json")
     assert report.configs["minipkg"].endswith("config.json")
+
+
+def test_synthetic_source_uses_the_family_defaults(registry: Any) -> None:
+    report = _check("ok_synthetic_defaults.toml", registry)
+    origin = report.configs["synth"]
+    assert "synthetic defaults" in origin and "vocab_size assumed" in origin
+    assert {e.target for e in report.estimates} == {"toy-trt", "toy-vllm"}
 
 
 def test_check_of_a_recipe_takes_well_under_a_second(registry: Any) -> None:

@@ -26,12 +26,21 @@ from mopt.estimate import (
 
 ROOT = Path(__file__).resolve().parent.parent
 QWEN3 = json.loads((ROOT / "recipes" / "configs" / "qwen3-embedding-0.6b.json").read_text())
-MINILM = json.loads((Path(__file__).parent / "check_recipes" / "models" / "minilm" / "config.json").read_text())
+MINILM = json.loads(
+    (Path(__file__).parent / "check_recipes" / "models" / "minilm" / "config.json").read_text()
+)
 
 
 def test_qwen3_embedding_config_is_the_published_shape() -> None:
     d = ModelDims.from_config(QWEN3)
-    assert (d.layers, d.hidden, d.intermediate, d.heads, d.kv_heads, d.head_dim) == (28, 1024, 3072, 16, 8, 128)
+    assert (d.layers, d.hidden, d.intermediate, d.heads, d.kv_heads, d.head_dim) == (
+        28,
+        1024,
+        3072,
+        16,
+        8,
+        128,
+    )
     assert (d.vocab, d.max_position, d.tied, d.gated_mlp, d.qk_norm) == (151669, 32768, True, True, True)
     assert d.q_dim == 2048  # 16 heads × 128: wider than hidden
     assert d.config_dtype == "bf16"
@@ -51,8 +60,15 @@ def test_minilm_param_count_is_22_7m() -> None:
 
 SHAPES = {
     "qwen3-0.6b": {},
-    "qwen3-gqa-1kv": {"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512,
-                      "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 1000},
+    "qwen3-gqa-1kv": {
+        "num_hidden_layers": 2,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "vocab_size": 1000,
+    },
     "qwen3-untied": {"tie_word_embeddings": False, "num_hidden_layers": 3},
 }
 
@@ -74,14 +90,20 @@ def transformers_counts() -> dict[str, int]:
         "print(json.dumps(out))\n"
     )
     res = subprocess.run(
-        [sys.executable, "-c", code, json.dumps(cases)], capture_output=True, text=True, timeout=600, check=True
+        [sys.executable, "-c", code, json.dumps(cases)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
     )
     counts: dict[str, int] = json.loads(res.stdout.strip().splitlines()[-1])
     return counts
 
 
 @pytest.mark.parametrize("name", sorted(SHAPES))
-def test_param_count_equals_transformers_for_qwen3_shapes(name: str, transformers_counts: dict[str, int]) -> None:
+def test_param_count_equals_transformers_for_qwen3_shapes(
+    name: str, transformers_counts: dict[str, int]
+) -> None:
     d = ModelDims.from_config({**QWEN3, **SHAPES[name]})
     # Qwen3Model has no lm_head: the estimator counts an untied one for serving
     assert d.param_counts().total - d.param_counts().lm_head == transformers_counts[name]
@@ -99,8 +121,18 @@ def test_missing_keys_are_named() -> None:
 
 @pytest.mark.parametrize(
     ("name", "canonical"),
-    [("float16", "fp16"), ("BF16", "bf16"), ("bfloat16", "bf16"), ("fp8_e4m3", "fp8"), ("int4_awq", "int4"),
-     ("modelopt_fp4", "nvfp4"), ("torch.float32", "fp32"), ("auto", None), ("mixed", None), (3, None)],
+    [
+        ("float16", "fp16"),
+        ("BF16", "bf16"),
+        ("bfloat16", "bf16"),
+        ("fp8_e4m3", "fp8"),
+        ("int4_awq", "int4"),
+        ("modelopt_fp4", "nvfp4"),
+        ("torch.float32", "fp32"),
+        ("auto", None),
+        ("mixed", None),
+        (3, None),
+    ],
 )
 def test_precision_names(name: object, canonical: str | None) -> None:
     assert normalize_precision(name) == canonical
@@ -138,7 +170,7 @@ def test_activations_grow_with_tokens_and_eager_attention() -> None:
     a1 = activation_bytes(d, 1024, "fp16")
     assert activation_bytes(d, 2048, "fp16") == pytest.approx(2 * a1)
     eager = activation_bytes(d, 4096, "fp16", batch=1, seq_len=4096, attention="eager")
-    assert eager - activation_bytes(d, 4096, "fp16") == 2 * 2 * 16 * 4096 * 4096
+    assert eager - activation_bytes(d, 4096, "fp16") == 10 * 16 * 4096 * 4096  # bytes per score element
 
 
 def test_engine_estimate_breakdown_sums_up() -> None:
@@ -154,7 +186,9 @@ def test_engine_estimate_breakdown_sums_up() -> None:
 
 def test_vllm_pool_leaves_the_rest_for_kv_cache() -> None:
     d = ModelDims.from_config(QWEN3)
-    w = Workload(precision="bf16", batch=16, seq_len=32768, num_tokens=32768, kv_cache=True, memory_fraction=0.9)
+    w = Workload(
+        precision="bf16", batch=16, seq_len=32768, num_tokens=32768, kv_cache=True, memory_fraction=0.9
+    )
     e = estimate(d, w, capacity_gb=141)
     assert e.budget == pytest.approx(0.9 * 141 * GIB)
     assert e.kv_available == pytest.approx(e.budget - e.fixed)
@@ -190,7 +224,10 @@ def test_largest_fitting_is_the_boundary() -> None:
 
 
 def test_rope_scaling_extends_the_max_sequence() -> None:
-    cfg = {**QWEN3, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+    cfg = {
+        **QWEN3,
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+    }
     assert ModelDims.from_config(cfg).max_sequence == 131072
     assert ModelDims.from_config(QWEN3).max_sequence == 32768
 

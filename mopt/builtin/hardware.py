@@ -3,11 +3,14 @@
 Facts checked 2026-11 against the vendors' data sheets (links per profile) and
 ../shared/DOMAIN.md. Compute capability from https://developer.nvidia.com/cuda-gpus.
 Least certain: RTX 4090 bandwidth, RTX 5070 Laptop bandwidth, B200 usable memory.
+`memory_gb` is what the GPU reports (nvidia-smi's MiB / 1024, rounded); `mopt check` reads it
+as GiB. `gpu_name` is nvidia-smi's name, used by `mopt doctor` to match this machine.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from mopt.api import HardwareProfile, hookimpl
 
@@ -97,6 +100,8 @@ PROFILES = [
         fp16_tflops=989,
         source="https://www.nvidia.com/en-us/data-center/h100/",
     ),
+    # nvidia-smi on the H200 machine here (2026-11): "NVIDIA H200, 9.0, 143771 MiB" (140.4 GiB;
+    # `mopt check` reads memory_gb as GiB), driver 580.159.04.
     HardwareProfile(
         name="h200",
         description="NVIDIA H200 SXM 141GB (Hopper, GH100)",
