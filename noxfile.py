@@ -18,15 +18,15 @@ TORCH = "torch==2.13.0"
 PLUGINS = sorted(p for p in glob.glob("plugins/*") if os.path.isfile(f"{p}/pyproject.toml"))
 
 
-def install_all(session: nox.Session, *extra: str) -> None:
+def install_all(session: nox.Session, *extra: str, core: str = ".") -> None:
     session.install(TORCH)
-    session.install("-e", ".", *[a for p in PLUGINS for a in ("-e", p)], *extra)
+    session.install("-e", core, *[a for p in PLUGINS for a in ("-e", p)], *extra)
 
 
 @nox.session
 def tests(session: nox.Session) -> None:
     """The test suite (no GPU; slow and GPU tests excluded: see `slow` and `gpu`)."""
-    install_all(session, "-e", "tests/fixture_plugin", "pytest>=8", "pytest-xdist>=3")
+    install_all(session, "-e", "tests/fixture_plugin", core=".[test]")
     n = os.environ.get("PYTEST_WORKERS", "2")
     session.run("pytest", "-n", n, "-m", "not slow and not gpu", *session.posargs)
 
@@ -34,7 +34,7 @@ def tests(session: nox.Session) -> None:
 @nox.session
 def slow(session: nox.Session) -> None:
     """Tests marked slow (minutes each on 2 cores)."""
-    install_all(session, "-e", "tests/fixture_plugin", "pytest>=8", "pytest-xdist>=3")
+    install_all(session, "-e", "tests/fixture_plugin", core=".[test]")
     session.run("pytest", "-m", "slow and not gpu", *session.posargs)
 
 

@@ -263,7 +263,14 @@ class HardwareProfile(BaseModel):
 
 
 class Executor:
-    """Runs cache misses of a build. `Settings` validates `[executor]` in mopt.toml."""
+    """Runs cache misses of a build. `Settings` validates `[executor]` in mopt.toml.
+
+    An executor other than `local` implements
+    `build(engine, ids, *, settings, remote, jobs, keep_going, reporter, materialize)`
+    returning `{node id: mopt.build.NodeState}`: the engine has keyed nothing yet; the
+    executor uses `engine.parts/hit/kind/source/record`, `mopt.keys.action_key`, and
+    the remote cache to exchange inputs and outputs with its workers.
+    """
 
     name: ClassVar[str]
     description: ClassVar[str] = ""

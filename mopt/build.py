@@ -95,6 +95,7 @@ class Engine:
         self._meta: dict[str, dict[str, Any]] = {}  # output tree → its action's run() result
         self.index_dir = self.store.root / "index"
         self.index_dir.mkdir(exist_ok=True)
+        self.remote = _remote_for(self.project, self.store, offline)
         if offline:  # libraries that honour these never touch the network
             os.environ["HF_HUB_OFFLINE"] = "1"
             os.environ["TRANSFORMERS_OFFLINE"] = "1"
@@ -250,7 +251,7 @@ class Engine:
             inputs = {s: [outputs[d] for d in ds] for s, ds in node.inputs.items()}
             parts = self.parts(node, inputs)  # type: ignore[arg-type]
             key = action_key(parts)
-            entry = self.hit(key)
+            entry = self.hit(key, fetch=False)
             if entry is not None:
                 outputs[i] = entry.outputs_tree
                 result[i] = {"state": "up-to-date", "summary": "up to date", "key": key}
@@ -308,6 +309,44 @@ class Engine:
         stay in the store (their dependents read them from there).
         """
         self._want = set(ids) if materialize is None else set(materialize)
+        cfg = dict(self.project.config.executor)
+        ex_name = cfg.get("kind", "local")
+        ex_cls = self.registry.executors.get(ex_name)
+        if ex_cls is None:
+            from mopt.errors import did_you_mean
+
+            raise MoptError(
+                f"unknown executor {ex_name!r}",
+                file=str(self.project.config_file or "mopt.toml"),
+                table="executor",
+                key="kind",
+                hint=did_you_mean(ex_name, self.registry.executors, "executors"),
+            )
+        ex_build = getattr(ex_cls, "build", None)
+        if ex_build is not None:
+            from pydantic import ValidationError
+
+            try:
+                settings = ex_cls.Settings.model_validate(cfg)
+            except ValidationError as exc:
+                e = exc.errors()[0]
+                raise MoptError(
+                    e["msg"],
+                    file=str(self.project.config_file or "mopt.toml"),
+                    table="executor",
+                    key=".".join(str(x) for x in e["loc"]) or None,
+                ) from None
+            result: dict[str, NodeState] = ex_cls().build(  # type: ignore[attr-defined]
+                self,
+                ids,
+                settings=settings,
+                remote=self.remote,
+                jobs=jobs,
+                keep_going=keep_going,
+                reporter=reporter or Reporter(),
+                materialize=self._want,
+            )
+            return result
         from mopt.procs import gpu_slots, unmet
 
         reporter = reporter or Reporter()
@@ -406,16 +445,24 @@ class Engine:
             reporter.stop()
         return states
 
-    def hit(self, key: str) -> ActionEntry | None:
+    def hit(self, key: str, *, fetch: bool = True) -> ActionEntry | None:
         """The cache entry for `key` if it and every blob it names are intact.
 
         Blobs are checked through the stat cache, so an untouched blob costs a stat; one
         whose stat changed is rehashed, and a blob whose bytes no longer match its digest
-        is removed and the entry treated as a miss (the action reruns).
+        is removed and the entry treated as a miss (the action reruns). On a local miss the
+        remote cache (if any) is asked: with `fetch`, its blobs are downloaded, re-hashed
+        and recorded locally; without, only the entry is read (plan: no bytes).
         """
         entry = self.store.ac_entry(key)
         if entry is None:
-            return None
+            if self.remote is None:
+                return None
+            if not fetch:
+                return self.remote.fetch_entry(key)
+            entry = self.remote.pull(key)
+            if entry is None:
+                return None
         digests = [entry.outputs_tree] + ([entry.log] if entry.log else [])
         try:
             digests += [e.digest for e in self.store.tree_entries(entry.outputs_tree)]
@@ -537,6 +584,11 @@ class Engine:
                     )
                 st.entry = entry
                 self._meta[tree] = meta
+                if self.remote is not None and self.remote.push_enabled:
+                    try:
+                        self.remote.push(key, entry)
+                    except Exception as exc:  # the build succeeded; only sharing failed
+                        logger.warning(f"mopt: remote cache not updated: {exc}")
                 st.status = "built"
                 st.duration = duration
                 self._materialize(node, tree)
@@ -723,6 +775,33 @@ def write_lock(recipe_path: Path, now: LockData, artifacts: dict[str, str]) -> b
 
 
 __all__ = ["Engine", "NodeState", "Reporter", "address_path", "procs"]
+
+
+def _remote_for(project: Any, store: Store, offline: bool) -> Any:
+    """The remote cache of `[remote]`, or None."""
+    settings = project.config.remote
+    if not settings.url:
+        return None
+    try:
+        from mopt.remote import RemoteCache
+    except ImportError as exc:
+        raise MoptError(
+            f"[remote] url is set but the remote cache needs fsspec ({exc.name} is missing)",
+            file=str(project.config_file),
+            table="remote",
+            key="url",
+            hint="pip install 'mopt[remote]' (and s3fs for s3://)",
+        ) from None
+    try:
+        return RemoteCache.from_settings(settings, store, offline=offline)
+    except ImportError as exc:
+        raise MoptError(
+            f"cannot open the remote cache: {exc}",
+            file=str(project.config_file),
+            table="remote",
+            key="url",
+            hint="install the fsspec backend for this URL (s3fs for s3://, gcsfs for gs://)",
+        ) from None
 
 
 def plan_status(session: Any, ids: list[str]) -> dict[str, dict[str, Any]]:

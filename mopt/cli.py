@@ -268,7 +268,7 @@ def schema(output: Path | None) -> None:
 
 # --------------------------------------------------------------------------- entry point
 
-_EXTRA = ("mopt.cli_build", "mopt.cli_check", "mopt.cli_cache")
+_EXTRA = ("mopt.cli_build", "mopt.cli_check", "mopt.cli_cache", "mopt_ray.cli", "mopt_image.cli")
 _extra_done = False
 
 
@@ -284,7 +284,8 @@ def _register_extra_commands() -> None:
         try:
             mod = importlib.import_module(modname)
         except ModuleNotFoundError as exc:
-            if exc.name != modname:
+            # an optional plugin's commands: skip when the plugin is not installed
+            if exc.name is None or not modname.startswith(exc.name):
                 raise
             continue
         mod.register(app)

@@ -25,6 +25,9 @@ class StoreSettings(_Strict):
 class RemoteSettings(_Strict):
     url: str | None = Field(default=None, description="fsspec URL: s3://bucket/prefix, file://...")
     push: bool = True
+    options: dict[str, Any] = Field(
+        default={}, description="fsspec storage options (e.g. endpoint_url); never credentials: use the usual env/config"
+    )
 
 
 class PluginSettings(_Strict):

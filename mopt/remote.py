@@ -194,6 +194,7 @@ class RemoteCache:
         self.transfers = max(1, transfers)
         self._options = dict(options or {})
         self._secrets = _secret_values(url, self._options)
+        self._raw_url = url
         self.url = redact_url(url)
         try:
             fs, root = fsspec.core.url_to_fs(url, skip_instance_cache=True, **self._options)
@@ -238,6 +239,14 @@ class RemoteCache:
 
     def __repr__(self) -> str:
         return f"RemoteCache({self.url!r}, push={self.push_enabled})"
+
+    def connection(self) -> dict[str, Any]:
+        """What another process needs to open this cache: `RemoteCache(store=..., **conn)`.
+
+        The URL and options as given: they may hold credentials, so pass them on (to a
+        worker) but never log or store them.
+        """
+        return {"url": self._raw_url, "push": self.push_enabled, "options": dict(self._options)}
 
     # ------------------------------------------------------------------ paths
 
@@ -306,9 +315,7 @@ class RemoteCache:
         if verify:
             try:
                 members = self.fetch_tree(entry.outputs_tree, blobs=False)
-                missing = self.missing_blobs(
-                    [m.digest for m in members] + ([entry.log] if entry.log else [])
-                )
+                missing = self.missing_blobs([m.digest for m in members] + ([entry.log] if entry.log else []))
             except RemoteError as exc:
                 log.warning("remote cache %s: entry %s: %s; treating it as a miss", self.url, key, exc)
                 return None
@@ -358,9 +365,7 @@ class RemoteCache:
             try:
                 self.fs.get_file(self.blob_rpath(digest), tmp)
             except FileNotFoundError:
-                raise RemoteBlobMissingError(
-                    f"remote cache {self.url}: blob {digest} is missing"
-                ) from None
+                raise RemoteBlobMissingError(f"remote cache {self.url}: blob {digest} is missing") from None
             except Exception as exc:
                 raise self._error(f"downloading blob {digest[:12]}", exc) from None
             got = hash_file(tmp)
@@ -369,9 +374,11 @@ class RemoteCache:
                 with self._lock:
                     self._bad.add(digest)
                     self._present.discard(digest)
+                removed = self._remove_corrupt(digest)
                 raise RemoteIntegrityError(
                     f"remote cache {self.url}: blob {digest} is corrupt (its bytes hash to "
                     f"{got[:16]}…); rejected, not stored"
+                    + ("; removed from the remote so that the next push replaces it" if removed else "")
                 )
             size = os.path.getsize(tmp)
             os.chmod(tmp, 0o444)
@@ -387,6 +394,21 @@ class RemoteCache:
         with self._lock:
             self._present.add(digest)
         return os.fspath(local)
+
+    def _remove_corrupt(self, digest: str) -> bool:
+        """Delete a remote blob found corrupt (when this cache may write), so that entries
+        naming it become misses everywhere and the next push of its action re-uploads it."""
+        if not self.push_enabled:
+            return False
+        try:
+            self.fs.rm_file(self.blob_rpath(digest))
+        except FileNotFoundError:
+            return True
+        except Exception as exc:
+            self._warn_once("removing a corrupt blob", exc)
+            return False
+        log.warning("remote cache %s: removed corrupt blob %s", self.url, digest)
+        return True
 
     def fetch_tree(self, tree_digest: str, *, blobs: bool = True) -> list[TreeEntry]:
         """Download the tree manifest and (with `blobs`) every member the local store lacks.
@@ -437,20 +459,27 @@ class RemoteCache:
             log.warning("%s; action %s will be rebuilt", exc, key[:16])
             return None
         except (StoreError, TreeError) as exc:
-            log.warning("remote cache %s: entry %s unusable (%s); action will be rebuilt", self.url, key[:16], exc)
+            log.warning(
+                "remote cache %s: entry %s unusable (%s); action will be rebuilt", self.url, key[:16], exc
+            )
             return None
 
     # ------------------------------------------------------------------ writes
 
-    def push_blob(self, digest: str) -> int:
-        """Upload local blob `digest` unless the remote has it; return bytes uploaded."""
+    def push_blob(self, digest: str) -> bool:
+        """Upload local blob `digest` unless the remote has it; return whether it uploaded."""
+        return self._push_blob(digest)[0]
+
+    def _push_blob(self, digest: str) -> tuple[bool, int]:
         if digest not in self._bad and self.has_blob(digest):
-            return 0
+            return False, 0
         local = self.store.blob_path(digest)
         try:
             ok = self.store.state.file_digest(local) == digest
         except FileNotFoundError:
-            raise BlobMissingError(f"cannot push blob {digest}: not in the local store {self.store.root}") from None
+            raise BlobMissingError(
+                f"cannot push blob {digest}: not in the local store {self.store.root}"
+            ) from None
         if not ok:
             raise StoreError(f"cannot push blob {digest}: the local copy is corrupt ({local})")
         size = local.stat().st_size
@@ -462,18 +491,18 @@ class RemoteCache:
             self._bad.discard(digest)
             self._present.add(digest)
         self.stats.add(uploaded_blobs=1, uploaded_bytes=size)
-        return size
+        return True, size
 
     def push_tree(self, tree_digest: str) -> PushReport:
         """Upload a local tree (members first, manifest last) where the remote lacks it."""
         entries = self.store.tree_entries(tree_digest)
         up, nbytes, present = self._push_blobs([e.digest for e in entries])
-        n = self.push_blob(tree_digest)
+        up2, nbytes2, present2 = self._push_blobs([tree_digest])
         return PushReport(
             key=None,
-            uploaded_blobs=up + (1 if n else 0),
-            uploaded_bytes=nbytes + n,
-            present_blobs=present + (0 if n else 1),
+            uploaded_blobs=up + up2,
+            uploaded_bytes=nbytes + nbytes2,
+            present_blobs=present + present2,
         )
 
     def push(self, key: str, entry: ActionEntry | None = None) -> PushReport:
@@ -524,10 +553,9 @@ class RemoteCache:
         if not todo:
             return 0, 0, 0
         with ThreadPoolExecutor(max_workers=min(self.transfers, len(todo))) as pool:
-            sizes = list(pool.map(self.push_blob, todo))
-        up = sum(1 for s in sizes if s)
-        # An empty blob uploads 0 bytes; count it by whether it was present before instead.
-        return up, sum(sizes), len(todo) - up
+            done = list(pool.map(self._push_blob, todo))
+        up = sum(1 for uploaded, _n in done if uploaded)
+        return up, sum(n for _u, n in done), len(todo) - up
 
     def _put_file(self, local: str, rpath: str, *, mode: int) -> None:
         if self.is_local:
