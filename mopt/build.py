@@ -577,7 +577,7 @@ class Engine:
                             meta={
                                 "result": meta,
                                 "parts": st.parts,
-                                "reproducible": kind.reproducible,
+                                "reproducible": bool(kind.reproducible and meta.get("reproducible", True)),
                                 "recipe": str(self.recipe.path),
                             },
                         ),
