@@ -481,9 +481,12 @@ def test_cli_push_then_pull_into_a_second_project_makes_a_full_hit(
         (p / "r.toml").write_text(TOY_RECIPE)
         projects.append(p)
     a, b = projects
+    # build without pushing (push = false), then share explicitly with `mopt cache push`
+    (a / "mopt.toml").write_text(f'[store]\npath = ".mopt"\n\n[remote]\nurl = "{url}"\npush = false\n')
     built = run_mopt("build", "r.toml", "--json", "--no-check", cwd=a, env=env)
     assert built.returncode == 0, built.stderr
     n = len(json.loads(built.stdout)["nodes"])
+    (a / "mopt.toml").write_text(f'[store]\npath = ".mopt"\n\n[remote]\nurl = "{url}"\n')
 
     cli = _cli()
     res = cli("cache", "push", str(a / "r.toml"), "--json")
