@@ -1,0 +1,195 @@
+"""The `modelopt-ptq` target: a quantized Hugging Face checkpoint from NVIDIA Model Optimizer.
+
+`modelopt.torch.quantization.quantize(model, CFG, forward_loop)` calibrates on real text, then
+`modelopt.torch.export.export_hf_checkpoint` writes a checkpoint (weights + hf_quant_config.json)
+that TensorRT-LLM and vLLM (`--quantization modelopt` / `modelopt_fp4`) load. The format is
+gated on the hardware profile: FP8 needs compute capability 8.9, NVFP4 Blackwell (10.x / 12.x).
+Runs in a subprocess so torch and modelopt never load into mopt's process.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field
+
+from mopt.api import BuildContext, CheckContext, Finding, Input, Params, TargetKind
+from mopt_serve import _env, common
+
+INSTALL_MODELOPT = 'pip install "nvidia-modelopt[torch]"'
+
+#: qformat → (ModelOpt config name, minimum compute capability)
+QFORMATS: dict[str, tuple[str, tuple[int, int]]] = {
+    "fp8": ("FP8_DEFAULT_CFG", (8, 9)),
+    "int8_sq": ("INT8_SMOOTHQUANT_CFG", (7, 5)),
+    "int4_awq": ("INT4_AWQ_CFG", (8, 0)),
+    "w4a8_awq": ("W4A8_AWQ_BETA_CFG", (8, 9)),
+    "nvfp4": ("NVFP4_DEFAULT_CFG", (10, 0)),
+}
+
+WORKER = r"""
+import json, sys
+spec = json.loads(open(sys.argv[1]).read())
+import torch
+import modelopt.torch.quantization as mtq
+from modelopt.torch.export import export_hf_checkpoint
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+tok = AutoTokenizer.from_pretrained(spec["model"])
+if tok.pad_token is None:
+    tok.pad_token = tok.eos_token
+tok.padding_side = "right"
+model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype="auto").cuda().eval()
+texts = spec["texts"]
+bs, seq = spec["batch_size"], spec["seq_len"]
+
+def forward_loop(m):
+    with torch.no_grad():
+        for i in range(0, len(texts), bs):
+            enc = tok(texts[i:i + bs], return_tensors="pt", padding=True, truncation=True, max_length=seq)
+            m(**{k: v.cuda() for k, v in enc.items()})
+
+cfg = getattr(mtq, spec["config"])
+mtq.quantize(model, cfg, forward_loop)
+with torch.inference_mode():
+    export_hf_checkpoint(model, export_dir=spec["out"])
+tok.save_pretrained(spec["out"])
+print("exported", spec["out"])
+"""
+
+
+def read_texts(path: Path, limit: int) -> list[str]:
+    """Texts from a .jsonl (`text` field) or plain text file (one per line)."""
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        if path.suffix == ".jsonl":
+            obj = json.loads(line)
+            line = obj["text"] if isinstance(obj, dict) else str(obj)
+        out.append(line)
+        if len(out) >= limit:
+            break
+    return out
+
+
+class ModelOptPtqKind(TargetKind):
+    """FP8 / INT8-SQ / INT4-AWQ / W4A8-AWQ / NVFP4 checkpoint via ModelOpt PTQ."""
+
+    name = "modelopt-ptq"
+    version = "1"
+    description = "quantized HF checkpoint via nvidia-modelopt mtq.quantize + export_hf_checkpoint"
+    memory_model = "none"
+    consumes = (Input("model", kinds=("weights",)),)
+    requires = ("gpu", "python:modelopt", "python:torch", "python:transformers")
+    resources: ClassVar[dict[str, int]] = {"cpu": 1, "gpu": 1}
+    reproducible = False  # calibration statistics come from GPU kernels with atomics
+    install_hints: ClassVar[dict[str, str]] = {"python:modelopt": INSTALL_MODELOPT}
+
+    class Params(Params):
+        qformat: Literal["fp8", "int8_sq", "int4_awq", "w4a8_awq", "nvfp4"] = "fp8"
+        calib_texts: str = Field(
+            description="a .jsonl (`text`) or .txt of calibration texts (relative to the recipe)"
+        )
+        calib_size: int = Field(
+            default=512, ge=1, description="number of calibration samples (128-512 is usual)"
+        )
+        calib_seq_len: int = Field(default=512, ge=8)
+        batch_size: int = Field(default=8, ge=1)
+
+    def input_files(self, params: Any, project_dir: Path) -> list[Path]:
+        return [(project_dir / params.calib_texts).resolve()]
+
+    def fingerprint(self) -> dict[str, str]:
+        return {
+            "nvidia-modelopt": _env.dist_version("nvidia-modelopt") or "missing",
+            "torch": _env.dist_version("torch") or "missing",
+            "transformers": _env.dist_version("transformers") or "missing",
+        }
+
+    def check(self, params: Any, ctx: CheckContext) -> list[Finding]:
+        hw, cfg = ctx.hardware, ctx.model_config or {}
+        out: list[Finding] = []
+
+        def add(sev: str, code: str, msg: str, fix: str = "", key: str | None = None) -> None:
+            out.append(Finding(sev, code, msg, fix, ctx.section, ctx.target, key))
+
+        if not hw.is_gpu:
+            add(
+                "error",
+                "engine-on-cpu",
+                f"ModelOpt checkpoints are for GPU serving; profile {hw.name!r} has no GPU",
+            )
+            return out
+        _, need = QFORMATS[params.qformat]
+        if (hw.compute_capability or (0, 0)) < need:
+            ok = [q for q, (_, cc) in QFORMATS.items() if (hw.compute_capability or (0, 0)) >= cc]
+            add(
+                "error",
+                "precision-unsupported",
+                f"qformat {params.qformat!r} needs compute capability >= {need[0]}.{need[1]}; {hw.name} is "
+                f"{common.cc_str(hw)}",
+                f"qformat = one of {ok}",
+                "qformat",
+            )
+        if not 128 <= params.calib_size <= 512:
+            add(
+                "warning",
+                "calib-size",
+                f"calib_size {params.calib_size}: ModelOpt's guidance is 128-512 samples",
+                key="calib_size",
+            )
+        if common.is_encoder(cfg):
+            add(
+                "error",
+                "encoder-model",
+                f"model_type {cfg.get('model_type')!r} is an encoder: the ModelOpt HF export serves decoder "
+                "checkpoints to TensorRT-LLM / vLLM",
+                "quantize its ONNX graph with modelopt-quantize instead",
+            )
+        return out
+
+    def run(self, ctx: BuildContext) -> dict[str, Any]:
+        p = ctx.params
+        for mod, hint in (
+            ("modelopt", INSTALL_MODELOPT),
+            ("torch", "pip install torch"),
+            ("transformers", "pip install transformers"),
+        ):
+            if not _env.has_module(mod):
+                raise RuntimeError(f"target kind 'modelopt-ptq' needs the Python package {mod!r} ({hint})")
+        _env.require_gpu(self.name)
+        texts = read_texts((ctx.project_dir / p.calib_texts).resolve(), p.calib_size)
+        if not texts:
+            raise RuntimeError(f"{p.calib_texts} holds no calibration texts")
+        config_name, _ = QFORMATS[p.qformat]
+        spec = {
+            "model": str(ctx.input("model").path),
+            "out": str(ctx.out),
+            "texts": texts,
+            "config": config_name,
+            "batch_size": p.batch_size,
+            "seq_len": p.calib_seq_len,
+        }
+        (ctx.tmp / "spec.json").write_text(json.dumps(spec))
+        (ctx.tmp / "ptq_worker.py").write_text(WORKER)
+        argv = [sys.executable, str(ctx.tmp / "ptq_worker.py"), str(ctx.tmp / "spec.json")]
+        ctx.log(f"ModelOpt {config_name} on {len(texts)} texts")
+        proc = subprocess.run(
+            argv, cwd=ctx.tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
+        )
+        for line in proc.stdout.splitlines():
+            ctx.log(line)
+        if proc.returncode != 0:
+            raise RuntimeError(f"ModelOpt PTQ failed (exit {proc.returncode}; log above)")
+        return {
+            "qformat": p.qformat,
+            "modelopt_config": config_name,
+            "calib_samples": len(texts),
+            "modelopt": _env.dist_version("nvidia-modelopt"),
+        }
