@@ -75,6 +75,9 @@ class BuildContext:
     project_dir: Path
     logger: logging.Logger
     offline: bool = False
+    #: a persistent folder for caches that speed builds up without changing outputs
+    #: (e.g. TensorRT timing caches): shared by all actions of this kind, never keyed
+    cache_dir: Path | None = None
 
     def input(self, slot: str | None = None) -> Artifact:
         """The single artifact of `slot` (the first slot when omitted)."""
@@ -110,6 +113,8 @@ class TargetKind:
     #: requirements on the machine that runs it: "gpu", "cuda>=12", "python:tensorrt",
     #: "tool:buildah", "hardware" (must run on a GPU matching the section's profile)
     requires: ClassVar[tuple[str, ...]] = ()
+    #: what to install for an unmet requirement, e.g. {"python:tensorrt": "pip install tensorrt-cu12"}
+    install_hints: ClassVar[dict[str, str]] = {}
     #: resource slots one action holds while running ("cpu", "gpu")
     resources: ClassVar[dict[str, int]] = {"cpu": 1}
     #: byte-for-byte reproducible output (engines built by timing tactics are not)

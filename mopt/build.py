@@ -396,7 +396,11 @@ class Engine:
                             progressed = True
                             continue
                         kind = self.kind(node.kind)
-                        why = unmet(kind.requirements(node.target.params, node.hardware), node.hardware)
+                        why = unmet(
+                            kind.requirements(node.target.params, node.hardware),
+                            node.hardware,
+                            getattr(kind, "install_hints", None),
+                        )
                         if why:
                             st.status = "unbuildable"
                             st.reason = f"unbuildable here: {why}"
@@ -486,6 +490,11 @@ class Engine:
                     return None
         return entry
 
+    def _cache_dir(self, kind: str) -> Path:
+        d = self.store.root / "cache" / kind
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
     def _resources(self, node: Node) -> dict[str, int]:
         res = dict(self.kind(node.kind).resources)
         return {r: n for r, n in res.items() if n > 0}
@@ -553,6 +562,7 @@ class Engine:
                     project_dir=self.recipe.project_dir,
                     logger=logger,
                     offline=self.offline,
+                    cache_dir=self._cache_dir(node.kind),
                 )
                 logger.info(f"mopt: building {node.id} ({node.kind}) key {key[:16]}")
                 meta = kind.run(ctx) or {}

@@ -67,13 +67,19 @@ def gpu_slots() -> int:
         return 0
 
 
-def unmet(requirements: list[str], hardware: Any) -> str | None:
+def unmet(requirements: list[str], hardware: Any, hints: dict[str, str] | None = None) -> str | None:
     """Why this machine cannot meet `requirements` for `hardware`, or None."""
     if not requirements:
         return None
-    try:
-        from mopt.machine import check_requirement
-    except ImportError:  # pragma: no cover - machine detection ships with the core
-        return None
-    reasons = [r for r in (check_requirement(req, hardware) for req in requirements) if r]
+    from mopt.machine import check_requirement
+
+    reasons: list[str] = []
+    for req in requirements:
+        why = check_requirement(req, hardware)
+        if not why:
+            continue
+        if hints and req in hints:
+            why = f"{why} ({hints[req]})"
+        if why not in reasons:
+            reasons.append(why)
     return "; ".join(reasons) if reasons else None
