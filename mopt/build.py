@@ -93,6 +93,8 @@ class Engine:
         self._sources: dict[str, tuple[Path, str, dict[str, Any]]] = {}
         self._file_digests: dict[Path, str] = {}
         self._meta: dict[str, dict[str, Any]] = {}  # output tree → its action's run() result
+        self._source_errors: dict[str, MoptError] = {}
+        self.planning = False  # plan never downloads a source
         self.index_dir = self.store.root / "index"
         self.index_dir.mkdir(exist_ok=True)
         self.remote = _remote_for(self.project, self.store, offline)
@@ -114,6 +116,8 @@ class Engine:
 
     def source(self, model_name: str) -> tuple[Path, str, dict[str, Any]]:
         """(folder, content digest, lock info) of a model's source checkpoint."""
+        if model_name in self._source_errors:
+            raise self._source_errors[model_name]
         if model_name not in self._sources:
             model = self.recipe.models[model_name]
             if model.spec.source is None:
@@ -129,14 +133,18 @@ class Engine:
             ctx = SourceContext(
                 project_dir=model.base_dir,
                 cache_dir=self.store.root / "sources",
-                offline=self.offline,
+                offline=self.offline or self.planning,
                 family=fam() if fam else None,
                 model_name=model_name,
             )
             try:
                 path = src.resolve(model.source_params, ctx)
             except SourceError as exc:
-                raise MoptError(str(exc), file=model.where.file, table=model.where.table, key="source") from None
+                err = MoptError(
+                    " ".join(str(exc).split()), file=model.where.file, table=model.where.table, key="source"
+                )
+                self._source_errors[model_name] = err
+                raise err from None
             digest = self._source_digest(path)
             info = {"source": src.describe(model.source_params), **src.lock_info(model.source_params, path)}
             self._sources[model_name] = (path, digest, info)
@@ -235,6 +243,7 @@ class Engine:
 
     def plan(self, ids: list[str]) -> dict[str, dict[str, Any]]:
         """Per node: up to date / new / why it will run, without running anything."""
+        self.planning = True
         outputs: dict[str, str | None] = {}
         result: dict[str, dict[str, Any]] = {}
         for i in ids:
@@ -249,7 +258,12 @@ class Engine:
                 }
                 continue
             inputs = {s: [outputs[d] for d in ds] for s, ds in node.inputs.items()}
-            parts = self.parts(node, inputs)  # type: ignore[arg-type]
+            try:
+                parts = self.parts(node, inputs)  # type: ignore[arg-type]
+            except MoptError as exc:  # e.g. a source not available locally: say so, go on
+                outputs[i] = None
+                result[i] = {"state": "unavailable", "summary": exc.message, "reasons": [exc.render()]}
+                continue
             key = action_key(parts)
             entry = self.hit(key, fetch=False)
             if entry is not None:

@@ -240,7 +240,7 @@ def test_offline_missing_hf_source_fails_clearly(toy: Path, tmp_path: Path) -> N
                     env={"HF_HUB_CACHE": str(tmp_path / "empty-hf-cache")})
     assert proc.returncode == 2
     assert "is not in the local Hugging Face cache" in proc.stderr
-    assert "--offline forbids downloading" in proc.stderr
+    assert "downloading is off (--offline, or a plan)" in proc.stderr
 
 
 def test_command_kind_key_covers_argv_files_and_env(project: Path) -> None:

@@ -119,7 +119,8 @@ class HfSource(Source):
         if ctx.offline:
             raise SourceError(
                 f"source hf {params.hf!r}@{params.revision} of model {ctx.model_name!r} is not in "
-                f"the local Hugging Face cache ({repo_dir}) and --offline forbids downloading; "
+                f"the local Hugging Face cache ({repo_dir}), and downloading is off "
+                "(--offline, or a plan); "
                 f"run `huggingface-cli download {params.hf} --revision {params.revision}` "
                 "on a machine with network access, or use a `path` source"
             )
