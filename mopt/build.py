@@ -350,7 +350,7 @@ class Engine:
                     table="executor",
                     key=".".join(str(x) for x in e["loc"]) or None,
                 ) from None
-            result: dict[str, NodeState] = ex_cls().build(  # type: ignore[attr-defined]
+            result: dict[str, NodeState] = ex_cls().build(
                 self,
                 ids,
                 settings=settings,
@@ -542,8 +542,8 @@ class Engine:
             scratch_cm = self.store.scratch_dir(prefix="action-")
             scratch = scratch_cm.__enter__()
             out_dir, tmp_dir, in_dir = scratch / "out", scratch / "tmp", scratch / "in"
-            for d in (out_dir, tmp_dir, in_dir):
-                d.mkdir()
+            for folder in (out_dir, tmp_dir, in_dir):
+                folder.mkdir()
             log_path = scratch / "log.txt"
             logger = _action_logger(key, log_path, lambda line: _set_last(st, line))
             t0 = time.time()
@@ -553,11 +553,13 @@ class Engine:
                     arts = []
                     for k, d in enumerate(dep_ids):
                         dep = self.graph.nodes[d]
-                        tree = st.parts["inputs"][slot][k]
+                        in_tree: str = st.parts["inputs"][slot][k]
                         dest = in_dir / f"{slot}-{k}"
                         with self.store.in_use():
-                            self.store.materialize(tree, dest)
-                        arts.append(Artifact(dest, dep.kind, dep.target.name, tree, self._meta.get(tree, {})))
+                            self.store.materialize(in_tree, dest)
+                        arts.append(
+                            Artifact(dest, dep.kind, dep.target.name, in_tree, self._meta.get(in_tree, {}))
+                        )
                     inputs[slot] = arts
                 kind = self.kind(node.kind)
                 fam = self.registry.families.get(node.model.spec.family)

@@ -280,7 +280,7 @@ def register(app: click.Group) -> None:
         if entry is None:
             raise MoptError(f"{node_id} is not built", hint=f"run: mopt build {recipe} '{node_id}'")
         files = engine.store.tree_entries(entry.outputs_tree)
-        data = {
+        data: dict[str, Any] = {
             "id": node_id,
             "path": str(address_path(engine.build_dir, node_id)),
             "key": entry.key,
@@ -326,7 +326,7 @@ def register(app: click.Group) -> None:
         ids = s.graph.select(list(selectors))
         engine = Engine(s)
         status = engine.plan(ids)
-        rows = []
+        rows: list[dict[str, Any]] = []
         for i in ids:
             st = status[i]
             key = st.get("key")

@@ -6,7 +6,8 @@ validates each registration as it arrives and names the plugin when one is inval
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pluggy
 

@@ -44,7 +44,7 @@ def diff_parts(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         reasons.append(f"tool {path} {_fmt(a)} → {_fmt(b)}")
     for path, a, b in _leaf_diff(old.get("platform", {}), new.get("platform", {})):
         reasons.append(f"platform {path}: {_fmt(a)} → {_fmt(b)}")
-    for path, a, b in _leaf_diff(old.get("env", {}), new.get("env", {})):
+    for path, _a, _b in _leaf_diff(old.get("env", {}), new.get("env", {})):
         reasons.append(f"env {path} changed")
     if old.get("salt") != new.get("salt"):
         reasons.append("salt changed")

@@ -62,7 +62,7 @@ def gpu_slots() -> int:
     try:
         from mopt import machine
 
-        return int(machine.gpu_count())  # type: ignore[attr-defined]
+        return int(machine.gpu_count())
     except Exception:
         return 0
 

@@ -11,7 +11,7 @@ import itertools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -194,7 +194,7 @@ def _load_chain(path: Path, stack: list[Path], seen: dict[Path, _File], out: lis
     out.append(f)
 
 
-def _is_table(v: Any) -> bool:
+def _is_table(v: Any) -> TypeGuard[dict[str, Any]]:
     return isinstance(v, dict)
 
 
@@ -374,7 +374,7 @@ def _collect_sections(chain: list[_File], models: dict[str, Model], registry: Re
                 if (key, hw) not in order:
                     order.append((key, hw))
     for f in chain:
-        for k, v in f.data.get("defaults", {}).items():
+        for k in f.data.get("defaults", {}):
             if k in SECTION_KEYS and k not in DEFAULTS_KEYS:
                 raise f.error(
                     f"{k!r} belongs in a build section, not in [defaults]", ["defaults"], k
@@ -742,7 +742,7 @@ def json_schema(registry: Registry) -> dict[str, Any]:
     model_schema = ModelSpec.model_json_schema()
     model_schema["properties"]["family"]["enum"] = sorted(registry.families)
     model_schema["properties"]["source"] = {"anyOf": sources}
-    section = {
+    section: dict[str, Any] = {
         "type": "object",
         "properties": {
             "hardware": {"type": "string", "enum": sorted(registry.hardware)},

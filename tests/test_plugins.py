@@ -129,7 +129,7 @@ def test_bad_params_model_is_refused_naming_the_plugin() -> None:
         class Params:  # not pydantic
             pass
 
-    with pytest.raises(PluginError, match="plugin 'badplug': Loose.Params must be a pydantic BaseModel"):
+    with pytest.raises(PluginError, match=r"plugin 'badplug': Loose\.Params must be a pydantic BaseModel"):
         _registry_with(_module(mopt_register_targets=lambda register: register(Loose)), name="badplug")
 
     from pydantic import BaseModel

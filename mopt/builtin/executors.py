@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from pydantic import Field
 
-from mopt.api import Executor, Params, hookimpl
+from mopt import api
+from mopt.api import Executor, hookimpl
 
 
 class LocalExecutor(Executor):
@@ -15,7 +17,7 @@ class LocalExecutor(Executor):
     name = "local"
     description = "this machine; parallel actions with CPU/GPU slots"
 
-    class Settings(Params):
+    class Settings(api.Params):
         kind: str = "local"
         jobs: int | None = Field(default=None, ge=1, description="parallel actions (CPU count)")
 

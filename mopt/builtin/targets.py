@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from pydantic import Field, field_validator
 
-from mopt import procs
-from mopt.api import BuildContext, Input, Params, TargetKind, hookimpl
+from mopt import api, procs
+from mopt.api import BuildContext, Input, TargetKind, hookimpl
 
 _TOKEN = re.compile(r"\{(out|in|file|model|hardware|section)(?::([^{}]+))?\}")
 
@@ -31,7 +32,7 @@ class CommandKind(TargetKind):
     description = "run a command with declared inputs into $MOPT_OUT"
     consumes = (Input("input", kinds=("*",), required=False),)
 
-    class Params(Params):
+    class Params(api.Params):
         argv: list[str] = Field(min_length=1, description="the command and its arguments")
         files: list[str] = Field(default=[], description="input files, relative to the recipe")
         env: list[str] = Field(default=[], description="env variables passed through (keyed)")
