@@ -117,6 +117,9 @@ class TargetKind:
     install_hints: ClassVar[dict[str, str]] = {}
     #: resource slots one action holds while running ("cpu", "gpu")
     resources: ClassVar[dict[str, int]] = {"cpu": 1}
+    #: `fingerprint()` depends only on installed packages and env variables (not on the
+    #: GPU, driver or other machine state), so a no-op build may skip calling it
+    static_fingerprint: ClassVar[bool] = False
     #: byte-for-byte reproducible output (engines built by timing tactics are not)
     reproducible: ClassVar[bool] = True
 

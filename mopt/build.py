@@ -94,6 +94,10 @@ class Engine:
         self._file_digests: dict[Path, str] = {}
         self._meta: dict[str, dict[str, Any]] = {}  # output tree → its action's run() result
         self._source_errors: dict[str, MoptError] = {}
+        self._source_files: list[str] = []
+        self._index_data: dict[str, Any] | None = None
+        self._index_dirty = False
+        self._prefetched = False
         self.planning = False  # plan never downloads a source
         self.index_dir = self.store.root / "index"
         self.index_dir.mkdir(exist_ok=True)
@@ -155,7 +159,9 @@ class Engine:
         from mopt.digest import SymlinkError, TreeEntry, mode_of, tree_digest
 
         try:
-            return self.store.state.tree(path)[0]
+            digest, tree = self.store.state.tree(path)
+            self._source_files.extend(os.path.join(str(path), e.path) for e in tree)
+            return digest
         except SymlinkError:
             pass
         entries = []
@@ -170,6 +176,7 @@ class Engine:
                     rel = os.path.relpath(p, base).replace(os.sep, "/")
                     entries.append(TreeEntry(rel, mode_of(st.st_mode), st.st_size, self.store.state.file_digest(real)))
         entries.sort(key=lambda e: e.path)
+        self._source_files.extend(os.path.join(base, e.path) for e in entries)
         return tree_digest(entries)
 
     def file_digest(self, path: Path) -> str:
@@ -215,35 +222,46 @@ class Engine:
 
     # ------------------------------------------------------------------ index of last builds
 
-    def _index_path(self, address: str) -> Path:
-        return self.index_dir / (hash_bytes(address.encode())[:32] + ".json")
+    def _index_file(self) -> Path:
+        return self.index_dir / (hash_bytes(str(self.recipe.path).encode())[:32] + ".json")
+
+    def _index(self) -> dict[str, Any]:
+        """address → {key, parts} of its last build: what `plan` diffs against."""
+        if self._index_data is None:
+            try:
+                self._index_data = json.loads(self._index_file().read_text())
+            except (OSError, ValueError):
+                self._index_data = {}
+        return self._index_data
 
     def last_parts(self, address: str) -> dict[str, Any] | None:
-        try:
-            rec = json.loads(self._index_path(address).read_text())
-            return rec.get("parts") if rec.get("address") == address else None
-        except (OSError, ValueError):
-            return None
+        rec = self._index().get(address)
+        return rec.get("parts") if isinstance(rec, dict) else None
 
     def record(self, node: Node, key: str, parts: dict[str, Any]) -> None:
+        index = self._index()
         for address in node.addresses:
-            path = self._index_path(address)
-            body = canonical_json({"address": address, "key": key, "parts": parts})
-            try:
-                if path.read_bytes() == body:
-                    continue
-            except OSError:
-                pass
-            fd, tmp = tempfile.mkstemp(dir=self.index_dir, prefix=".tmp-")
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(body)
-            os.replace(tmp, path)
+            rec = index.get(address)
+            if not (isinstance(rec, dict) and rec.get("key") == key):
+                index[address] = {"key": key, "parts": parts}
+                self._index_dirty = True
+
+    def flush_index(self) -> None:
+        """Write the index of last builds (one file per recipe, replaced atomically)."""
+        if not self._index_dirty or self._index_data is None:
+            return
+        fd, tmp = tempfile.mkstemp(dir=self.index_dir, prefix=".tmp-")
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(canonical_json(self._index_data))
+        os.replace(tmp, self._index_file())
+        self._index_dirty = False
 
     # ------------------------------------------------------------------ plan
 
     def plan(self, ids: list[str]) -> dict[str, dict[str, Any]]:
         """Per node: up to date / new / why it will run, without running anything."""
         self.planning = True
+        self._prefetch()
         outputs: dict[str, str | None] = {}
         result: dict[str, dict[str, Any]] = {}
         for i in ids:
@@ -360,12 +378,15 @@ class Engine:
                 reporter=reporter or Reporter(),
                 materialize=self._want,
             )
+            self.store.state.flush()
+            self.flush_index()
             return result
         from mopt.procs import gpu_slots, unmet
 
         reporter = reporter or Reporter()
         jobs = jobs or os.cpu_count() or 1
         self.store.cleanup_tmp()
+        self._prefetch()
         states = {i: NodeState(self.graph.nodes[i]) for i in ids}
         pending = deque(ids)
         outputs: dict[str, str] = {}
@@ -460,8 +481,15 @@ class Engine:
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
             self.store.state.flush()
+            self.flush_index()
             reporter.stop()
         return states
+
+    def _prefetch(self) -> None:
+        """One query for the stat records of every blob: hits then cost a stat each."""
+        if not self._prefetched:
+            self._prefetched = True
+            self.store.state.prefetch(self.store.cas_dir)
 
     def hit(self, key: str, *, fetch: bool = True) -> ActionEntry | None:
         """The cache entry for `key` if it and every blob it names are intact.
@@ -472,7 +500,7 @@ class Engine:
         remote cache (if any) is asked: with `fetch`, its blobs are downloaded, re-hashed
         and recorded locally; without, only the entry is read (plan: no bytes).
         """
-        entry = self.store.ac_entry(key)
+        entry = self.store.ac_entry(key, check_blobs=False)
         if entry is None:
             if self.remote is None:
                 return None
@@ -489,7 +517,7 @@ class Engine:
         state = self.store.state
         with state.batch():
             for d in digests:
-                path = self.store.blob_path(d)
+                path = self.store.blob_str(d)
                 try:
                     ok = state.file_digest(path) == d
                 except FileNotFoundError:
@@ -498,7 +526,7 @@ class Engine:
                     logging.getLogger("mopt").warning("blob %s is corrupt; removing it and rebuilding", d)
                     try:
                         os.chmod(path, 0o644)
-                        path.unlink()
+                        os.unlink(path)
                     except OSError:
                         pass
                     return None
@@ -801,6 +829,37 @@ def write_lock(recipe_path: Path, now: LockData, artifacts: dict[str, str]) -> b
 
 
 __all__ = ["Engine", "NodeState", "Reporter", "address_path", "procs"]
+
+
+def noop_stamp_inputs(engine: Engine, states: dict[str, NodeState]) -> dict[str, Any] | None:
+    """What a no-op stamp must watch for this successful build (None: no fast path)."""
+    files: list[str] = [str(p) for p in engine.recipe.files]
+    if engine.project.config_file is not None:
+        files.append(str(engine.project.config_file))
+    files.append(str(engine.recipe.path.parent / LOCK_NAME))
+    dirs = [str(p) for p in [engine.recipe.path.parent, *engine.recipe.path.parent.parents]]
+    env_extra: list[str] = []
+    exist: list[str] = []  # action entries are touched on every hit (LRU): existence only
+    for st in states.values():
+        kind = engine.kind(st.node.kind)
+        if not kind.static_fingerprint or st.entry is None or st.key is None:
+            return None
+        env_values = getattr(kind, "env_values", None)
+        if callable(env_values):
+            env_extra.extend(env_values(st.node.target.params))
+        exist.append(str(engine.store.ac_dir / f"{st.key}.json"))
+        files.append(engine.store.blob_str(st.entry.outputs_tree))
+        if st.entry.log:
+            files.append(engine.store.blob_str(st.entry.log))
+        entries = engine.store.tree_entries(st.entry.outputs_tree)
+        files.extend(engine.store.blob_str(e.digest) for e in entries)
+        if st.node.id in engine._want:
+            for address in st.node.addresses:
+                base = address_path(engine.build_dir, address)
+                files.extend(str(base / e.path) for e in entries)
+    files.extend(engine._source_files)
+    files.extend(str(p) for p in engine._file_digests)
+    return {"files": files, "exist": exist, "dirs": dirs, "env_extra": env_extra}
 
 
 def _remote_for(project: Any, store: Store, offline: bool) -> Any:

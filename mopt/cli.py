@@ -43,12 +43,19 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
 class _Group(click.Group):
+    """Commands in other modules are imported only when they run (or for --help)."""
+
     def list_commands(self, ctx: click.Context) -> list[str]:
         _register_extra_commands()
         return super().list_commands(ctx)
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        _register_extra_commands()
+        if name not in self.commands:
+            mod = _LAZY.get(name)
+            if mod is not None:
+                _register_extra_commands([mod])
+            if name not in self.commands:
+                _register_extra_commands()
         return super().get_command(ctx, name)
 
 
@@ -269,18 +276,25 @@ def schema(output: Path | None) -> None:
 # --------------------------------------------------------------------------- entry point
 
 _EXTRA = ("mopt.cli_build", "mopt.cli_check", "mopt.cli_cache", "mopt_ray.cli", "mopt_image.cli")
-_extra_done = False
+#: which module holds which command, so running one imports only its module
+_LAZY = {
+    **dict.fromkeys(("build", "explain", "show", "ls", "report", "gc"), "mopt.cli_build"),
+    **dict.fromkeys(("check", "doctor"), "mopt.cli_check"),
+    "cache": "mopt.cli_cache",
+    "worker": "mopt_ray.cli",
+    "image": "mopt_image.cli",
+}
+_registered: set[str] = set()
 
 
-def _register_extra_commands() -> None:
+def _register_extra_commands(modules: Any = None) -> None:
     """Commands that live in their own modules (build engine, checks, doctor, cache)."""
-    global _extra_done
-    if _extra_done:
-        return
-    _extra_done = True
     import importlib
 
-    for modname in _EXTRA:
+    for modname in modules or _EXTRA:
+        if modname in _registered:
+            continue
+        _registered.add(modname)
         try:
             mod = importlib.import_module(modname)
         except ModuleNotFoundError as exc:

@@ -73,6 +73,7 @@ class StatCache:
         self.hashed_bytes = 0
         self._conn: sqlite3.Connection | None = None
         self._pending: dict[str, tuple[_StatKey, str]] = {}
+        self._prefetched: dict[str, tuple[_StatKey, str]] = {}
         self._batch_depth = 0
         self._lock = threading.RLock()
 
@@ -104,10 +105,14 @@ class StatCache:
             return self.tree(path)[0]
         return self.file_digest(path)
 
+    def prefetch(self, base: StrPath) -> None:
+        """Load every record under folder `base` in one query (e.g. the CAS before a no-op)."""
+        self._prefetched.update(self._load_under(os.path.abspath(base)))
+
     def lookup(self, path: str, st: os.stat_result) -> str | None:
         """The recorded digest of absolute `path` if `st` matches what was recorded."""
         with self._lock:
-            row = self._pending.get(path)
+            row = self._pending.get(path) or self._prefetched.get(path)
             if row is None:
                 found = (
                     self._db()
@@ -129,6 +134,8 @@ class StatCache:
             return False
         with self._lock:
             self._pending[path] = (_stat_key(st), digest)
+            if path in self._prefetched:
+                self._prefetched[path] = (_stat_key(st), digest)
             if self._batch_depth == 0:
                 self.flush()
         return True

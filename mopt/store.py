@@ -146,6 +146,8 @@ class Store:
         self.tmp_dir = self.root / "tmp"
         self.logs_dir = self.root / "logs"
         self.locks_dir = self.root / "locks"
+        self._cas_prefix = f"{self.cas_dir}/"
+        self._trees: dict[str, list[TreeEntry]] = {}  # manifests are immutable: parse once
         for d in (self.cas_dir, self.ac_dir, self.tmp_dir, self.logs_dir, self.locks_dir):
             d.mkdir(parents=True, exist_ok=True)
         self._state: StatCache | None = None
@@ -178,11 +180,16 @@ class Store:
     def blob_path(self, digest: str) -> Path:
         """Where the blob `digest` lives (whether or not it is there)."""
         check_digest(digest)
-        return self.cas_dir / digest[:2] / digest
+        return Path(f"{self._cas_prefix}{digest[:2]}/{digest}")
+
+    def blob_str(self, digest: str) -> str:
+        """`blob_path` as a string (hot paths avoid pathlib)."""
+        check_digest(digest)
+        return f"{self._cas_prefix}{digest[:2]}/{digest}"
 
     def has(self, digest: str) -> bool:
         """Whether the blob `digest` is in the store."""
-        return self.blob_path(digest).exists()
+        return os.path.exists(self.blob_str(digest))
 
     def put_bytes(self, data: bytes) -> str:
         """Store `data`; return its digest."""
@@ -244,13 +251,18 @@ class Store:
 
     def tree_entries(self, tree_digest: str) -> list[TreeEntry]:
         """The entries of the stored tree `tree_digest`."""
+        known = self._trees.get(tree_digest)
+        if known is not None and self.has(tree_digest):
+            return list(known)
         data = self.read_bytes(tree_digest)
         if hash_bytes(data) != tree_digest:
             raise StoreError(f"blob {tree_digest} in {self.root} is corrupt (its bytes changed)")
         try:
-            return parse_tree_manifest(data)
+            entries = parse_tree_manifest(data)
         except TreeError as e:
             raise StoreError(f"blob {tree_digest} in {self.root} is not a tree manifest: {e}") from e
+        self._trees[tree_digest] = entries
+        return list(entries)
 
     def put_log(self, path: StrPath) -> str:
         """Store an action's log file; return its digest (for `ActionEntry.log`)."""
@@ -273,8 +285,11 @@ class Store:
         self._write_atomic(self._ac_path(key), canonical_json(e.model_dump(mode="json")))
         return e
 
-    def ac_entry(self, key: str) -> ActionEntry | None:
-        """The entry for `key`, or None on a miss (absent, unreadable, or blobs missing)."""
+    def ac_entry(self, key: str, *, check_blobs: bool = True) -> ActionEntry | None:
+        """The entry for `key`, or None on a miss (absent, unreadable, or blobs missing).
+
+        `check_blobs=False` leaves the blob check to the caller (the engine checks them
+        through the stat cache, which also catches changed bytes)."""
         path = self._ac_path(key)
         try:
             data = path.read_bytes()
@@ -293,7 +308,7 @@ class Store:
         except ValidationError as err:
             log.warning("action cache entry %s is unreadable, treating it as a miss: %s", path, err)
             return None
-        if e.key != key or self._missing_blobs(e):
+        if e.key != key or (check_blobs and self._missing_blobs(e)):
             return None
         return e
 

@@ -30,6 +30,7 @@ class CommandKind(TargetKind):
     name = "command"
     version = "1"
     description = "run a command with declared inputs into $MOPT_OUT"
+    static_fingerprint = True
     consumes = (Input("input", kinds=("*",), required=False),)
 
     class Params(api.Params):

@@ -1,0 +1,159 @@
+"""The no-op fast path: after a successful build, a stamp of everything the result depends
+on; the next identical `mopt build` that finds every stat unchanged is done without loading
+plugins, parsing the recipe or keying the graph (Ninja's model: a no-op only stats).
+
+The stamp lists: the recipe files and mopt.toml; the folders a new mopt.toml or plugin
+would appear in; every Python module file the build had loaded (mopt, plugins, libraries:
+an upgrade or an edited kind changes one); the model sources' and declared input files;
+every action entry and blob the result uses and every materialized file; the relevant
+environment. Any difference, or a kind whose fingerprint may depend on anything else
+(`TargetKind.static_fingerprint = False`, e.g. the GPU driver), means the full path runs.
+
+This module imports nothing heavy: it runs before pydantic and pluggy are loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from typing import Any
+
+STAMP_VERSION = 1
+RACY_NS = 200_000_000
+ENV_PREFIXES = ("MOPT_", "HF_", "TRANSFORMERS_", "CUDA_", "NVIDIA_")
+
+
+def _stat(path: str) -> list[int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
+def _env(extra: list[str]) -> dict[str, str | None]:
+    names = {k for k in os.environ if k.startswith(ENV_PREFIXES)} | set(extra)
+    return {k: os.environ.get(k) for k in sorted(names)}
+
+
+def stamp_path(store_dir: str, recipe: str, selectors: list[str], offline: bool) -> str:
+    ident = json.dumps([os.path.abspath(recipe), sorted(selectors), offline])
+    return os.path.join(store_dir, "noop", hashlib.sha256(ident.encode()).hexdigest()[:32] + ".json")
+
+
+def find_store_dir(recipe: str) -> str | None:
+    """The store folder per the nearest mopt.toml, read without the TOML/pydantic stack.
+
+    Only the simple, common forms are understood; anything else returns None (full path).
+    """
+    d = os.path.dirname(os.path.abspath(recipe))
+    while True:
+        cfg = os.path.join(d, "mopt.toml")
+        if os.path.isfile(cfg):
+            if sys.version_info >= (3, 11):
+                import tomllib
+            else:  # pragma: no cover
+                return None
+            try:
+                with open(cfg, "rb") as fh:
+                    data = tomllib.load(fh)
+            except (OSError, ValueError):
+                return None
+            path = data.get("store", {}).get("path", ".mopt")
+            return os.path.normpath(os.path.join(d, path)) if isinstance(path, str) else None
+        parent = os.path.dirname(d)
+        if parent == d:
+            return os.path.join(os.path.dirname(os.path.abspath(recipe)), ".mopt")
+        d = parent
+
+
+def check(path: str) -> dict[str, Any] | None:
+    """The stamp's recorded result if nothing it depends on changed, else None."""
+    try:
+        with open(path) as fh:
+            stamp = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    if stamp.get("version") != STAMP_VERSION or stamp.get("python") != sys.executable:
+        return None
+    if _env(stamp.get("env_extra", [])) != stamp.get("env"):
+        return None
+    for p, want in stamp.get("files", {}).items():
+        if _stat(p) != want:
+            return None
+    for p in stamp.get("exist", []):
+        if not os.path.exists(p):
+            return None
+    for p, want in stamp.get("dirs", {}).items():
+        try:
+            if os.stat(p).st_mtime_ns != want:
+                return None
+        except OSError:
+            if want is not None:
+                return None
+    result: dict[str, Any] = stamp.get("result", {})
+    return result
+
+
+def write(
+    path: str,
+    *,
+    files: list[str],
+    exist: list[str],
+    dirs: list[str],
+    env_extra: list[str],
+    result: dict[str, Any],
+) -> None:
+    """Record a successful build's dependencies (stats taken now)."""
+    mods = set()
+    for m in list(sys.modules.values()):
+        f = getattr(m, "__file__", None)
+        if f and not f.startswith(sys.base_prefix + os.sep):  # the stdlib does not change
+            mods.add(os.path.abspath(f))
+    all_files = sorted(set(files) | mods)
+    stats = {p: _stat(p) for p in all_files}
+    # A file changed within the last moment may change again within the same timestamp
+    # tick without its stat changing ("racily clean", as git calls it): stamp next time.
+    import time
+
+    now = time.time_ns()
+    if any(st is not None and now - st[2] < RACY_NS for st in stats.values()):
+        invalidate(path)
+        return
+    stamp = {
+        "version": STAMP_VERSION,
+        "python": sys.executable,
+        "env_extra": sorted(set(env_extra)),
+        "env": _env(list(env_extra)),
+        "files": stats,
+        "exist": sorted(set(exist)),
+        "dirs": {d: _dir_mtime(d) for d in sorted(set(dirs) | set(_path_dirs()))},
+        "result": result,
+    }
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+    with os.fdopen(fd, "w") as fh:
+        json.dump(stamp, fh, separators=(",", ":"))
+    os.replace(tmp, path)
+
+
+def invalidate(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _dir_mtime(d: str) -> int | None:
+    try:
+        return os.stat(d).st_mtime_ns
+    except OSError:
+        return None
+
+
+def _path_dirs() -> list[str]:
+    """sys.path folders: installing or removing a distribution changes their listing."""
+    return [os.path.abspath(p) for p in sys.path if p and os.path.isdir(p)]
