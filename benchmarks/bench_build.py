@@ -81,7 +81,7 @@ def bench_peers(m: int, s: int, reps: int, noop_only: bool) -> dict[str, dict[st
     args = ["bash", str(PEERS / "measure.sh"), "-t", "dvc snakemake", "-M", str(m), "-S", str(s), "-r", str(reps)]
     if noop_only:
         args += ["-n", "-f"]
-    env = dict(os.environ, VENV=sys.prefix, RES=str(res_dir))
+    env = dict(os.environ, VENV=os.environ.get("PEERS_VENV", sys.prefix), RES=str(res_dir))
     subprocess.run(args, env=env, check=True, stdout=subprocess.DEVNULL)
     tsv = sorted(set(res_dir.glob("*.tsv")) - before)[-1]
     out: dict[str, dict[str, list]] = {}

@@ -79,6 +79,8 @@ def check(path: str) -> dict[str, Any] | None:
         return None
     if stamp.get("version") != STAMP_VERSION or stamp.get("python") != sys.executable:
         return None
+    if stamp.get("host") != _host():  # platform() parts (CPU class) are per machine
+        return None
     if _env(stamp.get("env_extra", [])) != stamp.get("env"):
         return None
     for p, want in stamp.get("files", {}).items():
@@ -126,6 +128,7 @@ def write(
     stamp = {
         "version": STAMP_VERSION,
         "python": sys.executable,
+        "host": _host(),
         "env_extra": sorted(set(env_extra)),
         "env": _env(list(env_extra)),
         "files": stats,
@@ -138,6 +141,10 @@ def write(
     with os.fdopen(fd, "w") as fh:
         json.dump(stamp, fh, separators=(",", ":"))
     os.replace(tmp, path)
+
+
+def _host() -> str:
+    return os.uname().nodename
 
 
 def invalidate(path: str) -> None:

@@ -1,0 +1,471 @@
+"""The `bench` target: latency and throughput of the artifact and of the PyTorch FP32
+baseline over a grid of batch sizes × sequence lengths, in the same run, each backend in
+its own process. Writes bench.json and a self-contained report.html (inline SVG plots)."""
+
+from __future__ import annotations
+
+import contextlib
+import html
+import json
+import os
+import platform
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+from mopt.api import BuildContext, Input, Params, TargetKind
+from pydantic import Field
+
+from mopt_ml.validate import ONNX_KINDS
+
+
+class BenchKind(TargetKind):
+    static_fingerprint = True  # library versions only: a no-op build may skip it
+    """Latency p50/p90/p99, throughput and peak memory of an artifact and its PyTorch FP32
+    baseline: warm-up, then timed windows until two agree (bounded)."""
+
+    name = "bench"
+    version = "1"
+    description = "latency / throughput / memory of the artifact and the PyTorch FP32 baseline"
+    consumes = (
+        Input("model", kinds=ONNX_KINDS, fanout=True),
+        Input("reference", kinds=("weights",)),
+    )
+    reproducible = False
+
+    class Params(Params):
+        batch_sizes: list[int] = Field(default=[1, 8, 32], min_length=1, description="batch sizes")
+        seq_lens: list[int] = Field(default=[128], min_length=1, description="sequence lengths (tokens)")
+        threads: int | None = Field(
+            default=None, ge=1, description="intra-op threads (null: the CPUs usable)"
+        )
+        baseline: bool = Field(default=True, description="also time the PyTorch FP32 reference")
+        torch_attn: Literal["sdpa", "eager"] = Field(default="sdpa", description="baseline attention")
+        warmup: int = Field(default=2, ge=0, description="untimed calls per grid point")
+        min_iters: int = Field(default=3, ge=1, description="calls per timed window, at least")
+        min_window_s: float = Field(default=0.3, gt=0, description="seconds per timed window, at least")
+        max_windows: int = Field(default=4, ge=2, description="windows per grid point, at most")
+        rel_tol: float = Field(
+            default=0.05, gt=0, description="stable when two window medians agree this well"
+        )
+        max_seconds: float = Field(default=10.0, gt=0, description="timed seconds per grid point, at most")
+        data: str | None = Field(default=None, description="texts the inputs are made of (null: shipped)")
+
+    def fingerprint(self) -> dict[str, str]:
+        from mopt_ml.common import versions
+
+        return versions("torch", "transformers", "onnxruntime", "numpy")
+
+    def platform(self, hardware: Any) -> dict[str, Any]:
+        return {"machine": platform.machine(), "cpu": cpu_model(), "cpus": os.cpu_count()}
+
+    def input_files(self, params: Any, project_dir: Path) -> list[Path]:
+        from mopt_ml.common import data_input_files
+
+        return data_input_files(params.data, project_dir)
+
+    def run(self, ctx: BuildContext) -> dict[str, Any]:
+        from mopt_ml.common import require
+
+        require("torch", "transformers", "onnxruntime")
+        art = ctx.input("model")
+        ref = ctx.input("reference")
+        return bench(
+            art.path,
+            ref.path,
+            ctx.out,
+            ctx.tmp,
+            ctx.family,
+            ctx.params,
+            ctx.project_dir,
+            ctx.log,
+            label=f"{art.target} ({art.kind})",
+        )
+
+
+_BENCH_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def exclusive_cpu(log: Any) -> Iterator[None]:
+    """Hold the benchmark lock: one benchmark at a time in this process (mopt runs actions in
+    threads) and across processes on this machine (a lock file), so two benchmarks never
+    time each other. Other kinds of actions can still run beside it: give bench its own
+    `mopt build -j1` run, or a selector, for quiet numbers."""
+    import fcntl
+    import tempfile
+
+    if not _BENCH_LOCK.acquire(blocking=False):
+        log("waiting for another benchmark in this build to finish")
+        _BENCH_LOCK.acquire()
+    try:
+        path = Path(tempfile.gettempdir()) / "mopt-ml-bench.lock"
+        with open(path, "a") as fh:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                log(f"waiting for another process's benchmark to finish ({path})")
+                fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+    finally:
+        _BENCH_LOCK.release()
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _family_ref(family: Any) -> str:
+    cls = type(family)
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _run_worker(spec: dict[str, Any], tmp: Path, log: Any) -> dict[str, Any]:
+    name = spec["label"].replace(" ", "_").replace("/", "_")
+    spec_path = tmp / f"{name}.spec.json"
+    out_path = tmp / f"{name}.result.json"
+    spec_path.write_text(json.dumps(spec))
+    env = dict(os.environ)
+    threads = str(spec["threads"])
+    env.update({"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "mopt_ml.benchworker", str(spec_path), str(out_path)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith(("onnx ", "torch ")):
+            log(line)
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stdout.splitlines()[-15:])
+        raise RuntimeError(f"benchmark worker for {spec['label']} failed (exit {proc.returncode}):\n{tail}")
+    return json.loads(out_path.read_text())  # type: ignore[no-any-return]
+
+
+def bench(
+    model_dir: Path,
+    ref_dir: Path,
+    out: Path,
+    tmp: Path,
+    family_obj: Any,
+    params: Any,
+    project_dir: Path,
+    log: Any,
+    label: str = "",
+) -> dict[str, Any]:
+    from mopt_ml.common import cpu_threads, read_meta, texts_from_param, versions, write_json
+    from mopt_ml.families import as_family
+
+    family = as_family(family_obj, ref_dir)
+    threads = cpu_threads(params.threads)
+    texts = texts_from_param(params.data, project_dir, "validation")
+    timing = {
+        k: getattr(params, k)
+        for k in ("warmup", "min_iters", "min_window_s", "max_windows", "rel_tol", "max_seconds")
+    }
+    common = {
+        "threads": threads,
+        "batch_sizes": list(params.batch_sizes),
+        "seq_lens": list(params.seq_lens),
+        "timing": timing,
+        "texts": texts,
+        "family": _family_ref(family),
+    }
+    meta = read_meta(model_dir)
+    art_label = label or model_dir.name
+    with exclusive_cpu(log):
+        results = _time_all(model_dir, ref_dir, art_label, common, params, tmp, log)
+    speedups = []
+    if params.baseline:
+        base = {(p["batch"], p["seq"]): p for p in results[1]["points"]}
+        for p in results[0]["points"]:
+            b = base.get((p["batch"], p["seq"]))
+            if b:
+                speedups.append(
+                    {"batch": p["batch"], "seq": p["seq"], "speedup_p50": b["p50_ms"] / p["p50_ms"]}
+                )
+    report = {
+        "format": "mopt-bench/1",
+        "artifact": art_label,
+        "precision": meta.get("precision"),
+        "quantization": (meta.get("quantization") or {}).get("mode"),
+        "machine": {
+            "cpu": cpu_model(),
+            "cpus": os.cpu_count(),
+            "threads": threads,
+            "platform": platform.platform(),
+        },
+        "settings": {
+            "batch_sizes": list(params.batch_sizes),
+            "seq_lens": list(params.seq_lens),
+            **timing,
+            "torch_attn": params.torch_attn,
+        },
+        "results": results,
+        "speedup_vs_pytorch_fp32": speedups,
+        "tools": versions("torch", "transformers", "onnxruntime"),
+    }
+    write_json(out / "bench.json", report)
+    (out / "report.html").write_text(render_html(report), encoding="utf-8")
+    for s in speedups:
+        log(f"b={s['batch']} s={s['seq']}: {s['speedup_p50']:.2f}x vs PyTorch FP32")
+    top = max(speedups, key=lambda s: s["batch"] * s["seq"]) if speedups else None
+    return {
+        "threads": threads,
+        "points": len(results[0]["points"]),
+        "p50_ms": {f"{p['batch']}x{p['seq']}": round(p["p50_ms"], 2) for p in results[0]["points"]},
+        "speedup_largest": round(top["speedup_p50"], 3) if top else None,
+        "peak_rss_mb": round(results[0]["peak_rss_mb"], 1),
+    }
+
+
+def _time_all(
+    model_dir: Path, ref_dir: Path, art_label: str, common: dict[str, Any], params: Any, tmp: Path, log: Any
+) -> list[dict[str, Any]]:
+    from mopt_ml.common import model_onnx
+
+    results = [
+        _run_worker(
+            {
+                **common,
+                "backend": "onnx",
+                "label": art_label,
+                "model": str(model_onnx(model_dir)),
+                "tokenizer": str(model_dir),
+            },
+            tmp,
+            log,
+        )
+    ]
+    if params.baseline:
+        results.append(
+            _run_worker(
+                {
+                    **common,
+                    "backend": "torch",
+                    "label": "pytorch-fp32",
+                    "model": str(ref_dir),
+                    "tokenizer": str(ref_dir),
+                    "attn": params.torch_attn,
+                },
+                tmp,
+                log,
+            )
+        )
+    return results
+
+
+# --------------------------------------------------------------------------- HTML report
+
+COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf", "#7f7f7f")
+
+
+def _nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
+    """Round tick values from `lo` up to the first tick at or above `hi`."""
+    import math
+
+    if hi <= lo:
+        hi = lo + 1
+    raw = (hi - lo) / n
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
+    ticks = [math.floor(lo / step) * step]
+    while ticks[-1] < hi:
+        ticks.append(round(ticks[-1] + step, 10))
+    return ticks
+
+
+def svg_line_chart(
+    series: list[tuple[str, list[tuple[float, float]]]],
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    width: int = 540,
+    log_x: bool = True,
+) -> str:
+    """A line chart as an inline SVG string (no scripts, no external resources); the
+    legend goes under the plot, one row per series."""
+    import math
+
+    left, right, top, plot_h = 64, 20, 34, 220
+    pw = width - left - right
+    legend_top = top + plot_h + 46
+    height = legend_top + 18 * len(series) + 6
+    xs = sorted({x for _, pts in series for x, _ in pts})
+    ys = [y for _, pts in series for _, y in pts]
+    if not xs or not ys:
+        return ""
+
+    def fx(v: float) -> float:
+        return math.log2(v) if log_x and v > 0 else v
+
+    x0, x1 = fx(min(xs)), fx(max(xs))
+    if x1 == x0:
+        x0, x1 = x0 - 1, x1 + 1
+    yticks = _nice_ticks(0.0, max(ys) * 1.02)
+    y1 = yticks[-1]
+
+    def px(v: float) -> float:
+        return left + (fx(v) - x0) / (x1 - x0) * pw
+
+    def py(v: float) -> float:
+        return top + plot_h - (v / y1) * plot_h
+
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" role="img" aria-label="{html.escape(title)}" '
+        'font-family="system-ui, sans-serif">',
+        f'<text x="{left}" y="20" font-size="14" font-weight="600">{html.escape(title)}</text>',
+    ]
+    for t in yticks:
+        y = py(t)
+        out.append(f'<line x1="{left}" x2="{left + pw}" y1="{y:.1f}" y2="{y:.1f}" stroke="#e5e5e5"/>')
+        out.append(f'<text x="{left - 6}" y="{y + 4:.1f}" font-size="11" text-anchor="end">{t:g}</text>')
+    for v in xs:
+        x = px(v)
+        out.append(
+            f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{top + plot_h}" y2="{top + plot_h + 4}" stroke="#333"/>'
+        )
+        out.append(
+            f'<text x="{x:.1f}" y="{top + plot_h + 17}" font-size="11" text-anchor="middle">{v:g}</text>'
+        )
+    out.append(f'<rect x="{left}" y="{top}" width="{pw}" height="{plot_h}" fill="none" stroke="#333"/>')
+    out.append(
+        f'<text x="{left + pw / 2}" y="{top + plot_h + 34}" font-size="12" '
+        f'text-anchor="middle">{html.escape(xlabel)}</text>'
+    )
+    out.append(
+        f'<text transform="translate(16 {top + plot_h / 2}) rotate(-90)" font-size="12" '
+        f'text-anchor="middle">{html.escape(ylabel)}</text>'
+    )
+    for i, (name, pts) in enumerate(series):
+        color = COLORS[i % len(COLORS)]
+        pts = sorted(pts)
+        path = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
+        out.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="2"/>')
+        for x, y in pts:
+            out.append(
+                f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3" fill="{color}">'
+                f"<title>{html.escape(name)}: {y:.3g} at {x:g}</title></circle>"
+            )
+        ly = legend_top + 18 * i
+        out.append(
+            f'<line x1="{left}" x2="{left + 20}" y1="{ly}" y2="{ly}" stroke="{color}" stroke-width="2"/>'
+        )
+        out.append(f'<text x="{left + 26}" y="{ly + 4}" font-size="11">{html.escape(name)}</text>')
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def render_html(report: dict[str, Any]) -> str:
+    """The bench report as one HTML file: summary, plots (latency and throughput vs batch
+    size, per sequence length), and the full table."""
+    results = report["results"]
+    seqs = report["settings"]["seq_lens"]
+    charts = []
+
+    def name(r: dict[str, Any], seq: int) -> str:
+        return r["label"] if len(seqs) == 1 else f"{r['label']} s={seq}"
+
+    for seq in seqs:
+        lat = [
+            (name(r, seq), [(p["batch"], p["p50_ms"]) for p in r["points"] if p["seq"] == seq])
+            for r in results
+        ]
+        thr = [
+            (name(r, seq), [(p["batch"], p["sequences_per_s"]) for p in r["points"] if p["seq"] == seq])
+            for r in results
+        ]
+        charts.append(svg_line_chart(lat, f"Latency p50 vs batch size (seq {seq})", "batch size", "ms"))
+        charts.append(
+            svg_line_chart(thr, f"Throughput vs batch size (seq {seq})", "batch size", "sequences / s")
+        )
+    sp = report["speedup_vs_pytorch_fp32"]
+    if sp and len(report["settings"]["batch_sizes"]) > 1:
+        charts.append(
+            svg_line_chart(
+                [
+                    (f"s={seq}", [(s["batch"], s["speedup_p50"]) for s in sp if s["seq"] == seq])
+                    for seq in seqs
+                ],
+                "Speedup vs PyTorch FP32 (p50)",
+                "batch size",
+                "×",
+            )
+        )
+    rows = []
+    for r in results:
+        for p in r["points"]:
+            rows.append(
+                "<tr>"
+                + "".join(
+                    f"<td>{html.escape(str(v))}</td>"
+                    for v in (
+                        r["label"],
+                        p["batch"],
+                        p["seq"],
+                        f"{p['p50_ms']:.2f}",
+                        f"{p['p90_ms']:.2f}",
+                        f"{p['p99_ms']:.2f}",
+                        f"{p['sequences_per_s']:.1f}",
+                        f"{p['tokens_per_s']:.0f}",
+                        p["samples"],
+                        "yes" if p["stable"] else "no",
+                    )
+                )
+                + "</tr>"
+            )
+    mem = "".join(
+        f"<tr><td>{html.escape(r['label'])}</td><td>{r['peak_rss_mb']:.0f}</td><td>{r['rss_loaded_mb']:.0f}</td>"
+        f"<td>{r['rss_start_mb']:.0f}</td><td>{r['load_seconds']:.2f}</td></tr>"
+        for r in results
+    )
+    best = ""
+    if sp:
+        top = max(sp, key=lambda s: s["batch"] * s["seq"])
+        best = (
+            f"<p class=big><b>{top['speedup_p50']:.2f}×</b> faster than PyTorch FP32 at batch "
+            f"{top['batch']} × {top['seq']} tokens (p50 latency).</p>"
+        )
+    m = report["machine"]
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8">
+<title>mopt bench: {html.escape(report["artifact"])}</title>
+<style>
+body{{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:2em auto;max-width:1180px;color:#222;padding:0 1em}}
+h1{{font-size:1.4em}} .big{{font-size:1.2em}} .charts{{display:flex;flex-wrap:wrap;gap:12px}}
+table{{border-collapse:collapse;margin:1em 0;font-size:.9em}} td,th{{border:1px solid #ddd;padding:4px 8px;text-align:right}}
+th{{background:#f4f4f4}} td:first-child{{text-align:left}} .muted{{color:#777;font-size:.85em}}
+</style></head><body>
+<h1>Benchmark: {html.escape(report["artifact"])}</h1>
+<p class=muted>{html.escape(m["cpu"])} · {m["threads"]} threads of {m["cpus"]} CPUs · precision
+{html.escape(str(report.get("precision")))} · onnxruntime {html.escape(report["tools"].get("onnxruntime", ""))} ·
+torch {html.escape(report["tools"].get("torch", ""))}</p>
+{best}
+<div class=charts>{"".join(charts)}</div>
+<h2>Latency and throughput</h2>
+<table><tr><th>backend</th><th>batch</th><th>seq</th><th>p50 ms</th><th>p90 ms</th><th>p99 ms</th>
+<th>seq/s</th><th>tokens/s</th><th>samples</th><th>stable</th></tr>
+{"".join(rows)}</table>
+<h2>Memory</h2>
+<table><tr><th>backend</th><th>peak RSS MB</th><th>RSS after load MB</th><th>RSS at start MB</th><th>load s</th></tr>{mem}</table>
+<p class=muted>Each backend runs in its own process. Percentiles come from the last two timed windows after
+{report["settings"]["warmup"]} warm-up calls; a point is stable when two consecutive window medians agree within
+{report["settings"]["rel_tol"] * 100:g}%.</p>
+</body></html>
+"""

@@ -1,0 +1,339 @@
+"""The `onnx` and `onnx-slim` targets: an ONNX graph of the family's embedding wrapper, with
+dynamic batch and sequence axes, checked numerically on real text before it is accepted."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Literal
+
+from mopt.api import BuildContext, Input, Params, TargetKind
+from pydantic import Field
+
+#: what each exporter uses when `opset` is not given
+DEFAULT_OPSET = {"torchscript": 17, "dynamo": 18}
+
+
+class NumericCheckError(RuntimeError):
+    """An exported graph does not compute what its reference computes."""
+
+
+def _check_or_fail(what: str, numbers: dict[str, Any], threshold: float) -> None:
+    if numbers["min_cosine"] < threshold:
+        raise NumericCheckError(
+            f"{what}: min cosine {numbers['min_cosine']:.6f} < check_min_cosine {threshold} "
+            f"(mean {numbers['mean_cosine']:.6f}, max abs diff {numbers['max_abs_diff']:.3g}, "
+            f"{numbers['n']} texts)"
+        )
+
+
+class OnnxKind(TargetKind):
+    static_fingerprint = True  # library versions only: a no-op build may skip it
+    """Export the family's embedding wrapper to ONNX: inputs input_ids / attention_mask
+    (int64, dynamic batch and sequence), one output `mopt_embedding` (pooled, L2-normalised,
+    float32). Checked against PyTorch on the shipped validation sentences."""
+
+    name = "onnx"
+    version = "1"
+    description = "ONNX graph (fp32) of the pooled embedding, checked against PyTorch"
+    consumes = (Input("model", kinds=("weights",)),)
+
+    class Params(Params):
+        exporter: Literal["torchscript", "dynamo"] = Field(
+            default="torchscript",
+            description="torch.onnx exporter; TorchScript's MiniLM graph ran 12% faster in ORT than dynamo's",
+        )
+        opset: int | None = Field(
+            default=None, ge=14, description="ONNX opset (null: 17 for torchscript, 18 for dynamo)"
+        )
+        external_data: bool | None = Field(
+            default=None, description="weights in model.onnx.data (null: when larger than 1.5 GB)"
+        )
+        check_min_cosine: float = Field(default=0.9999, description="fail below this min cosine vs PyTorch")
+        check_texts: int = Field(default=64, ge=4, description="validation sentences used by the check")
+        max_length: int = Field(default=128, ge=8, description="tokenizer truncation for the check")
+
+    def fingerprint(self) -> dict[str, str]:
+        from mopt_ml.common import versions
+
+        return versions("torch", "transformers", "onnx", "onnxruntime", "onnxscript")
+
+    def input_files(self, params: Any, project_dir: Path) -> list[Path]:
+        from mopt_ml.common import data_input_files
+
+        return data_input_files(None, project_dir)
+
+    def run(self, ctx: BuildContext) -> dict[str, Any]:
+        from mopt_ml.common import require
+
+        require("torch", "transformers", "onnx", "onnxruntime")
+        src = ctx.input("model").path
+        return export_onnx(src, ctx.out, ctx.tmp, ctx.family, ctx.params, ctx.log)
+
+
+def export_onnx(src: Path, out: Path, tmp: Path, family_obj: Any, params: Any, log: Any) -> dict[str, Any]:
+    import onnx
+    import torch
+
+    from mopt_ml.common import (
+        INPUT_NAMES,
+        META_FILE,
+        OUTPUT_NAME,
+        calibration_texts,
+        compare,
+        copy_model_files,
+        embed_onnx,
+        ort_session,
+        save_onnx,
+        tokenize,
+        validation_texts,
+        versions,
+        write_json,
+    )
+    from mopt_ml.families import as_family
+
+    family = as_family(family_obj, src)
+    model = family.load(src, dtype="fp32")
+    tokenizer = family.load_tokenizer(src)
+    wrapper = family.export_wrapper(model)
+    opset = params.opset or DEFAULT_OPSET[params.exporter]
+
+    # a padded example: mask code paths that skip an all-ones mask must not be traced
+    example = tokenize(tokenizer, [calibration_texts()[0], "A short one."], max_length=32)
+    args = tuple(torch.from_numpy(example[n]) for n in INPUT_NAMES)
+    stage = tmp / "export"
+    stage.mkdir(parents=True, exist_ok=True)
+    raw = stage / "model.onnx"
+    _quiet_exporters()
+    t0 = time.perf_counter()
+    try:
+        with torch.no_grad():
+            _export(params.exporter, wrapper, args, raw, opset, model)
+    except Exception as exc:
+        raise RuntimeError(
+            f"torch.onnx.export ({params.exporter} exporter, opset {opset}) failed: {type(exc).__name__}: {exc}"
+        ) from exc
+    export_s = time.perf_counter() - t0
+
+    graph = onnx.load(str(raw))
+    _name_dynamic_axes(graph, getattr(model.config, "hidden_size", None))
+    in_names = [i.name for i in graph.graph.input]
+    out_names = [o.name for o in graph.graph.output]
+    if in_names != list(INPUT_NAMES) or out_names != [OUTPUT_NAME]:
+        raise RuntimeError(f"exported graph has inputs {in_names} and outputs {out_names}")
+    graph.producer_name = "mopt-ml"
+    external = save_onnx(graph, out / "model.onnx", params.external_data)
+    del graph
+    log(f"exported with {params.exporter} (opset {opset}) in {export_s:.1f}s; external data: {external}")
+
+    texts = validation_texts()[: params.check_texts]
+    reference = family.embed(model, tokenizer, texts, max_length=params.max_length)
+    sess = ort_session(out / "model.onnx")
+    got = embed_onnx(sess, tokenizer, texts, max_length=params.max_length)
+    # other shapes than the traced one: a single row, and rows padded to max_length
+    one = embed_onnx(sess, tokenizer, texts[:1], max_length=params.max_length)
+    padded = embed_onnx(sess, tokenizer, texts[:5], max_length=params.max_length, pad_to=params.max_length)
+    numbers = compare(reference, got)
+    shapes = compare(_concat(reference[:1], reference[:5]), _concat(one, padded))
+    numbers["min_cosine"] = min(numbers["min_cosine"], shapes["min_cosine"])
+    log(
+        f"check vs PyTorch on {len(texts)} sentences: min cosine {numbers['min_cosine']:.6f}, "
+        f"mean {numbers['mean_cosine']:.6f}, max abs diff {numbers['max_abs_diff']:.3g}"
+    )
+    _check_or_fail(f"ONNX export ({params.exporter}) differs from PyTorch", numbers, params.check_min_cosine)
+
+    copied = copy_model_files(src, out)
+    meta = {
+        "format": "mopt-onnx/1",
+        "family": family.name,
+        "pooling": family.pooling,
+        "inputs": list(INPUT_NAMES),
+        "output": OUTPUT_NAME,
+        "hidden_size": int(reference.shape[1]),
+        "precision": "fp32",
+        "exporter": params.exporter,
+        "opset": opset,
+        "external_data": external,
+        "check": numbers,
+        "tools": versions("torch", "transformers", "onnx", "onnxruntime"),
+        "files": copied,
+    }
+    write_json(out / META_FILE, meta)
+    return {k: meta[k] for k in ("family", "exporter", "opset", "external_data", "check")} | {
+        "export_seconds": round(export_s, 2)
+    }
+
+
+def _quiet_exporters() -> None:
+    """Silence the exporters' expected warnings (tracer notes, the TorchScript exporter's
+    deprecation); filters are process-wide, so they are added, never swapped in and out
+    (mopt runs actions in threads)."""
+    import torch
+
+    warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.onnx\..*")
+    warnings.filterwarnings("ignore", message=".*legacy TorchScript-based ONNX export.*")
+    warnings.filterwarnings("ignore", message=".*Exporting aten::index operator of advanced indexing.*")
+    warnings.filterwarnings(
+        "ignore", message=".*will not be used, since it shares the same shape constraints.*"
+    )
+
+
+def _export(exporter: str, wrapper: Any, args: tuple[Any, ...], raw: Path, opset: int, model: Any) -> None:
+    import torch
+
+    from mopt_ml.common import INPUT_NAMES, OUTPUT_NAME
+
+    if exporter == "torchscript":
+        torch.onnx.export(
+            wrapper,
+            args,
+            str(raw),
+            dynamo=False,
+            input_names=list(INPUT_NAMES),
+            output_names=[OUTPUT_NAME],
+            dynamic_axes={
+                "input_ids": {0: "batch", 1: "sequence"},
+                "attention_mask": {0: "batch", 1: "sequence"},
+                OUTPUT_NAME: {0: "batch"},
+            },
+            opset_version=opset,
+            do_constant_folding=True,
+        )
+    else:
+        max_pos = getattr(model.config, "max_position_embeddings", 512) or 512
+        batch = torch.export.Dim("batch", min=1, max=4096)
+        seq = torch.export.Dim("sequence", min=2, max=max(int(max_pos), 8))
+        torch.onnx.export(
+            wrapper,
+            args,
+            str(raw),
+            dynamo=True,
+            verbose=False,
+            input_names=list(INPUT_NAMES),
+            output_names=[OUTPUT_NAME],
+            dynamic_shapes={"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}},
+            opset_version=opset,
+            external_data=True,
+            optimize=True,
+        )
+
+
+def _concat(*arrays: Any) -> Any:
+    import numpy as np
+
+    return np.concatenate(arrays)
+
+
+def _name_dynamic_axes(model: Any, hidden: int | None) -> None:
+    """Name the inputs' axes `batch` / `sequence` and the output's `batch`, and give the
+    output its static width (the exporters name axes after their own symbols)."""
+    for vi in list(model.graph.input) + list(model.graph.output):
+        dims = vi.type.tensor_type.shape.dim
+        for i, dim in enumerate(dims):
+            if i == 0:
+                dim.dim_param = "batch"
+            elif i == 1 and vi.name in ("input_ids", "attention_mask"):
+                dim.dim_param = "sequence"
+            elif i == 1 and hidden:
+                dim.dim_value = int(hidden)
+
+
+class OnnxSlimKind(TargetKind):
+    static_fingerprint = True  # library versions only: a no-op build may skip it
+    """Simplify the graph with onnxslim (constant folding, dead code, fusions); the result must
+    compute what the input graph computes on the shipped validation sentences."""
+
+    name = "onnx-slim"
+    version = "1"
+    description = "onnxslim-simplified ONNX graph, checked against its input graph"
+    consumes = (Input("model", kinds=("onnx",)),)
+
+    class Params(Params):
+        skip_fusion_patterns: list[str] = Field(default=[], description="onnxslim fusions to skip")
+        skip_optimizations: list[str] = Field(default=[], description="onnxslim optimizations to skip")
+        check_min_cosine: float = Field(
+            default=0.9999, description="fail below this min cosine vs the input graph"
+        )
+        check_texts: int = Field(default=64, ge=4, description="validation sentences used by the check")
+        max_length: int = Field(default=128, ge=8)
+
+    def fingerprint(self) -> dict[str, str]:
+        from mopt_ml.common import versions
+
+        return versions("onnx", "onnxruntime", "onnxslim")
+
+    def input_files(self, params: Any, project_dir: Path) -> list[Path]:
+        from mopt_ml.common import data_input_files
+
+        return data_input_files(None, project_dir)
+
+    def run(self, ctx: BuildContext) -> dict[str, Any]:
+        from mopt_ml.common import require
+
+        require("onnx", "onnxruntime", "onnxslim")
+        return slim_onnx(ctx.input("model").path, ctx.out, ctx.params, ctx.log)
+
+
+def slim_onnx(src: Path, out: Path, params: Any, log: Any) -> dict[str, Any]:
+    import onnx
+    import onnxslim
+
+    from mopt_ml.common import (
+        META_FILE,
+        compare,
+        copy_model_files,
+        embed_onnx,
+        load_tokenizer,
+        model_onnx,
+        ort_session,
+        read_meta,
+        save_onnx,
+        validation_texts,
+        versions,
+        write_json,
+    )
+
+    meta = read_meta(src)
+    before = onnx.load(str(model_onnx(src)))
+    nodes_before = len(before.graph.node)
+    kwargs: dict[str, Any] = {}
+    if params.skip_fusion_patterns:
+        kwargs["skip_fusion_patterns"] = list(params.skip_fusion_patterns)
+    if params.skip_optimizations:
+        kwargs["skip_optimizations"] = list(params.skip_optimizations)
+    t0 = time.perf_counter()
+    slim = onnxslim.slim(before, **kwargs)
+    slim_s = time.perf_counter() - t0
+    del before
+    external = save_onnx(slim, out / "model.onnx", meta.get("external_data"))
+    nodes_after = len(slim.graph.node)
+    del slim
+    log(f"onnxslim: {nodes_before} → {nodes_after} nodes in {slim_s:.1f}s")
+
+    tokenizer = load_tokenizer(src)
+    texts = validation_texts()[: params.check_texts]
+    reference = embed_onnx(ort_session(model_onnx(src)), tokenizer, texts, max_length=params.max_length)
+    got = embed_onnx(ort_session(out / "model.onnx"), tokenizer, texts, max_length=params.max_length)
+    numbers = compare(reference, got)
+    log(
+        f"check vs input graph: min cosine {numbers['min_cosine']:.6f}, max abs diff {numbers['max_abs_diff']:.3g}"
+    )
+    _check_or_fail("onnxslim changed the graph's output", numbers, params.check_min_cosine)
+
+    copy_model_files(src, out)
+    meta = dict(meta)
+    meta.update(
+        {
+            "slim": {
+                "nodes_before": nodes_before,
+                "nodes_after": nodes_after,
+                "check": numbers,
+                "onnxslim": versions("onnxslim")["onnxslim"],
+            },
+            "external_data": external,
+        }
+    )
+    write_json(out / META_FILE, meta)
+    return {"nodes_before": nodes_before, "nodes_after": nodes_after, "check": numbers}

@@ -1,0 +1,177 @@
+"""The `validate` target: the artifact under test against the PyTorch reference, with a gate.
+
+Failing the gate raises, so the build fails and nothing is cached; the message carries the
+numbers. The report is written before the gate is checked, but a failed action's output is
+not kept by the store, so the numbers are in the message too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mopt.api import BuildContext, Input, Params, TargetKind
+from pydantic import Field
+
+#: the kinds whose folders hold a model.onnx this plugin can run
+ONNX_KINDS = ("ort-quantize", "onnx-slim", "onnx")
+
+
+class GateFailed(RuntimeError):
+    """The artifact is not accurate enough for the recipe's thresholds."""
+
+
+class ValidateKind(TargetKind):
+    static_fingerprint = True  # library versions only: a no-op build may skip it
+    """Min / mean cosine of pooled embeddings vs the PyTorch reference, max abs diff and
+    top-1 neighbour agreement on the validation texts; fails below the thresholds."""
+
+    name = "validate"
+    version = "1"
+    description = "accuracy of an artifact vs the PyTorch reference, with a gate"
+    consumes = (
+        Input("model", kinds=ONNX_KINDS, fanout=True),
+        Input("reference", kinds=("weights",)),
+    )
+
+    class Params(Params):
+        min_cosine: float | None = Field(default=0.99, description="fail below this min cosine")
+        mean_cosine: float | None = Field(default=None, description="fail below this mean cosine")
+        min_top1: float | None = Field(default=None, description="fail below this top-1 agreement")
+        max_abs_diff: float | None = Field(default=None, description="fail above this max abs diff")
+        data: str | None = Field(
+            default=None,
+            description="validation texts (.txt / .jsonl, relative to the recipe); null: the shipped split",
+        )
+        batch_size: int = Field(default=32, ge=1)
+        max_length: int = Field(default=128, ge=8, description="tokenizer truncation")
+        pad_to: int | None = Field(default=None, ge=8, description="pad every batch to this length")
+        threads: int | None = Field(
+            default=None,
+            ge=1,
+            description="ORT and torch threads (null: their defaults; torch's is process-wide)",
+        )
+        worst: int = Field(default=5, ge=0, description="lowest-cosine texts listed in the report")
+
+    def fingerprint(self) -> dict[str, str]:
+        from mopt_ml.common import versions
+
+        return versions("torch", "transformers", "onnxruntime", "numpy", "tokenizers")
+
+    def input_files(self, params: Any, project_dir: Path) -> list[Path]:
+        from mopt_ml.common import data_input_files
+
+        return data_input_files(params.data, project_dir)
+
+    def run(self, ctx: BuildContext) -> dict[str, Any]:
+        from mopt_ml.common import require
+
+        require("torch", "transformers", "onnxruntime")
+        art = ctx.input("model")
+        ref = ctx.input("reference")
+        return validate(
+            art.path,
+            ref.path,
+            ctx.out,
+            ctx.family,
+            ctx.params,
+            ctx.project_dir,
+            ctx.log,
+            label=f"{art.target} ({art.kind})",
+        )
+
+
+def validate(
+    model_dir: Path,
+    ref_dir: Path,
+    out: Path,
+    family_obj: Any,
+    params: Any,
+    project_dir: Path,
+    log: Any,
+    label: str = "",
+) -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    from mopt_ml.common import (
+        compare,
+        cosines,
+        embed_onnx,
+        load_tokenizer,
+        model_onnx,
+        ort_session,
+        read_meta,
+        texts_from_param,
+        versions,
+        write_json,
+    )
+    from mopt_ml.families import as_family
+
+    family = as_family(family_obj, ref_dir)
+    texts = texts_from_param(params.data, project_dir, "validation")
+    if params.threads:  # process-wide in torch: only when the recipe asks
+        torch.set_num_threads(params.threads)
+    threads = params.threads
+
+    model = family.load(ref_dir, dtype="fp32")
+    ref_tok = family.load_tokenizer(ref_dir)
+    kw = {"max_length": params.max_length, "batch_size": params.batch_size, "pad_to": params.pad_to}
+    reference = family.embed(model, ref_tok, texts, **kw)
+    del model
+
+    tokenizer = load_tokenizer(model_dir)
+    family.sanitize_tokenizer(tokenizer)
+    got = embed_onnx(ort_session(model_onnx(model_dir), threads=threads), tokenizer, texts, **kw)
+    numbers = compare(reference, got)
+    cos = cosines(reference, got)
+    order = np.argsort(cos)[: params.worst]
+    worst = [{"cosine": float(cos[i]), "text": texts[i]} for i in order]
+
+    gates = {
+        "min_cosine": (params.min_cosine, numbers["min_cosine"], ">="),
+        "mean_cosine": (params.mean_cosine, numbers["mean_cosine"], ">="),
+        "min_top1": (params.min_top1, numbers.get("top1_agreement", 1.0), ">="),
+        "max_abs_diff": (params.max_abs_diff, numbers["max_abs_diff"], "<="),
+    }
+    failed = []
+    results = {}
+    for name, (limit, value, op) in gates.items():
+        if limit is None:
+            continue
+        ok = value >= limit if op == ">=" else value <= limit
+        results[name] = {"limit": limit, "value": value, "passed": ok}
+        if not ok:
+            failed.append(
+                f"{name.replace('min_top1', 'top1_agreement')} {value:.4f} {'<' if op == '>=' else '>'} {limit}"
+            )
+    meta = read_meta(model_dir)
+    report = {
+        "format": "mopt-validate/1",
+        "artifact": label or str(model_dir.name),
+        "family": family.name,
+        "precision": meta.get("precision"),
+        "quantization": meta.get("quantization"),
+        "texts": {"n": len(texts), "source": params.data or "shipped validation split"},
+        "settings": {**kw, "threads": threads or "default"},
+        "metrics": numbers,
+        "gates": results,
+        "passed": not failed,
+        "worst": worst,
+        "tools": versions("torch", "transformers", "onnxruntime"),
+    }
+    write_json(out / "report.json", report)
+    summary = (
+        f"{label or model_dir.name}: min cosine {numbers['min_cosine']:.4f}, mean {numbers['mean_cosine']:.4f}, "
+        f"max abs diff {numbers['max_abs_diff']:.4f}, top-1 agreement {numbers.get('top1_agreement', 1.0):.3f} "
+        f"on {len(texts)} texts"
+    )
+    log(summary)
+    if failed:
+        raise GateFailed(f"validation gate failed: {'; '.join(failed)} ({summary})")
+    return {
+        "passed": True,
+        **{k: numbers[k] for k in ("min_cosine", "mean_cosine", "max_abs_diff")},
+        "top1_agreement": numbers.get("top1_agreement"),
+        "n": len(texts),
+    }

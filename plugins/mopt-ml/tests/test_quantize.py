@@ -1,0 +1,115 @@
+"""The `ort-quantize` target: quantized ops, smoothing, modes and calibration data."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def _ops(path: Path) -> dict[str, int]:
+    import onnx
+
+    from mopt_ml.quantize import op_histogram
+
+    return op_histogram(onnx.load(str(path)))
+
+
+def test_default_recipe_is_smoothed_dynamic_per_channel_matmul(minilm_chain: dict[str, Any]) -> None:
+    from mopt_ml.quantize import resolve_weight_type
+
+    q = minilm_chain["ort-quantize"]
+    ops = _ops(q / "model.onnx")
+    # every Linear of the 6 layers is quantized (q, k, v, out, ffn-in, ffn-out); attention stays fp32
+    assert ops.get("MatMulInteger", 0) == 36
+    assert ops.get("DynamicQuantizeLinear", 0) >= 18
+    meta = json.loads((q / "mopt_ml.json").read_text())
+    quant = meta["quantization"]
+    assert meta["precision"] == "int8"
+    assert quant["mode"] == "dynamic" and quant["per_channel"] and quant["op_types"] == ["MatMul"]
+    assert quant["weight_type"] == resolve_weight_type("auto")
+    # one smoothing Mul per group of MatMuls sharing an input: 4 groups x 6 layers
+    assert quant["smooth"]["groups"] == 24 and quant["smooth"]["matmuls"] == 36
+    assert quant["smooth"]["max_outlier_ratio"] > 5  # MiniLM has outlier channels
+    import onnx
+
+    nodes = onnx.load(str(q / "model.onnx")).graph.node
+    assert sum(n.op_type == "Mul" and n.name.startswith("mopt_smooth_") for n in nodes) == 24
+    assert quant["calibration"] == {"texts": 40, "pad_to": 128, "source": "shipped calibration split"}
+    assert quant["check_vs_fp32"]["min_cosine"] > 0.98
+    # MatMul weights are int8 now; the embedding table (a Gather) stays fp32
+    assert (q / "model.onnx").stat().st_size < (minilm_chain["onnx"] / "model.onnx").stat().st_size * 0.7
+
+
+def test_smoothing_keeps_the_fp32_function(qwen3_chain: dict[str, Any], tmp_path: Path) -> None:
+    """Mul(X, 1/s) with W <- diag(s) W computes the same product: the smoothed fp32 graph
+    matches the original before any quantization."""
+    import onnx
+
+    from mopt_ml.common import (
+        calibration_texts,
+        embed_onnx,
+        load_tokenizer,
+        ort_session,
+        tokenize,
+        validation_texts,
+    )
+    from mopt_ml.quantize import activation_max, apply_smoothing, matmul_groups
+
+    src = qwen3_chain["onnx"] / "model.onnx"
+    tok = load_tokenizer(qwen3_chain["onnx"])
+    model = onnx.load(str(src))
+    groups = matmul_groups(model)
+    # q/k/v share an input, gate/up share one; o_proj and down_proj stand alone: 4 per layer
+    assert len(groups) == 8 and sorted(len(g) for g in groups.values()) == [1, 1, 1, 1, 2, 2, 3, 3]
+    feeds = [tokenize(tok, calibration_texts()[:8], 64, pad_to=64)]
+    amax = activation_max(src, list(groups), feeds, tmp_path)
+    info = apply_smoothing(model, groups, amax, alpha=0.7)
+    assert info["groups"] == 8
+    onnx.save(model, str(tmp_path / "smoothed.onnx"))
+    texts = validation_texts()[:16]
+    a = embed_onnx(ort_session(src), tok, texts)
+    b = embed_onnx(ort_session(tmp_path / "smoothed.onnx"), tok, texts)
+    assert np.abs(a - b).max() < 1e-4
+
+
+def test_static_qdq_and_plain_dynamic_variants(
+    runner: Any, qwen3_chain: dict[str, Any], tmp_path: Path
+) -> None:
+    from mopt_ml.quantize import OrtQuantizeKind
+
+    src = {"model": [runner.artifact(qwen3_chain["onnx"], "onnx")]}
+    calib = runner.project_dir / "calib.jsonl"
+    calib.write_text(
+        "\n".join(json.dumps({"text": t}) for t in ("one text", "another text", "a third")) + "\n"
+    )
+    out, _meta = runner.run(
+        OrtQuantizeKind, {"mode": "static", "smooth": False, "calibration": "calib.jsonl"}, inputs=src
+    )
+    ops = _ops(out / "model.onnx")
+    assert ops.get("QuantizeLinear", 0) > 0 and ops.get("DequantizeLinear", 0) > 0
+    quant = json.loads((out / "mopt_ml.json").read_text())["quantization"]
+    assert quant["mode"] == "static" and quant["calibration"]["texts"] == 3
+    assert quant["calibration"]["source"] == "calib.jsonl"
+
+    out2, _ = runner.run(
+        OrtQuantizeKind,
+        {"smooth": False, "per_channel": False, "op_types": [], "weight_type": "qint8"},
+        inputs=src,
+    )
+    ops2 = _ops(out2 / "model.onnx")
+    assert ops2.get("MatMulInteger", 0) > 0 and not any(k.startswith("mopt_smooth") for k in ops2)
+    q2 = json.loads((out2 / "mopt_ml.json").read_text())["quantization"]
+    assert q2["smooth"] is None and q2["weight_type"] == "qint8"
+
+
+def test_auto_weight_type_follows_the_cpu() -> None:
+    from mopt_ml.common import cpu_int8_dot
+    from mopt_ml.quantize import OrtQuantizeKind, resolve_weight_type
+
+    assert resolve_weight_type("qint8") == "qint8"
+    expected = "qint8" if cpu_int8_dot() in ("vnni", "amx") else "quint8"
+    assert resolve_weight_type("auto") == expected
+    assert OrtQuantizeKind().platform(None) == {"int8_dot": cpu_int8_dot()}

@@ -1,0 +1,111 @@
+"""The `validate` and `bench` targets: the numbers, the gate, the reports."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mopt_ml.validate import GateFailed, ValidateKind
+
+
+def _validate(
+    runner: Any, chain: dict[str, Any], kind: str, params: dict[str, Any] | None = None
+) -> tuple[Path, dict[str, Any]]:
+    return runner.run(
+        ValidateKind,
+        params,
+        inputs={
+            "model": [runner.artifact(chain[kind], kind)],
+            "reference": [runner.artifact(chain["weights"], "weights")],
+        },
+        family=chain["family"],
+    )
+
+
+def test_minilm_int8_passes_the_default_gate(runner: Any, minilm_chain: dict[str, Any]) -> None:
+    out, meta = _validate(runner, minilm_chain, "ort-quantize")
+    report = json.loads((out / "report.json").read_text())
+    m = report["metrics"]
+    assert report["passed"] and meta["passed"]
+    assert report["texts"] == {"n": 223, "source": "shipped validation split"}
+    assert m["n"] == 223
+    assert 0.99 <= m["min_cosine"] <= m["mean_cosine"] < 1.0
+    assert m["mean_cosine"] >= 0.995
+    assert 0 < m["max_abs_diff"] < 0.1
+    assert m["top1_agreement"] >= 0.9
+    assert report["gates"]["min_cosine"] == {"limit": 0.99, "value": m["min_cosine"], "passed": True}
+    assert report["precision"] == "int8" and report["quantization"]["mode"] == "dynamic"
+    assert len(report["worst"]) == 5 and report["worst"][0]["cosine"] == pytest.approx(m["min_cosine"])
+
+
+def test_fp32_graph_matches_the_reference(runner: Any, minilm_chain: dict[str, Any]) -> None:
+    out, _ = _validate(
+        runner, minilm_chain, "onnx", {"min_cosine": 0.9999, "min_top1": 1.0, "max_abs_diff": 1e-4}
+    )
+    m = json.loads((out / "report.json").read_text())["metrics"]
+    assert m["min_cosine"] > 0.9999 and m["top1_agreement"] == 1.0
+
+
+def test_gate_below_threshold_fails_the_build_with_the_numbers(
+    runner: Any, minilm_chain: dict[str, Any]
+) -> None:
+    with pytest.raises(GateFailed) as err:
+        _validate(runner, minilm_chain, "ort-quantize", {"min_cosine": 0.9999, "mean_cosine": 0.99999})
+    msg = str(err.value)
+    assert "validation gate failed" in msg
+    assert "min_cosine 0.99" in msg and "< 0.9999" in msg
+    assert "mean_cosine 0.99" in msg and "< 0.99999" in msg
+    assert "on 223 texts" in msg
+
+
+def test_validate_reads_the_recipe_texts(runner: Any, qwen3_chain: dict[str, Any]) -> None:
+    (runner.project_dir / "val.txt").write_text("first sentence\nsecond one here\na third, longer sentence\n")
+    out, meta = _validate(runner, qwen3_chain, "onnx-slim", {"data": "val.txt", "min_top1": 1.0})
+    report = json.loads((out / "report.json").read_text())
+    assert report["texts"] == {"n": 3, "source": "val.txt"}
+    assert meta["min_cosine"] > 0.9999
+
+
+def test_bench_times_the_artifact_and_the_pytorch_baseline(runner: Any, qwen3_chain: dict[str, Any]) -> None:
+    from mopt_ml.bench import BenchKind
+
+    params = {
+        "batch_sizes": [1, 4],
+        "seq_lens": [16, 32],
+        "threads": 1,
+        "warmup": 1,
+        "min_iters": 2,
+        "min_window_s": 0.02,
+        "max_windows": 3,
+        "max_seconds": 2.0,
+    }
+    out, meta = runner.run(
+        BenchKind,
+        params,
+        inputs={
+            "model": [runner.artifact(qwen3_chain["ort-quantize"], "ort-quantize")],
+            "reference": [runner.artifact(qwen3_chain["weights"], "weights")],
+        },
+        family=qwen3_chain["family"],
+    )
+    report = json.loads((out / "bench.json").read_text())
+    assert [r["backend"] for r in report["results"]] == ["onnx", "torch"]
+    for r in report["results"]:
+        assert [(p["batch"], p["seq"]) for p in r["points"]] == [(1, 16), (4, 16), (1, 32), (4, 32)]
+        for p in r["points"]:
+            assert 0 < p["p50_ms"] <= p["p90_ms"] <= p["p99_ms"]
+            assert p["samples"] >= 2 and p["tokens_per_s"] == pytest.approx(
+                p["batch"] * p["seq"] / p["p50_ms"] * 1000
+            )
+        assert r["peak_rss_mb"] >= r["rss_loaded_mb"] > r["rss_start_mb"] > 0
+        assert r["threads"] == 1
+    assert len(report["speedup_vs_pytorch_fp32"]) == 4
+    assert report["precision"] == "int8"
+    html = (out / "report.html").read_text()
+    assert html.count("<svg") >= 4 and "Latency p50 vs batch size" in html
+    assert "<script" not in html and "http://" not in html.replace("http://www.w3.org/2000/svg", "")
+    assert "https://" not in html
+    assert meta["points"] == 4 and set(meta["p50_ms"]) == {"1x16", "4x16", "1x32", "4x32"}
