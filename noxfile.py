@@ -43,6 +43,7 @@ def demo(session: nox.Session) -> None:
     """The main job on the embedded demo: build recipes/demo.toml on CPU."""
     install_all(session)
     session.run("mopt", "build", "recipes/demo.toml", *session.posargs)
+    session.run("mopt", "report", "recipes/demo.toml")
 
 
 @nox.session
