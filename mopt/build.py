@@ -837,7 +837,13 @@ def noop_stamp_inputs(engine: Engine, states: dict[str, NodeState]) -> dict[str,
     if engine.project.config_file is not None:
         files.append(str(engine.project.config_file))
     files.append(str(engine.recipe.path.parent / LOCK_NAME))
-    dirs = [str(p) for p in [engine.recipe.path.parent, *engine.recipe.path.parent.parents]]
+    # a mopt.toml appearing nearer the recipe would change the settings
+    absent = []
+    for d in [engine.recipe.path.parent, *engine.recipe.path.parent.parents]:
+        if engine.project.config_file is not None and d == engine.project.config_file.parent:
+            break
+        absent.append(str(d / "mopt.toml"))
+    dirs: list[str] = []
     env_extra: list[str] = []
     exist: list[str] = []  # action entries are touched on every hit (LRU): existence only
     for st in states.values():
@@ -859,7 +865,7 @@ def noop_stamp_inputs(engine: Engine, states: dict[str, NodeState]) -> dict[str,
                 files.extend(str(base / e.path) for e in entries)
     files.extend(engine._source_files)
     files.extend(str(p) for p in engine._file_digests)
-    return {"files": files, "exist": exist, "dirs": dirs, "env_extra": env_extra}
+    return {"files": files, "exist": exist, "absent": absent, "dirs": dirs, "env_extra": env_extra}
 
 
 def _remote_for(project: Any, store: Store, offline: bool) -> Any:

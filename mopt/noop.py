@@ -89,6 +89,9 @@ def check(path: str) -> dict[str, Any] | None:
     for p in stamp.get("exist", []):
         if not os.path.exists(p):
             return None
+    for p in stamp.get("absent", []):
+        if os.path.exists(p):
+            return None
     for p, want in stamp.get("dirs", {}).items():
         try:
             if os.stat(p).st_mtime_ns != want:
@@ -105,6 +108,7 @@ def write(
     *,
     files: list[str],
     exist: list[str],
+    absent: list[str],
     dirs: list[str],
     env_extra: list[str],
     result: dict[str, Any],
@@ -133,6 +137,7 @@ def write(
         "env": _env(list(env_extra)),
         "files": stats,
         "exist": sorted(set(exist)),
+        "absent": sorted(set(absent)),
         "dirs": {d: _dir_mtime(d) for d in sorted(set(dirs) | set(_path_dirs()))},
         "result": result,
     }
