@@ -31,7 +31,7 @@ class BenchKind(TargetKind):
     version = "1"
     description = "latency / throughput / memory of the artifact and the PyTorch FP32 baseline"
     consumes = (
-        Input("model", kinds=ONNX_KINDS, fanout=True),
+        Input("model", kinds=(*ONNX_KINDS, "torch-compile"), fanout=True),
         Input("reference", kinds=("weights",)),
     )
     reproducible = False
@@ -83,6 +83,7 @@ class BenchKind(TargetKind):
             ctx.project_dir,
             ctx.log,
             label=f"{art.target} ({art.kind})",
+            kind=art.kind,
         )
 
 
@@ -167,6 +168,7 @@ def bench(
     project_dir: Path,
     log: Any,
     label: str = "",
+    kind: str = "onnx",
 ) -> dict[str, Any]:
     from mopt_ml.common import cpu_threads, read_meta, texts_from_param, versions, write_json
     from mopt_ml.families import as_family
@@ -188,8 +190,27 @@ def bench(
     }
     meta = read_meta(model_dir)
     art_label = label or model_dir.name
-    with exclusive_cpu(log):
-        results = _time_all(model_dir, ref_dir, art_label, common, params, tmp, log)
+    if kind == "torch-compile":
+        # compiled for fixed buckets only: time those, against eager fp16 on the same GPU
+        cmeta = json.loads((model_dir / "meta.json").read_text())
+        shapes = sorted({(int(b["batch"]), int(b["seq"])) for b in cmeta["buckets"]})
+        common["batch_sizes"] = sorted({b for b, _ in shapes})
+        common["seq_lens"] = sorted({s for _, s in shapes})
+        common["shapes"] = [list(x) for x in shapes]
+        meta = {"precision": cmeta.get("precision")}
+        results = [
+            _run_worker({**common, "backend": "torch-compile", "label": art_label, "model": str(model_dir),
+                         "weights": str(ref_dir)}, tmp, log),
+        ]
+        if params.baseline:
+            results.append(
+                _run_worker({**common, "backend": "torch-cuda-eager", "label": f"pytorch-{cmeta.get('precision')}-eager",
+                             "model": str(model_dir), "weights": str(ref_dir)}, tmp, log)
+            )
+        log("baseline: eager PyTorch in the artifact's precision on the same GPU")
+    else:
+        with exclusive_cpu(log):
+            results = _time_all(model_dir, ref_dir, art_label, common, params, tmp, log)
     speedups = []
     if params.baseline:
         base = {(p["batch"], p["seq"]): p for p in results[1]["points"]}

@@ -132,6 +132,36 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             f = {k: v for k, v in feeds.items() if k in names}
             return lambda: sess.run([OUTPUT_NAME], f)
 
+    elif spec["backend"] in ("torch-compile", "torch-cuda-eager"):
+        import torch
+
+        family = load_family(spec["family"])
+        tokenizer = family.load_tokenizer(spec["weights"])
+        if spec["backend"] == "torch-compile":
+            from mopt_ml.compiled import load
+
+            model, _meta = load(Path(spec["weights"]), Path(spec["model"]))
+        else:
+            from mopt_torch.embedder import load_embedder
+            from mopt_torch.warm import read_meta as read_compile_meta
+
+            cm = read_compile_meta(spec["model"])
+            model, _inner = load_embedder(
+                spec["weights"], cm["precision"], "cuda", cm.get("family"), cm["pooling"], "sdpa"
+            )
+
+        def runner(feeds: dict[str, Any]) -> Callable[[], Any]:
+            ids = torch.from_numpy(feeds["input_ids"]).cuda()
+            mask = torch.from_numpy(feeds["attention_mask"]).cuda()
+
+            def call() -> Any:
+                with torch.inference_mode():
+                    y = model(ids, mask)
+                torch.cuda.synchronize()
+                return y
+
+            return call
+
     else:
         import torch
 
@@ -155,25 +185,25 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     load_s = time.perf_counter() - t0
     rss_loaded = rss_mb()
     points = []
-    for seq in spec["seq_lens"]:
-        for batch in spec["batch_sizes"]:
-            feeds = make_inputs(tokenizer, spec["texts"], batch, seq)
-            stats = measure(runner(feeds), spec["timing"])
-            stats.update(
-                {
-                    "batch": batch,
-                    "seq": seq,
-                    "sequences_per_s": batch / (stats["p50_ms"] / 1000),
-                    "tokens_per_s": batch * seq / (stats["p50_ms"] / 1000),
-                }
-            )
-            points.append(stats)
-            print(
-                f"{spec['backend']} b={batch} s={seq}: p50 {stats['p50_ms']:.1f} ms "
-                f"({stats['windows']} windows{'' if stats['stable'] else ', not stable'})",
-                file=sys.stderr,
-                flush=True,
-            )
+    grid = spec.get("shapes") or [[b, s] for s in spec["seq_lens"] for b in spec["batch_sizes"]]
+    for batch, seq in grid:
+        feeds = make_inputs(tokenizer, spec["texts"], batch, seq)
+        stats = measure(runner(feeds), spec["timing"])
+        stats.update(
+            {
+                "batch": batch,
+                "seq": seq,
+                "sequences_per_s": batch / (stats["p50_ms"] / 1000),
+                "tokens_per_s": batch * seq / (stats["p50_ms"] / 1000),
+            }
+        )
+        points.append(stats)
+        print(
+            f"{spec['backend']} b={batch} s={seq}: p50 {stats['p50_ms']:.1f} ms "
+            f"({stats['windows']} windows{'' if stats['stable'] else ', not stable'})",
+            file=sys.stderr,
+            flush=True,
+        )
     return {
         "backend": spec["backend"],
         "label": spec.get("label", spec["backend"]),

@@ -30,7 +30,7 @@ class ValidateKind(TargetKind):
     version = "1"
     description = "accuracy of an artifact vs the PyTorch reference, with a gate"
     consumes = (
-        Input("model", kinds=ONNX_KINDS, fanout=True),
+        Input("model", kinds=(*ONNX_KINDS, "torch-compile"), fanout=True),
         Input("reference", kinds=("weights",)),
     )
 
@@ -78,6 +78,7 @@ class ValidateKind(TargetKind):
             ctx.project_dir,
             ctx.log,
             label=f"{art.target} ({art.kind})",
+            kind=art.kind,
         )
 
 
@@ -90,6 +91,7 @@ def validate(
     project_dir: Path,
     log: Any,
     label: str = "",
+    kind: str = "onnx",
 ) -> dict[str, Any]:
     import numpy as np
     import torch
@@ -120,9 +122,14 @@ def validate(
     reference = family.embed(model, ref_tok, texts, **kw)
     del model
 
-    tokenizer = load_tokenizer(model_dir)
-    family.sanitize_tokenizer(tokenizer)
-    got = embed_onnx(ort_session(model_onnx(model_dir), threads=threads), tokenizer, texts, **kw)
+    if kind == "torch-compile":  # a compile cache: rebuilt from the weights, run on the GPU
+        from mopt_ml import compiled
+
+        got = compiled.embed(ref_dir, model_dir, family, texts, params.max_length)
+    else:
+        tokenizer = load_tokenizer(model_dir)
+        family.sanitize_tokenizer(tokenizer)
+        got = embed_onnx(ort_session(model_onnx(model_dir), threads=threads), tokenizer, texts, **kw)
     numbers = compare(reference, got)
     cos = cosines(reference, got)
     order = np.argsort(cos)[: params.worst]
