@@ -387,6 +387,7 @@ class Engine:
         jobs = jobs or os.cpu_count() or 1
         self.store.cleanup_tmp()
         self._prefetch()
+        self._hash_input_files(ids)
         states = {i: NodeState(self.graph.nodes[i]) for i in ids}
         pending = deque(ids)
         outputs: dict[str, str] = {}
@@ -484,6 +485,20 @@ class Engine:
             self.flush_index()
             reporter.stop()
         return states
+
+    def _hash_input_files(self, ids: list[str]) -> None:
+        """Digest every declared input file up front, several at a time: after a `touch`
+        of many large files, rehashing them is the whole cost of a no-op."""
+        paths: set[Path] = set()
+        for i in ids:
+            node = self.graph.nodes[i]
+            paths.update(self.kind(node.kind).input_files(node.target.params, self.recipe.project_dir))
+        todo = [p for p in paths if p not in self._file_digests and p.exists()]
+        if len(todo) < 2:
+            return
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+            for p, d in zip(todo, pool.map(self.store.state.path_digest, todo)):
+                self._file_digests[p] = d
 
     def _prefetch(self) -> None:
         """One query for the stat records of every blob: hits then cost a stat each."""
