@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import socket
 import tempfile
 import threading
@@ -21,6 +20,7 @@ import traceback
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -577,13 +577,13 @@ class Engine:
         node = st.node
         assert st.key is not None and st.parts is not None
         key = st.key
-        with self.store.lock(key, on_wait=lambda: reporter.waiting(st)):
+        with self.store.lock(key, on_wait=lambda: reporter.waiting(st)), ExitStack() as stack:
             entry = self.hit(key)
             if entry is not None:
                 self._finish_hit(st, entry, {})
                 return st
-            scratch_cm = self.store.scratch_dir(prefix="action-")
-            scratch = scratch_cm.__enter__()
+            # removed when the action ends, after its log is closed (the stack unwinds last)
+            scratch = stack.enter_context(self.store.scratch_dir(prefix="action-"))
             out_dir, tmp_dir, in_dir = scratch / "out", scratch / "tmp", scratch / "in"
             for folder in (out_dir, tmp_dir, in_dir):
                 folder.mkdir()
@@ -676,7 +676,6 @@ class Engine:
                 st.log_path = self.store.keep_failed_log(key, log_path)
             finally:
                 _close_logger(logger)
-                scratch_cm.__exit__(None, None, None)
         return st
 
 
@@ -728,18 +727,6 @@ def _close_logger(logger: logging.Logger) -> None:
     for h in list(logger.handlers):
         h.close()
         logger.removeHandler(h)
-
-
-def _rmtree(path: Path) -> None:
-    def onerror(func: Any, p: str, _exc: Any) -> None:
-        try:
-            os.chmod(os.path.dirname(p), 0o755)
-            os.chmod(p, 0o755)
-            func(p)
-        except OSError:
-            pass
-
-    shutil.rmtree(path, onerror=onerror)
 
 
 # ---------------------------------------------------------------------- lock file
