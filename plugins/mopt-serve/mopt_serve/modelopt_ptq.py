@@ -17,8 +17,9 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
+from mopt import plugin_env as _env
 from mopt.api import BuildContext, CheckContext, Finding, Input, Params, TargetKind
-from mopt_serve import _env, common
+from mopt_serve import common
 
 INSTALL_MODELOPT = 'pip install "nvidia-modelopt[torch]"'
 

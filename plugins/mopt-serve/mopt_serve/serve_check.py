@@ -24,8 +24,8 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
+from mopt import plugin_env as _env
 from mopt.api import BuildContext, CheckContext, Finding, Input, Params, TargetKind
-from mopt_serve import _env
 
 INSTALL_VLLM = "pip install vllm (CUDA wheels on PyPI)"
 

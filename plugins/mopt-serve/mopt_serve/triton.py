@@ -168,7 +168,7 @@ class TritonRepoKind(TargetKind):
         )
 
     def fingerprint(self) -> dict[str, str]:
-        from mopt_serve import _env
+        from mopt import plugin_env as _env
 
         return {"onnx": _env.dist_version("onnx") or "missing"}
 

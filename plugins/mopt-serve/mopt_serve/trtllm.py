@@ -23,8 +23,9 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
+from mopt import plugin_env as _env
 from mopt.api import BuildContext, CheckContext, Finding, HardwareProfile, Input, Params, TargetKind
-from mopt_serve import _env, common
+from mopt_serve import common
 
 INSTALL_TRTLLM = "pip install tensorrt-llm (from pypi.nvidia.com; pin the release)"
 LEGACY_MAX = (1, 2)

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from mopt_serve import _env
 from mopt_serve.modelopt_ptq import ModelOptPtqKind
 from mopt_serve.serve_check import ServeCheckKind, cosines
 from mopt_serve.triton import TritonRepoKind, config_pbtxt, onnx_io
@@ -19,6 +18,7 @@ from mopt_serve.trtllm import TrtllmKind, legacy_commands, llm_api_options, serv
 from mopt_serve.vllm import VllmKind, flags, vllm_config
 from pydantic import ValidationError
 
+from mopt import plugin_env as _env
 from mopt.api import Artifact, BuildContext, CheckContext, HardwareProfile
 from mopt.builtin.hardware import PROFILES
 

@@ -20,8 +20,9 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
+from mopt import plugin_env as _env
 from mopt.api import BuildContext, CheckContext, Finding, Input, Params, TargetKind
-from mopt_tensorrt import _env, _onnx
+from mopt_tensorrt import _onnx
 
 INSTALL_MODELOPT = 'pip install "nvidia-modelopt[onnx]"'
 ONNX_INPUTS = ("onnx-slim", "onnx")

@@ -27,8 +27,9 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
+from mopt import plugin_env as _env
 from mopt.api import BuildContext, CheckContext, Finding, HardwareProfile, Input, Params, TargetKind
-from mopt_tensorrt import _env, _onnx, timing_cache
+from mopt_tensorrt import _onnx, timing_cache
 
 INSTALL_TENSORRT = "pip install tensorrt-cu12 or tensorrt-cu13 (wheels come from pypi.nvidia.com)"
 

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from mopt_tensorrt import _env, timing_cache
+from mopt_tensorrt import timing_cache
 from mopt_tensorrt.modelopt_onnx import (
     AutoCastKind,
     ModelOptQuantizeKind,
@@ -27,6 +27,7 @@ from mopt_tensorrt.trt_engine import (
     profile_shapes,
 )
 
+from mopt import plugin_env as _env
 from mopt.api import Artifact, BuildContext, CheckContext, HardwareProfile
 from mopt.builtin.hardware import PROFILES
 

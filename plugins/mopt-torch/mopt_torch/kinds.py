@@ -17,8 +17,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
+from mopt import plugin_env as _env
 from mopt.api import BuildContext, CheckContext, Finding, HardwareProfile, Input, Params, TargetKind
-from mopt_torch import _env
 from mopt_torch.aoti import AotiLoadError, describe_exit, probe_load
 from mopt_torch.embedder import family_spec, resolve_attention
 

@@ -13,12 +13,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from mopt_torch import _env
 from mopt_torch.aoti import AotiLoadError, describe_exit, run_probe
 from mopt_torch.embedder import family_spec, load_family, resolve_attention
 from mopt_torch.kinds import AotiKind, TorchCompileKind, torch_cuda_version
 from mopt_torch.warm import WarmStartMismatch, bucket_for, load_warm, mismatch
 
+from mopt import plugin_env as _env
 from mopt.api import Artifact, BuildContext, CheckContext, HardwareProfile
 from mopt.builtin.hardware import PROFILES
 

@@ -1,7 +1,8 @@
 """What this machine has: packages (without importing them), GPUs (through nvidia-smi, so no
 CUDA library is loaded), and errors that name what to install.
 
-Kept dependency-free and duplicated in each mopt GPU plugin (copied from mopt-tensorrt), so the plugins stay independent.
+Shared by the GPU plugins (mopt-tensorrt, mopt-serve, mopt-torch); stdlib only, so importing it
+loads no GPU library.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def installed_dists(prefix: str) -> dict[str, str]:
     out: dict[str, str] = {}
     norm = prefix.lower().replace("_", "-")
     for dist in md.distributions():
-        name = (dist.metadata.get("Name") or "").lower().replace("_", "-")
+        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
         if name.startswith(norm):
             out[name] = dist.version
     return dict(sorted(out.items()))
