@@ -16,12 +16,11 @@ import logging
 import os
 import shutil
 import socket
-import tempfile
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -191,11 +190,12 @@ def run_action(
         if why:
             return ActionResult("unbuildable", reason=f"unbuildable on {host}: {why}", host=host)
 
-    with store.lock(spec.key):
+    with store.lock(spec.key), ExitStack() as stack:
         entry = store.ac_entry(spec.key)
         if entry is not None:
             return ActionResult("cached", entry=entry, host=host)
-        scratch = Path(tempfile.mkdtemp(prefix=".mopt-tmp-action-", dir=store.tmp_dir))
+        # the store keeps a scratch folder from `cleanup_tmp` while in use; removed at the end
+        scratch = stack.enter_context(store.scratch_dir(prefix="action-"))
         out_dir, tmp_dir, in_dir = scratch / "out", scratch / "tmp", scratch / "in"
         for d in (out_dir, tmp_dir, in_dir):
             d.mkdir()
@@ -292,7 +292,6 @@ def run_action(
             )
         finally:
             _close(logger)
-            _rmtree(scratch)
 
 
 def _tree_into(store: Store, tree: str, dest: Path, fetch_tree: FetchTree | None) -> None:
@@ -349,13 +348,3 @@ def _close(logger: logging.Logger) -> None:
         logger.removeHandler(h)
 
 
-def _rmtree(path: Path) -> None:
-    def onerror(func: Any, p: str, _exc: Any) -> None:
-        try:
-            os.chmod(os.path.dirname(p), 0o755)
-            os.chmod(p, 0o755)
-            func(p)
-        except OSError:
-            pass
-
-    shutil.rmtree(path, onerror=onerror)
