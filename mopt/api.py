@@ -37,13 +37,19 @@ class Input:
     `kinds` are the target kinds that can feed it, most preferred first. When a section
     has several candidates of the preferred kind, the recipe must say which with
     `input = "<target>"`. With `fanout`, the node is repeated once per candidate instead
-    (e.g. `validate` runs once for every artifact under test).
+    (e.g. `validate` runs once for every artifact under test). With `gather`, one node
+    gets all candidates' nodes in the slot (e.g. `select` over every variant of a sweep).
     """
 
     name: str
     kinds: tuple[str, ...]
     required: bool = True
     fanout: bool = False
+    #: one node takes every candidate's nodes at once (e.g. `select` over a whole sweep)
+    gather: bool = False
+    #: (with `gather`) run even when some of them failed or cannot build here; they are
+    #: listed in `BuildContext.missing` and their status is part of the action key
+    partial: bool = False
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,22 @@ class Artifact:
     target: str
     digest: str
     meta: dict[str, Any] = field(default_factory=dict)
+    #: the producing node's label in its section (`int8@smooth_alpha=0.5`)
+    label: str = ""
+    #: the producing node's own inputs: slot → labels of the nodes it consumed
+    input_labels: dict[str, list[str]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Missing:
+    """An input of a `partial` slot that is not there: failed, unbuildable here or blocked."""
+
+    label: str
+    kind: str
+    status: str
+    reason: str = ""
+    #: its own inputs: slot → labels (which artifact a missing `validate` was about)
+    input_labels: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -78,6 +100,8 @@ class BuildContext:
     #: a persistent folder for caches that speed builds up without changing outputs
     #: (e.g. TensorRT timing caches): shared by all actions of this kind, never keyed
     cache_dir: Path | None = None
+    #: per `partial` slot, the inputs that are not there (see `Input.partial`)
+    missing: dict[str, list[Missing]] = field(default_factory=dict)
 
     def input(self, slot: str | None = None) -> Artifact:
         """The single artifact of `slot` (the first slot when omitted)."""

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from mopt import procs
-from mopt.api import Artifact, BuildContext, SourceContext, SourceError, TargetKind
+from mopt.api import Artifact, BuildContext, Missing, SourceContext, SourceError, TargetKind
 from mopt.digest import canonical_json, hash_bytes
 from mopt.errors import MoptError
 from mopt.graph import Node
@@ -34,6 +34,38 @@ from mopt.keys import action_key, diff_parts
 from mopt.store import ActionEntry, Store
 
 LOCK_NAME = "mopt.lock"
+
+#: statuses after which a node's output will not come in this build
+NOT_BUILT = ("failed", "unbuildable", "blocked")
+
+
+def readiness(
+    node: Node, states: dict[str, NodeState], outputs: dict[str, str], graph: Any
+) -> tuple[str, str, dict[str, list[Missing]]]:
+    """Whether `node` can start: ("ready", "", missing), ("wait", "", {}) or
+    ("blocked", reason, {}). Inputs of `partial` slots that will not come are `missing`
+    instead of blocking it (every scheduler uses this, so they agree)."""
+    deps = node.input_ids()
+    gone = [d for d in deps if d not in outputs and states[d].status in NOT_BUILT]
+    hard = [d for d in gone if node.needs(d)]
+    if hard:
+        return "blocked", f"input {hard[0]} {states[hard[0]].status}", {}
+    if any(d not in outputs and d not in gone for d in deps):
+        return "wait", "", {}
+    missing: dict[str, list[Missing]] = {}
+    for slot, ids in node.inputs.items():
+        for d in ids:
+            if d in gone:
+                dep = graph.nodes[d]
+                missing.setdefault(slot, []).append(
+                    Missing(dep.label, dep.kind, states[d].status, states[d].reason, graph.input_labels(dep))
+                )
+    return "ready", "", missing
+
+
+def built_inputs(node: Node, outputs: dict[str, str]) -> dict[str, list[str]]:
+    """Slot → output trees of the inputs that got built (all of them, unless partial)."""
+    return {s: [outputs[d] for d in ds if d in outputs] for s, ds in node.inputs.items()}
 
 
 @dataclass
@@ -47,6 +79,8 @@ class NodeState:
     entry: ActionEntry | None = None
     reason: str = ""
     log_path: Path | None = None
+    #: inputs of `partial` slots that are not there, per slot (see `Input.partial`)
+    missing: dict[str, list[Missing]] = field(default_factory=dict)
     started: float = 0.0
     duration: float = 0.0
     last_line: str = ""
@@ -174,7 +208,9 @@ class Engine:
                     real = os.path.realpath(p)
                     st = os.stat(real)
                     rel = os.path.relpath(p, base).replace(os.sep, "/")
-                    entries.append(TreeEntry(rel, mode_of(st.st_mode), st.st_size, self.store.state.file_digest(real)))
+                    entries.append(
+                        TreeEntry(rel, mode_of(st.st_mode), st.st_size, self.store.state.file_digest(real))
+                    )
         entries.sort(key=lambda e: e.path)
         self._source_files.extend(os.path.join(base, e.path) for e in entries)
         return tree_digest(entries)
@@ -186,7 +222,9 @@ class Engine:
             self._file_digests[path] = self.store.state.path_digest(path)
         return self._file_digests[path]
 
-    def parts(self, node: Node, inputs: dict[str, list[str]]) -> dict[str, Any]:
+    def parts(
+        self, node: Node, inputs: dict[str, list[str]], missing: dict[str, list[Missing]] | None = None
+    ) -> dict[str, Any]:
         """Everything that goes into the node's action key."""
         kind = self.kind(node.kind)
         params = node.target.params
@@ -204,6 +242,19 @@ class Engine:
         }
         if kind.uses_source:
             parts["source"] = self.source(node.model.name)[1]
+        gathers = [slot.name for slot in kind.consumes if slot.gather]
+        if gathers:  # a gathering kind names what it took: its output may say so
+            gone = {(s, m.label) for s, ms in (missing or {}).items() for m in ms}
+            parts["input_labels"] = {
+                s: [
+                    self.graph.nodes[d].label
+                    for d in node.inputs.get(s, [])
+                    if (s, self.graph.nodes[d].label) not in gone
+                ]
+                for s in gathers
+            }
+        if missing:
+            parts["missing"] = {s: [[m.label, m.status] for m in ms] for s, ms in sorted(missing.items())}
         files = kind.input_files(params, self.recipe.project_dir)
         if files:
             parts["files"] = {self._rel(f): self.file_digest(f) for f in files}
@@ -260,13 +311,27 @@ class Engine:
 
     def plan(self, ids: list[str]) -> dict[str, dict[str, Any]]:
         """Per node: up to date / new / why it will run, without running anything."""
+        from mopt.procs import unmet
+
         self.planning = True
         self._prefetch()
         outputs: dict[str, str | None] = {}
         result: dict[str, dict[str, Any]] = {}
+        gone: dict[str, str] = {}  # nodes that will not build here: id → unbuildable|blocked
         for i in ids:
             node = self.graph.nodes[i]
-            missing = [d for d in node.input_ids() if outputs.get(d) is None]
+            hard = [d for d in node.input_ids() if d in gone and node.needs(d)]
+            if hard:
+                outputs[i] = None
+                gone[i] = "blocked"
+                dep = self.graph.nodes[hard[0]]
+                result[i] = {
+                    "state": "blocked",
+                    "summary": f"blocked: input {dep.label} {gone[hard[0]]}",
+                    "reasons": [f"input {dep.id} {gone[hard[0]]}"],
+                }
+                continue
+            missing = [d for d in node.input_ids() if outputs.get(d) is None and d not in gone]
             if missing:
                 outputs[i] = None
                 result[i] = {
@@ -275,9 +340,17 @@ class Engine:
                     "reasons": [f"input {self.graph.nodes[m].id} will be rebuilt" for m in missing],
                 }
                 continue
-            inputs = {s: [outputs[d] for d in ds] for s, ds in node.inputs.items()}
+            inputs = {s: [outputs[d] for d in ds if d not in gone] for s, ds in node.inputs.items()}
+            absent: dict[str, list[Missing]] = {}
+            for slot, ds in node.inputs.items():
+                for d in ds:
+                    if d in gone:  # a partial slot's: its status is part of the key
+                        dep = self.graph.nodes[d]
+                        absent.setdefault(slot, []).append(
+                            Missing(dep.label, dep.kind, gone[d], "", self.graph.input_labels(dep))
+                        )
             try:
-                parts = self.parts(node, inputs)  # type: ignore[arg-type]
+                parts = self.parts(node, inputs, absent)  # type: ignore[arg-type]
             except MoptError as exc:  # e.g. a source not available locally: say so, go on
                 outputs[i] = None
                 result[i] = {"state": "unavailable", "summary": exc.message, "reasons": [exc.render()]}
@@ -289,6 +362,21 @@ class Engine:
                 result[i] = {"state": "up-to-date", "summary": "up to date", "key": key}
                 continue
             outputs[i] = None
+            kind = self.kind(node.kind)
+            why = unmet(
+                kind.requirements(node.target.params, node.hardware),
+                node.hardware,
+                getattr(kind, "install_hints", None),
+            )
+            if why:
+                gone[i] = "unbuildable"
+                result[i] = {
+                    "state": "unbuildable",
+                    "summary": f"unbuildable here: {why}",
+                    "key": key,
+                    "reasons": [why],
+                }
+                continue
             old = self.last_parts(node.id)
             if old is None:
                 result[i] = {"state": "new", "summary": "new", "key": key, "reasons": ["never built"]}
@@ -404,15 +492,14 @@ class Engine:
                     i = pending.popleft()
                     st = states[i]
                     node = st.node
-                    deps = node.input_ids()
-                    bad = [d for d in deps if states[d].status in ("failed", "unbuildable", "blocked")]
-                    if bad:
+                    ready, why_not, missing = readiness(node, states, outputs, self.graph)
+                    if ready == "blocked":
                         st.status = "blocked"
-                        st.reason = f"input {bad[0]} {states[bad[0]].status}"
+                        st.reason = why_not
                         reporter.done(st)
                         progressed = True
                         continue
-                    if stop or any(d not in outputs for d in deps):
+                    if stop or ready == "wait":
                         if stop and not running:
                             st.status = "blocked"
                             st.reason = "not started after an earlier failure (use --keep-going)"
@@ -422,8 +509,8 @@ class Engine:
                         pending.append(i)
                         continue
                     if st.key is None:
-                        inputs = {s: [outputs[d] for d in ds] for s, ds in node.inputs.items()}
-                        st.parts = self.parts(node, inputs)
+                        st.missing = missing
+                        st.parts = self.parts(node, built_inputs(node, outputs), missing)
                         st.key = action_key(st.parts)
                         entry = self.hit(st.key)
                         if entry is not None:
@@ -594,14 +681,23 @@ class Engine:
                 inputs: dict[str, list[Artifact]] = {}
                 for slot, dep_ids in node.inputs.items():
                     arts = []
-                    for k, d in enumerate(dep_ids):
+                    gone = {m.label for m in st.missing.get(slot, [])}
+                    present = [d for d in dep_ids if self.graph.nodes[d].label not in gone]
+                    for k, (d, in_tree) in enumerate(zip(present, st.parts["inputs"][slot], strict=True)):
                         dep = self.graph.nodes[d]
-                        in_tree: str = st.parts["inputs"][slot][k]
                         dest = in_dir / f"{slot}-{k}"
                         with self.store.in_use():
                             self.store.materialize(in_tree, dest)
                         arts.append(
-                            Artifact(dest, dep.kind, dep.target.name, in_tree, self._meta.get(in_tree, {}))
+                            Artifact(
+                                dest,
+                                dep.kind,
+                                dep.target.name,
+                                in_tree,
+                                self._meta.get(in_tree, {}),
+                                label=dep.label,
+                                input_labels=self.graph.input_labels(dep),
+                            )
                         )
                     inputs[slot] = arts
                 kind = self.kind(node.kind)
@@ -622,6 +718,7 @@ class Engine:
                     logger=logger,
                     offline=self.offline,
                     cache_dir=self._cache_dir(node.kind),
+                    missing=st.missing,
                 )
                 logger.info(f"mopt: building {node.id} ({node.kind}) key {key[:16]}")
                 meta = kind.run(ctx) or {}
@@ -768,7 +865,9 @@ def read_lock(recipe_path: Path) -> dict[str, Any]:
     except FileNotFoundError:
         return {}
     except ValueError as exc:
-        raise MoptError(f"lock file is not valid JSON: {exc}", file=str(p), hint="delete it and rebuild") from None
+        raise MoptError(
+            f"lock file is not valid JSON: {exc}", file=str(p), hint="delete it and rebuild"
+        ) from None
     entry = data.get("recipes", {}).get(recipe_path.name, {})
     return entry if isinstance(entry, dict) else {}
 
@@ -784,7 +883,9 @@ def frozen_diff(recipe_path: Path, now: LockData) -> list[str]:
         if old is None:
             diffs.append(f"source of model {name!r} is not in the lock file")
         elif old.get("digest") != cur["digest"]:
-            diffs.append(f"source of model {name!r} changed ({old.get('digest', '')[:12]} → {cur['digest'][:12]})")
+            diffs.append(
+                f"source of model {name!r} changed ({old.get('digest', '')[:12]} → {cur['digest'][:12]})"
+            )
     for kind, cur in now.tools.items():
         old = locked.get("tools", {}).get(kind)
         if old is None:

@@ -136,7 +136,9 @@ def plan(recipe: Path, selectors: tuple[str, ...], as_json: bool) -> None:
         n = s.graph.nodes[i]
         shared = f" (+{len(n.addresses) - 1} shared)" if len(n.addresses) > 1 else ""
         st = statuses.get(i)
-        rows.append([n.id + shared, n.kind, ", ".join(n.input_ids()) or "-", st["summary"] if st else "-"])
+        deps = n.input_ids()
+        shown = ", ".join(deps) if len(deps) <= 3 else f"{len(deps)} nodes ({', '.join(deps[:2])}, …)"
+        rows.append([n.id + shared, n.kind, shown or "-", st["summary"] if st else "-"])
     out.table(["target", "kind", "inputs", "status"], rows)
     out.print(f"{len(ids)} node(s) in {len({s.graph.nodes[i].section.id for i in ids})} section(s)")
 

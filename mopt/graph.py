@@ -39,6 +39,8 @@ class Node:
     inputs: dict[str, list[str]]
     label: str
     addresses: list[str] = field(default_factory=list)
+    #: slots that take whatever of their inputs got built (`Input.partial`)
+    partial_slots: tuple[str, ...] = ()
 
     def params_json(self) -> Any:
         return self.target.params.model_dump(mode="json")
@@ -46,12 +48,20 @@ class Node:
     def input_ids(self) -> list[str]:
         return [i for ids in self.inputs.values() for i in ids]
 
+    def needs(self, dep: str) -> bool:
+        """Whether this node cannot run without `dep` (False: a `partial` slot's input)."""
+        return not any(dep in self.inputs.get(s, ()) for s in self.partial_slots)
+
 
 @dataclass
 class Graph:
     recipe: Recipe
     registry: Registry
     nodes: dict[str, Node]  # in topological order
+
+    def input_labels(self, node: Node) -> dict[str, list[str]]:
+        """Slot → labels of the nodes `node` consumes."""
+        return {s: [self.nodes[d].label for d in ids] for s, ids in node.inputs.items()}
 
     def kind_of(self, node: Node) -> TargetKind:
         return self.registry.targets[node.kind]()
@@ -120,7 +130,7 @@ def _candidates(slot: Input, section: Section, me: Target) -> list[str]:
         for t in section.targets:
             if t.kind == kind and t.name != me.name and t.name not in names:
                 names.append(t.name)
-        if names and not slot.fanout:
+        if names and not (slot.fanout or slot.gather):
             break
     return names
 
@@ -170,7 +180,7 @@ def _wire(section: Section, registry: Registry) -> dict[str, dict[str, list[str]
                         hint=f"add {slot.kinds[0]!r} to targets",
                     )
                 continue
-            if len(cands) > 1 and not slot.fanout:
+            if len(cands) > 1 and not (slot.fanout or slot.gather):
                 raise MoptError(
                     f"target {name!r} could take its {slot.name!r} input from "
                     f"{' or '.join(repr(c) for c in cands)}",
@@ -254,10 +264,13 @@ def build_graph(recipe: Recipe, registry: Registry) -> Graph:
         for name in _topo_names(wiring):
             slots = wiring[name]
             slot_names = [s for s in slots if slots[s]]
-            choices = [
-                [(s, n) for inp in slots[s] for n in built[inp]]
-                if _is_fanout(registry, variants[name][0].kind, s)
-                else [(s, n) for n in built[slots[s][0]]]
+            kind_name = variants[name][0].kind
+            choices: list[list[tuple[str, list[Node]]]] = [
+                [(s, [n for inp in slots[s] for n in built[inp]])]
+                if _slot(registry, kind_name, s).gather
+                else [(s, [n]) for inp in slots[s] for n in built[inp]]
+                if _slot(registry, kind_name, s).fanout
+                else [(s, [n]) for n in built[slots[s][0]]]
                 for s in slot_names
             ]
             multi = [len(c) > 1 for c in choices]
@@ -266,10 +279,10 @@ def build_graph(recipe: Recipe, registry: Registry) -> Graph:
                 for combo in itertools.product(*choices) if choices else [()]:
                     inputs: dict[str, list[str]] = {s: [] for s in slots}
                     suffix = []
-                    for (slot, inode), is_multi in zip(combo, multi):
-                        inputs[slot].append(inode.id)
+                    for (slot, inodes), is_multi in zip(combo, multi):
+                        inputs[slot].extend(n.id for n in inodes)
                         if is_multi:
-                            suffix.append(inode.label)
+                            suffix.append(inodes[0].label)
                     label = t.label + (f"[{','.join(suffix)}]" if suffix else "")
                     node = _make_node(registry, section, model, hw, t, inputs, label, nodes)
                     existing = by_identity.get(node.identity)
@@ -285,8 +298,8 @@ def build_graph(recipe: Recipe, registry: Registry) -> Graph:
     return Graph(recipe, registry, nodes)
 
 
-def _is_fanout(registry: Registry, kind: str, slot: str) -> bool:
-    return any(s.name == slot and s.fanout for s in registry.targets[kind].consumes)
+def _slot(registry: Registry, kind: str, slot: str) -> Input:
+    return next(s for s in registry.targets[kind].consumes if s.name == slot)
 
 
 def _make_node(
@@ -330,6 +343,7 @@ def _make_node(
         inputs=inputs,
         label=label,
         addresses=[node_id],
+        partial_slots=tuple(s.name for s in cls.consumes if s.gather and s.partial),
     )
 
 

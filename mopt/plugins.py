@@ -216,6 +216,10 @@ def _check_kind(obj: Any, plugin: str) -> str:
     for slot in obj.consumes:
         if not isinstance(slot, Input):
             raise _bad(plugin, f"{obj.__name__}.consumes must hold mopt.api.Input, got {slot!r}")
+        if slot.partial and not slot.gather:
+            raise _bad(plugin, f"{obj.__name__}.consumes: slot {slot.name!r} is partial without gather")
+        if slot.gather and slot.fanout:
+            raise _bad(plugin, f"{obj.__name__}.consumes: slot {slot.name!r} cannot both gather and fan out")
     if "run" not in {k for c in obj.__mro__[:-1] if c is not TargetKind for k in vars(c)}:
         raise _bad(plugin, f"target kind {name!r} ({obj.__name__}) does not implement run()")
     return name

@@ -27,7 +27,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from mopt.api import Artifact, BuildContext, HardwareProfile
+from mopt.api import Artifact, BuildContext, HardwareProfile, Missing
 from mopt.store import ActionEntry, Store
 
 LOG_TAIL_BYTES = 64 * 1024
@@ -44,6 +44,8 @@ class InputSpec(_Model):
     kind: str
     target: str
     meta: dict[str, Any] = Field(default_factory=dict)
+    label: str = ""
+    input_labels: dict[str, list[str]] = Field(default_factory=dict)
 
 
 class FileSpec(_Model):
@@ -69,6 +71,8 @@ class ActionSpec(_Model):
     hardware: dict[str, Any]
     section: str
     label: str
+    #: partial slots' inputs that are not there (mopt.api.Missing as dicts)
+    missing: dict[str, list[dict[str, str]]] = Field(default_factory=dict)
     source_tree: str | None = None
     files: list[FileSpec] = Field(default_factory=list)
     recipe: str = ""
@@ -209,7 +213,17 @@ def run_action(
                 for k, a in enumerate(arts):
                     dest = in_dir / f"{slot}-{k}"
                     _tree_into(store, a.tree, dest, fetch_tree)
-                    got.append(Artifact(dest, a.kind, a.target, a.tree, dict(a.meta)))
+                    got.append(
+                        Artifact(
+                            dest,
+                            a.kind,
+                            a.target,
+                            a.tree,
+                            dict(a.meta),
+                            label=a.label,
+                            input_labels={k: list(v) for k, v in a.input_labels.items()},
+                        )
+                    )
                 inputs[slot] = got
             source = None
             if spec.source_tree is not None:
@@ -243,6 +257,7 @@ def run_action(
                 project_dir=project_dir,
                 logger=logger,
                 offline=spec.offline,
+                missing={s: [Missing(**m) for m in ms] for s, ms in spec.missing.items()},
             )
             logger.info(f"mopt: building {spec.node_id} ({spec.kind}) key {spec.key[:16]} on {host}")
             with _env_overlay(dict(spec.parts.get("env") or {})):

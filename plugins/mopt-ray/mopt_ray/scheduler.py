@@ -26,10 +26,11 @@ import tempfile
 import time
 from collections import deque
 from contextlib import suppress
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from mopt.build import NodeState, Reporter, address_path
+from mopt.build import NodeState, Reporter, address_path, built_inputs, readiness
 from mopt.errors import MoptError
 from mopt.keys import action_key
 from mopt.store import ActionEntry
@@ -92,23 +93,24 @@ class RayBuild:
                 for _ in range(len(pending)):
                     i = pending.popleft()
                     st = self.states[i]
-                    deps = st.node.input_ids()
-                    bad = [d for d in deps if self.states[d].status in ("failed", "unbuildable", "blocked")]
-                    if bad:
-                        self._done(st, "blocked", f"input {bad[0]} {self.states[bad[0]].status}")
+                    ready, why_not, missing = readiness(st.node, self.states, self.outputs, self.graph)
+                    if ready == "blocked":
+                        self._done(st, "blocked", why_not)
                         continue
                     if stop:
                         self._done(st, "blocked", "not started after an earlier failure (use --keep-going)")
                         continue
-                    if any(d not in self.outputs for d in deps):
+                    if ready == "wait":
                         pending.append(i)
                         continue
+                    st.missing = missing
                     ref = self._schedule(st, task, nodes)
                     if ref is not None:
                         running[ref] = i
                 if not running:
                     if pending and not any(
-                        all(d in self.outputs for d in self.states[i].node.input_ids()) for i in pending
+                        readiness(self.states[i].node, self.states, self.outputs, self.graph)[0] != "wait"
+                        for i in pending
                     ):
                         # every pending node waits on something that will never come
                         for i in list(pending):
@@ -152,8 +154,7 @@ class RayBuild:
         """Key `st`; finish it as a hit, or as unbuildable, or submit it (return its ref)."""
         node = st.node
         engine = self.engine
-        inputs = {s: [self.outputs[d] for d in ds] for s, ds in node.inputs.items()}
-        st.parts = engine.parts(node, inputs)
+        st.parts = engine.parts(node, built_inputs(node, self.outputs), st.missing)
         st.key = action_key(st.parts)
         entry = engine.hit(st.key)
         if entry is not None:
@@ -204,10 +205,19 @@ class RayBuild:
         for slot, dep_ids in node.inputs.items():
             arts = []
             for d in dep_ids:
+                if d not in self.outputs:  # a partial slot's missing input
+                    continue
                 self._ensure_on_remote(d)
                 dep = self.graph.nodes[d]
                 arts.append(
-                    InputSpec(tree=self.outputs[d], kind=dep.kind, target=dep.target.name, meta=self.meta[d])
+                    InputSpec(
+                        tree=self.outputs[d],
+                        kind=dep.kind,
+                        target=dep.target.name,
+                        meta=self.meta[d],
+                        label=dep.label,
+                        input_labels=self.graph.input_labels(dep),
+                    )
                 )
             inputs[slot] = arts
         source_tree = None
@@ -246,6 +256,7 @@ class RayBuild:
             hardware=node.hardware.model_dump(mode="json"),
             section=node.section.id,
             label=node.label,
+            missing={s: [asdict(m) for m in ms] for s, ms in st.missing.items()},
             source_tree=source_tree,
             files=files,
             recipe=str(engine.recipe.path),
