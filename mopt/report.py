@@ -8,6 +8,7 @@ report through the JSON their `run` returns.
 
 from __future__ import annotations
 
+import base64
 import html
 import json
 import time
@@ -52,6 +53,23 @@ def collect(engine: Any, ids: list[str]) -> list[dict[str, Any]]:
             "seconds": round(entry.duration_s, 2),
             "fingerprint": entry.fingerprint,
         }
+        own = entry.meta.get("result") or {}
+        by_path = {f.path: f for f in files}
+        # a kind's own figures (SVG files it names under `figures`) are inlined, its own
+        # reports (`reports`) linked; e.g. select's Pareto plot and table
+        row["figures"] = [
+            engine.store.read_bytes(by_path[f].digest).decode("utf-8", "replace")
+            for f in own.get("figures") or []
+            if f in by_path and f.endswith(".svg")
+        ]
+        for f in own.get("reports") or []:
+            if f in by_path:
+                row.setdefault("reports", []).append(str(address_path(engine.build_dir, i) / f))
+        if own.get("winner"):
+            row["winner"] = own["winner"]
+            for k in ("min_cosine", "p50_ms"):
+                if own.get(f"winner_{k}") is not None:
+                    row[k] = own[f"winner_{k}"]
         for t in testers.get(i, []):
             te = entries.get(t)
             if te is None:
@@ -155,10 +173,11 @@ def render(recipe: Path, rows: list[dict[str, Any]]) -> str:
         )
         for r in rs:
             cls = " class='fail'" if r.get("passed") is False else ""
+            won = f" → <b>{html.escape(r['winner'])}</b>" if r.get("winner") else ""
             links = "".join(f" <a href='{html.escape(p)}'>report</a>" for p in r.get("reports", []))
             prov = html.escape(json.dumps({"key": r["key"], "tools": r["fingerprint"]}, sort_keys=True))
             parts.append(
-                f"<tr{cls}><td><a href='{html.escape(r['path'])}'>{html.escape(r['target'])}</a>{links}</td>"
+                f"<tr{cls}><td><a href='{html.escape(r['path'])}'>{html.escape(r['target'])}</a>{won}{links}</td>"
                 f"<td>{html.escape(r['kind'])}</td><td>{_size(r['bytes'])}</td>"
                 f"<td>{_fmt(r.get('min_cosine'))}</td><td>{_fmt(r.get('mean_cosine'))}</td>"
                 f"<td>{_fmt(r.get('top1_agreement'), 3)}</td><td>{_fmt(r.get('p50_ms'), 2)}</td>"
@@ -167,4 +186,11 @@ def render(recipe: Path, rows: list[dict[str, Any]]) -> str:
                 f"<td><details><summary>key {r['key'][:12]}</summary><code>{prov}</code></details></td></tr>"
             )
         parts.append("</table>")
+        for r in rs:
+            for svg in r.get("figures", []):
+                data = base64.b64encode(svg.encode()).decode()
+                parts.append(
+                    f"<h3>{html.escape(r['target'])}</h3>"
+                    f"<img alt='{html.escape(r['target'])} figure' src='data:image/svg+xml;base64,{data}'>"
+                )
     return "\n".join(parts) + "\n"

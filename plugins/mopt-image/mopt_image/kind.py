@@ -46,7 +46,8 @@ class ImageKind(TargetKind):
     consumes = (
         Input("serve", kinds=("vllm", "trtllm", "triton-repo"), required=False),
         # the same preference as the vllm / trtllm kinds, so both take the same model target
-        Input("model", kinds=("modelopt-ptq", "weights", "onnx-slim", "onnx", "ort-quantize", "trt-engine"),
+        # (`select`, a sweep's winner, only when named: `input = ["best"]`)
+        Input("model", kinds=("modelopt-ptq", "weights", "onnx-slim", "onnx", "ort-quantize", "trt-engine", "select"),
               required=False),
         # any other artifact, only when named: input = ["my-command-target"]
         Input("files", kinds=("*",), required=False),

@@ -15,11 +15,12 @@ from mopt_ml.bench import BenchKind
 from mopt_ml.export import OnnxKind, OnnxSlimKind
 from mopt_ml.families import BertFamily, Qwen3Family
 from mopt_ml.quantize import OrtQuantizeKind
+from mopt_ml.select import SelectKind
 from mopt_ml.synthetic import SyntheticSource
 from mopt_ml.validate import ValidateKind
 from mopt_ml.weights import WeightsKind
 
-TARGETS = (WeightsKind, OnnxKind, OnnxSlimKind, OrtQuantizeKind, ValidateKind, BenchKind)
+TARGETS = (WeightsKind, OnnxKind, OnnxSlimKind, OrtQuantizeKind, ValidateKind, BenchKind, SelectKind)
 FAMILIES = (Qwen3Family, BertFamily)
 SOURCES = (SyntheticSource,)
 
@@ -40,6 +41,6 @@ def mopt_register_sources(register: Callable[[Any], None]) -> None:
 
 @hookimpl
 def mopt_register_targets(register: Callable[[Any], None]) -> None:
-    """weights, onnx, onnx-slim, ort-quantize, validate, bench."""
+    """weights, onnx, onnx-slim, ort-quantize, validate, bench, select."""
     for kind in TARGETS:
         register(kind)

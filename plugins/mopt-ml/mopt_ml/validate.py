@@ -1,14 +1,15 @@
 """The `validate` target: the artifact under test against the PyTorch reference, with a gate.
 
 Failing the gate raises, so the build fails and nothing is cached; the message carries the
-numbers. The report is written before the gate is checked, but a failed action's output is
+numbers. With `on_fail = "record"` the result says `passed: false` and the build goes on
+(a `select` over a sweep excludes such variants). The report is written before the gate is checked, but a failed action's output is
 not kept by the store, so the numbers are in the message too.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from mopt.api import BuildContext, Input, Params, TargetKind
 from pydantic import Field
@@ -52,6 +53,11 @@ class ValidateKind(TargetKind):
             description="ORT and torch threads (null: their defaults; torch's is process-wide)",
         )
         worst: int = Field(default=5, ge=0, description="lowest-cosine texts listed in the report")
+        on_fail: Literal["fail", "record"] = Field(
+            default="fail",
+            description="below a threshold: fail the build, or record `passed: false` and succeed "
+            "(for sweeps: `select` then excludes the variant)",
+        )
 
     def fingerprint(self) -> dict[str, str]:
         from mopt_ml.common import versions
@@ -174,10 +180,13 @@ def validate(
         f"on {len(texts)} texts"
     )
     log(summary)
-    if failed:
+    if failed and params.on_fail == "fail":
         raise GateFailed(f"validation gate failed: {'; '.join(failed)} ({summary})")
+    if failed:
+        log(f"validation gate failed (recorded, on_fail = \"record\"): {'; '.join(failed)}")
     return {
-        "passed": True,
+        "passed": not failed,
+        "failed_gates": failed,
         **{k: numbers[k] for k in ("min_cosine", "mean_cosine", "max_abs_diff")},
         "top1_agreement": numbers.get("top1_agreement"),
         "n": len(texts),

@@ -153,7 +153,8 @@ class TritonRepoKind(TargetKind):
     version = "1"
     description = "Triton Inference Server model repository (config.pbtxt + version folder)"
     memory_model = "engine"  # mopt check: batch × sequence through one forward pass
-    consumes = (Input("model", kinds=("trt-engine", "ort-quantize", "onnx-slim", "onnx")),)
+    # `select` (a sweep's winner) first: a section that selects serves what it selected
+    consumes = (Input("model", kinds=("select", "trt-engine", "ort-quantize", "onnx-slim", "onnx")),)
     per_hardware = True
 
     class Params(Params):
@@ -208,7 +209,9 @@ class TritonRepoKind(TargetKind):
         version_dir = ctx.out / name / "1"
         version_dir.mkdir(parents=True)
         gpu = ctx.hardware.is_gpu if p.instance_kind == "auto" else p.instance_kind == "gpu"
-        if art.kind in ENGINE_KINDS:
+        # a select output is its winner's files: serve it as the winner's kind
+        kind = str(art.meta.get("winner_kind", art.kind)) if art.kind == "select" else art.kind
+        if kind in ENGINE_KINDS:
             io = engine_io(art.path / "io.json")
             if p.max_batch_size > (io["max_batch"] or 0):
                 raise ValueError(

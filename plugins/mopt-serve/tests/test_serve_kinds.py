@@ -455,3 +455,17 @@ def test_config_kinds_fingerprint_nothing_so_any_machine_shares_their_cache_entr
     assert VllmKind().fingerprint() == {} and TrtllmKind().fingerprint() == {}
     assert set(ServeCheckKind().fingerprint()) == {"vllm", "torch", "gpu", "compute_capability"}
     assert set(ModelOptPtqKind().fingerprint()) == {"nvidia-modelopt", "torch", "transformers"}
+
+
+def test_triton_repository_for_a_selected_winner(tmp_path):
+    # a `select` output is its winner's files, with the winner's kind in its metadata
+    src = tmp_path / "best"
+    tiny_onnx(src / "model.onnx")
+    (src / "selection.json").write_text("{}")
+    winner = Artifact(src, "select", "best", "d-best", {"winner": "int8@a", "winner_kind": "ort-quantize"})
+    ctx = ctx_for(tmp_path, TritonRepoKind, {"model": [winner]}, max_batch_size=8)
+    TritonRepoKind().run(ctx)
+    config = (ctx.out / "qwen3-embedding" / "config.pbtxt").read_text()
+    assert 'platform: "onnxruntime_onnx"' in config
+    assert (ctx.out / "qwen3-embedding" / "1" / "model.onnx").is_file()
+    assert "select" in TritonRepoKind.consumes[0].kinds

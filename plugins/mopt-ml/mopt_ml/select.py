@@ -1,0 +1,512 @@
+"""The `select` target: the best variant of a section's sweep, by an objective, under gates.
+
+It gathers every candidate artifact of the section (the kinds `validate` and `bench` take),
+and the `validate` and `bench` results about them; it takes whatever got built (its slots
+are `partial`): a variant that failed or cannot build on this machine is listed with the
+reason, not fatal. A variant whose validation gate failed (`validate` with
+`on_fail = "record"`) or that misses one of select's own gates is excluded; the fastest
+(or whatever the objective says) of the rest wins. The output is the winner's files, so
+downstream targets (`image`, `triton-repo`) can consume `select` and always carry the
+current winner, plus:
+
+- `selection.json` (`mopt-select/1`): the objective, the winner, and one row per variant
+  with its numbers and why it lost or was excluded;
+- `pareto.svg`: latency vs min cosine, size as the dot's area, the winner marked (the
+  recipe report inlines it: the result names it under `figures`);
+- `selection.html`: the table and the plot.
+
+No variant passing is an error whose message is the table. The choice is deterministic:
+variants whose objective values are within `tie_tolerance` of the best are tied, and a tie
+goes to the higher mean cosine, then the smaller artifact, then the label in sort order.
+Name the target `best` to get the winner at build/<model>/<hardware>/best/.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from mopt.api import Artifact, BuildContext, Input, Missing, Params, TargetKind
+from pydantic import Field, model_validator
+
+from mopt_ml.validate import ONNX_KINDS
+
+OBJECTIVES = (
+    "min_latency_p99",
+    "min_latency_p50",
+    "max_throughput",
+    "min_memory",
+    "max_throughput_under_latency",
+)
+
+#: files select writes next to the winner's
+OWN_FILES = ("selection.json", "selection.html", "pareto.svg")
+
+
+class NoWinner(RuntimeError):
+    """No variant of the sweep passed the gates."""
+
+
+class SelectKind(TargetKind):
+    """Pick the best variant of the section by `objective` among those that pass the gates."""
+
+    name = "select"
+    version = "1"
+    description = "the best variant of a sweep (objective + gates), with a table of why"
+    consumes = (
+        Input("candidates", kinds=(*ONNX_KINDS, "torch-compile"), gather=True, partial=True),
+        Input("validate", kinds=("validate",), gather=True, partial=True),
+        Input("bench", kinds=("bench",), gather=True, partial=True),
+    )
+    static_fingerprint = True
+
+    class Params(Params):
+        objective: Literal[
+            "min_latency_p99",
+            "min_latency_p50",
+            "max_throughput",
+            "min_memory",
+            "max_throughput_under_latency",
+        ] = Field(default="min_latency_p99", description="what the winner is best at")
+        latency_budget_ms: float | None = Field(
+            default=None, gt=0, description="p99 budget of max_throughput_under_latency (ms)"
+        )
+        batch_size: int | None = Field(
+            default=None,
+            ge=1,
+            description="bench point the latency objectives read (null: the largest measured)",
+        )
+        seq_len: int | None = Field(
+            default=None, ge=1, description="bench point's sequence length (null: largest)"
+        )
+        min_cosine: float | None = Field(
+            default=None, description="gate: exclude variants below this min cosine"
+        )
+        mean_cosine: float | None = Field(default=None, description="gate: exclude below this mean cosine")
+        max_memory_mb: float | None = Field(
+            default=None, gt=0, description="gate: exclude above this peak memory"
+        )
+        tie_tolerance: float = Field(
+            default=0.0,
+            ge=0.0,
+            lt=1.0,
+            description="objective values within this fraction of the best are ties (then: mean cosine, size, label)",
+        )
+
+        @model_validator(mode="after")
+        def _budget(self) -> SelectKind.Params:
+            if self.objective == "max_throughput_under_latency" and self.latency_budget_ms is None:
+                raise ValueError("objective max_throughput_under_latency needs latency_budget_ms")
+            return self
+
+    def fingerprint(self) -> dict[str, str]:
+        return {}
+
+    def run(self, ctx: BuildContext) -> dict[str, Any]:
+        sel = select(
+            ctx.inputs.get("candidates", []),
+            ctx.inputs.get("validate", []),
+            ctx.inputs.get("bench", []),
+            ctx.missing,
+            ctx.params,
+        )
+        table = render_table(sel)
+        for line in table.splitlines():
+            ctx.log(line)
+        if sel.winner is None:
+            raise NoWinner(f"no variant of {ctx.section} passed the gates:\n{table}")
+        win = next(r for r in sel.rows if r.label == sel.winner)
+        assert win.path is not None
+        for src in sorted(win.path.rglob("*")):
+            rel = src.relative_to(win.path)
+            if rel.parts[0] in OWN_FILES and len(rel.parts) == 1:
+                continue  # a winner that is itself a selection: ours replace its files
+            dest = ctx.out / rel
+            if src.is_dir():
+                dest.mkdir(parents=True, exist_ok=True)
+            else:
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(src, dest)
+        doc = sel.to_json()
+        (ctx.out / "selection.json").write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+        svg = pareto_svg(sel)
+        (ctx.out / "pareto.svg").write_text(svg, encoding="utf-8")
+        (ctx.out / "selection.html").write_text(render_html(sel, svg, ctx.section), encoding="utf-8")
+        ctx.log(f"winner: {sel.winner} ({sel.objective} {_fmt_value(sel.objective, win.value)})")
+        return {
+            "winner": sel.winner,
+            "winner_kind": win.kind,
+            "objective": sel.objective,
+            "value": win.value,
+            "eligible": sum(1 for r in sel.rows if r.status in ("winner", "lost")),
+            "variants": len(sel.rows),
+            "figures": ["pareto.svg"],
+            "reports": ["selection.html"],
+            # the winner's numbers, so `mopt report` shows them on this row
+            "winner_min_cosine": win.min_cosine,
+            "winner_p50_ms": win.p50_ms,
+            "precision": win.meta.get("precision"),
+            "quantization": win.meta.get("quantization"),
+        }
+
+
+# --------------------------------------------------------------------------- selection
+
+
+@dataclass
+class Row:
+    """One variant: its numbers, and what became of it."""
+
+    label: str
+    kind: str
+    path: Path | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+    bytes: int | None = None
+    min_cosine: float | None = None
+    mean_cosine: float | None = None
+    top1: float | None = None
+    p50_ms: float | None = None
+    p99_ms: float | None = None
+    throughput: float | None = None  # sequences per second at the point
+    point: str | None = None  # "32x128"
+    memory_mb: float | None = None
+    value: float | None = None  # the objective's
+    status: str = "lost"  # winner | lost | excluded | unbuilt
+    why: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        d = {k: v for k, v in self.__dict__.items() if k not in ("path", "meta")}
+        return d
+
+
+@dataclass
+class Selection:
+    objective: str
+    params: dict[str, Any]
+    rows: list[Row]
+    winner: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": "mopt-select/1",
+            "objective": self.objective,
+            "params": self.params,
+            "winner": self.winner,
+            "variants": [r.to_json() for r in self.rows],
+        }
+
+
+def _of(arts: list[Artifact], label: str, slot: str = "model") -> Artifact | None:
+    """The artifact (a validate or bench result) made from candidate `label`."""
+    found = [a for a in arts if label in a.input_labels.get(slot, [])]
+    return found[0] if found else None
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _point(points: list[dict[str, Any]], params: Any) -> dict[str, Any] | None:
+    """The bench point the latency objectives read: (batch_size, seq_len); a param left
+    null means the largest measured."""
+    if not points:
+        return None
+    b = params.batch_size or max(int(p["batch"]) for p in points)
+    at_b = [p for p in points if int(p["batch"]) == b]
+    if not at_b:
+        return None
+    s = params.seq_len or max(int(p["seq"]) for p in at_b)
+    return next((p for p in at_b if int(p["seq"]) == s), None)
+
+
+def select(
+    candidates: list[Artifact],
+    validations: list[Artifact],
+    benches: list[Artifact],
+    missing: dict[str, list[Missing]],
+    params: Any,
+) -> Selection:
+    """Score every candidate and pick the winner (None when no variant passes)."""
+    rows: list[Row] = []
+    for art in candidates:
+        row = Row(label=art.label or art.target, kind=art.kind, path=art.path, meta=dict(art.meta))
+        row.bytes = _size(art.path)
+        rows.append(row)
+        v = _of(validations, row.label)
+        b = _of(benches, row.label)
+        if v is not None:
+            rep = json.loads((v.path / "report.json").read_text())
+            m = rep.get("metrics", {})
+            row.min_cosine, row.mean_cosine = m.get("min_cosine"), m.get("mean_cosine")
+            row.top1 = m.get("top1_agreement")
+        if b is not None:
+            rep = json.loads((b.path / "bench.json").read_text())
+            res = rep["results"][0]
+            gpu = res.get("peak_gpu_mb") or res.get("peak_cuda_mb")
+            row.memory_mb = float(gpu if gpu is not None else res.get("peak_rss_mb", 0.0)) or None
+            pt = _point(res.get("points", []), params)
+            if pt is not None:
+                row.point = f"{pt['batch']}x{pt['seq']}"
+                row.p50_ms, row.p99_ms = float(pt["p50_ms"]), float(pt["p99_ms"])
+                row.throughput = int(pt["batch"]) / (float(pt["p50_ms"]) / 1000.0)
+            row.value = _objective(res.get("points", []), row, params)
+        # why it cannot win, first reason only
+        if v is None:
+            gone = [m for m in missing.get("validate", []) if row.label in _missing_for(m)]
+            row.status, row.why = "excluded", _not_there("validate", gone)
+        elif not rep_passed(v):
+            row.status, row.why = (
+                "excluded",
+                "failed its validation gate: "
+                + "; ".join(v.meta.get("failed_gates") or ["see validate's report"]),
+            )
+        elif params.min_cosine is not None and (row.min_cosine or 0.0) < params.min_cosine:
+            row.status, row.why = "excluded", f"min cosine {row.min_cosine:.4f} < {params.min_cosine}"
+        elif params.mean_cosine is not None and (row.mean_cosine or 0.0) < params.mean_cosine:
+            row.status, row.why = "excluded", f"mean cosine {row.mean_cosine:.4f} < {params.mean_cosine}"
+        elif b is None:
+            gone = [m for m in missing.get("bench", []) if row.label in _missing_for(m)]
+            row.status, row.why = "excluded", _not_there("bench", gone)
+        elif row.point is None:
+            row.status, row.why = "excluded", f"bench has no point {params.batch_size}x{params.seq_len}"
+        elif params.max_memory_mb is not None and (row.memory_mb or 0.0) > params.max_memory_mb:
+            row.status, row.why = (
+                "excluded",
+                f"peak memory {row.memory_mb:.0f} MB > {params.max_memory_mb:.0f} MB",
+            )
+        elif row.value is None:
+            row.status, row.why = "excluded", f"no batch size meets p99 <= {params.latency_budget_ms} ms"
+    for m in missing.get("candidates", []):
+        why = m.reason if m.reason.startswith(m.status) else f"{m.status}: {m.reason or 'no reason given'}"
+        rows.append(Row(label=m.label, kind=m.kind, status="unbuilt", why=why))
+    eligible = [r for r in rows if r.status == "lost"]
+    winner = None
+    if eligible:
+        lower = params.objective.startswith("min_")
+        values = [r.value for r in eligible if r.value is not None]
+        best = min(values) if lower else max(values)
+        tol = params.tie_tolerance * abs(best)
+
+        def tied(r: Row) -> bool:
+            assert r.value is not None
+            return (r.value - best <= tol) if lower else (best - r.value <= tol)
+
+        ties = sorted(
+            (r for r in eligible if tied(r)),
+            key=lambda r: (-(r.mean_cosine or 0.0), r.bytes or 0, r.label),
+        )
+        win = ties[0]
+        win.status, win.why = "winner", "best " + params.objective.replace("_", " ")
+        if len(ties) > 1:
+            win.why += (
+                f" (tied with {', '.join(t.label for t in ties[1:])}; higher mean cosine / smaller / name)"
+            )
+        winner = win.label
+        for r in eligible:
+            if r is win:
+                continue
+            assert r.value is not None and win.value is not None
+            if tied(r):
+                r.why = f"tied with {win.label}, lost the tie-break (mean cosine, size, name)"
+            else:
+                ratio = r.value / win.value if win.value else math.inf
+                r.why = f"{_fmt_value(params.objective, r.value)} vs {_fmt_value(params.objective, win.value)} ({ratio:.2f}x)"
+    order = {"winner": 0, "lost": 1, "excluded": 2, "unbuilt": 3}
+    rows.sort(key=lambda r: (order[r.status], r.value if r.value is not None else math.inf, r.label))
+    if not params.objective.startswith("min_"):
+        rows.sort(key=lambda r: (order[r.status], -(r.value or 0.0), r.label))
+    return Selection(params.objective, params.model_dump(mode="json"), rows, winner)
+
+
+def rep_passed(v: Artifact) -> bool:
+    if "passed" in v.meta:
+        return bool(v.meta["passed"])
+    return bool(json.loads((v.path / "report.json").read_text()).get("passed", False))
+
+
+def _missing_for(m: Missing) -> list[str]:
+    """The candidates a missing validate / bench node was about."""
+    return list(m.input_labels.get("model", []))
+
+
+def _not_there(what: str, gone: list[Missing]) -> str:
+    if gone:
+        g = gone[0]
+        return f"{what} {g.status}: {g.reason or g.status}"
+    return f"no {what} result for it (add {what!r} to the section's targets)"
+
+
+def _objective(points: list[dict[str, Any]], row: Row, params: Any) -> float | None:
+    o = params.objective
+    if o == "min_latency_p99":
+        return row.p99_ms
+    if o == "min_latency_p50":
+        return row.p50_ms
+    if o == "max_throughput":
+        return row.throughput
+    if o == "min_memory":
+        return row.memory_mb
+    # max_throughput_under_latency: the best throughput over the grid within the budget
+    ok = [
+        int(p["batch"]) / (float(p["p50_ms"]) / 1000.0)
+        for p in points
+        if float(p["p99_ms"]) <= params.latency_budget_ms
+        and (params.seq_len is None or int(p["seq"]) == params.seq_len)
+    ]
+    return max(ok) if ok else None
+
+
+def _fmt_value(objective: str, v: float | None) -> str:
+    if v is None:
+        return "–"
+    if "latency" in objective and "throughput" not in objective:
+        return f"{v:.1f} ms"
+    if "throughput" in objective:
+        return f"{v:.1f} seq/s"
+    return f"{v:.0f} MB"
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def render_table(sel: Selection) -> str:
+    """A plain-text table of every variant (the log, and the error when none passes)."""
+    head = ("variant", "kind", "min cos", "mean cos", "p50 ms", "p99 ms", "seq/s", "MB", "result")
+    lines = []
+    for r in sel.rows:
+        lines.append(
+            (
+                r.label,
+                r.kind,
+                _n(r.min_cosine, 4),
+                _n(r.mean_cosine, 4),
+                _n(r.p50_ms, 1),
+                _n(r.p99_ms, 1),
+                _n(r.throughput, 1),
+                _n((r.bytes or 0) / 2**20, 1) if r.bytes is not None else "–",
+                f"{r.status.upper()}: {r.why}" if r.why else r.status.upper(),
+            )
+        )
+    widths = [max(len(h), *(len(x[i]) for x in lines)) if lines else len(h) for i, h in enumerate(head)]
+    out = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True))]
+    out += ["  ".join(c.ljust(w) for c, w in zip(x, widths, strict=True)).rstrip() for x in lines]
+    return "\n".join(out)
+
+
+def _n(v: float | None, nd: int) -> str:
+    return "–" if v is None else f"{v:.{nd}f}"
+
+
+def pareto_svg(sel: Selection, width: int = 620, height: int = 360) -> str:
+    """Latency (x) vs min cosine (y), dot area ∝ artifact size; the Pareto front joined,
+    the winner ringed, excluded variants hollow grey. Self-contained SVG."""
+    pts = [r for r in sel.rows if r.p50_ms is not None and r.min_cosine is not None]
+    left, right, top, bottom = 64, 24, 40, 48
+    pw, ph = width - left - right, height - top - bottom
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">',
+        f'<text x="{width / 2:.0f}" y="18" text-anchor="middle" font-size="13">'
+        f"latency vs accuracy ({html.escape(sel.objective)}); dot area = size</text>",
+    ]
+    if not pts:
+        parts.append(
+            f'<text x="{width / 2:.0f}" y="{height / 2:.0f}" text-anchor="middle">no measured variants</text>'
+        )
+        return "".join(parts) + "</svg>"
+    lat = [r.p99_ms if "p99" in sel.objective and r.p99_ms else r.p50_ms for r in pts]
+    xs = [float(x) for x in lat]  # type: ignore[arg-type]
+    ys = [float(r.min_cosine) for r in pts]  # type: ignore[arg-type]
+    x0, x1 = min(xs) * 0.9, max(xs) * 1.08
+    y0, y1 = min(ys) - 0.05 * (max(ys) - min(ys) + 1e-3), max(ys) + 0.08 * (max(ys) - min(ys) + 1e-3)
+    big = max((r.bytes or 1) for r in pts)
+
+    def sx(x: float) -> float:
+        return left + (x - x0) / max(x1 - x0, 1e-9) * pw
+
+    def sy(y: float) -> float:
+        return top + ph - (y - y0) / max(y1 - y0, 1e-12) * ph
+
+    parts.append(
+        f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#999"/>'
+        f'<text x="{left + pw / 2:.0f}" y="{height - 10}" text-anchor="middle">'
+        f"{'p99' if 'p99' in sel.objective else 'p50'} latency (ms)</text>"
+        f'<text transform="translate(14,{top + ph / 2:.0f}) rotate(-90)" text-anchor="middle">min cosine</text>'
+    )
+    for k in range(5):
+        xv, yv = x0 + (x1 - x0) * k / 4, y0 + (y1 - y0) * k / 4
+        parts.append(
+            f'<text x="{sx(xv):.1f}" y="{top + ph + 14}" text-anchor="middle">{xv:.0f}</text>'
+            f'<text x="{left - 4}" y="{sy(yv) + 4:.1f}" text-anchor="end">{yv:.3f}</text>'
+        )
+    front = _front([(x, y, r) for x, y, r in zip(xs, ys, pts, strict=True) if r.status in ("winner", "lost")])
+    if len(front) > 1:
+        d = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y, _ in front)
+        parts.append(f'<polyline points="{d}" fill="none" stroke="#2ca02c" stroke-dasharray="4 3"/>')
+    for x, y, r in sorted(zip(xs, ys, pts, strict=True), key=lambda t: -(t[2].bytes or 0)):
+        rad = 4 + 12 * math.sqrt((r.bytes or 1) / big)
+        ok = r.status in ("winner", "lost")
+        fill = "#1f77b4" if ok else "none"
+        stroke = "#1f77b4" if ok else "#999"
+        tip = html.escape(f"{r.label}: {r.status} {r.why}")
+        parts.append(
+            f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="{rad:.1f}" fill="{fill}" fill-opacity="0.35" '
+            f'stroke="{stroke}"><title>{tip}</title></circle>'
+        )
+        if r.status == "winner":
+            parts.append(
+                f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="{rad + 4:.1f}" fill="none" stroke="#d62728" '
+                f'stroke-width="2.5"/><text x="{sx(x) + rad + 7:.1f}" y="{sy(y) - 6:.1f}" fill="#d62728" '
+                f'font-weight="bold">winner</text>'
+            )
+        parts.append(
+            f'<text x="{sx(x) + rad + 3:.1f}" y="{sy(y) + 4:.1f}" fill="{"#222" if ok else "#888"}">'
+            f"{html.escape(r.label)}</text>"
+        )
+    return "".join(parts) + "</svg>"
+
+
+def _front(pts: list[tuple[float, float, Row]]) -> list[tuple[float, float, Row]]:
+    """The Pareto front: lower latency, higher cosine."""
+    out: list[tuple[float, float, Row]] = []
+    best_y = -math.inf
+    for x, y, r in sorted(pts, key=lambda t: (t[0], -t[1])):
+        if y > best_y:
+            out.append((x, y, r))
+            best_y = y
+    return out
+
+
+def render_html(sel: Selection, svg: str, section: str) -> str:
+    cells = []
+    for r in sel.rows:
+        style = {
+            "winner": "background:#e6f4ea;font-weight:bold",
+            "excluded": "color:#888",
+            "unbuilt": "color:#888",
+        }
+        cells.append(
+            f'<tr style="{style.get(r.status, "")}"><td>{html.escape(r.label)}</td><td>{html.escape(r.kind)}</td>'
+            f"<td>{_n(r.min_cosine, 4)}</td><td>{_n(r.mean_cosine, 4)}</td><td>{_n(r.p50_ms, 1)}</td>"
+            f"<td>{_n(r.p99_ms, 1)}</td><td>{_n(r.throughput, 1)}</td>"
+            f"<td>{_n((r.bytes or 0) / 2**20, 2) if r.bytes is not None else '–'}</td>"
+            f"<td>{html.escape(r.status)}</td><td>{html.escape(r.why)}</td></tr>"
+        )
+    return (
+        "<!doctype html><html><head><meta charset='utf-8'>"
+        f"<title>select: {html.escape(section)}</title><style>body{{font-family:sans-serif;margin:2em}}"
+        "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
+        "td:first-child,td:nth-child(2),td:nth-last-child(-n+2){text-align:left}</style></head><body>"
+        f"<h1>{html.escape(section)}: {html.escape(sel.winner or 'no winner')}</h1>"
+        f"<p>objective <b>{html.escape(sel.objective)}</b>; params "
+        f"<code>{html.escape(json.dumps(sel.params, sort_keys=True))}</code></p>"
+        f"{svg}<table><tr><th>variant</th><th>kind</th><th>min cos</th><th>mean cos</th><th>p50 ms</th>"
+        "<th>p99 ms</th><th>seq/s</th><th>MiB</th><th>result</th><th>why</th></tr>"
+        + "".join(cells)
+        + "</table></body></html>"
+    )
