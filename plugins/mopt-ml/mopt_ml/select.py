@@ -190,6 +190,8 @@ class Selection:
     params: dict[str, Any]
     rows: list[Row]
     winner: str | None
+    #: the strictest min-cosine gate in force (select's own or validate's), for the plot
+    gate_min_cosine: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -233,6 +235,7 @@ def select(
 ) -> Selection:
     """Score every candidate and pick the winner (None when no variant passes)."""
     rows: list[Row] = []
+    gates: list[float] = [params.min_cosine] if params.min_cosine is not None else []
     for art in candidates:
         row = Row(label=art.label or art.target, kind=art.kind, path=art.path, meta=dict(art.meta))
         row.bytes = _size(art.path)
@@ -241,6 +244,9 @@ def select(
         b = _of(benches, row.label)
         if v is not None:
             rep = json.loads((v.path / "report.json").read_text())
+            limit = (rep.get("gates") or {}).get("min_cosine", {}).get("limit")
+            if limit is not None:
+                gates.append(float(limit))
             m = rep.get("metrics", {})
             row.min_cosine, row.mean_cosine = m.get("min_cosine"), m.get("mean_cosine")
             row.top1 = m.get("top1_agreement")
@@ -320,7 +326,7 @@ def select(
     rows.sort(key=lambda r: (order[r.status], r.value if r.value is not None else math.inf, r.label))
     if not params.objective.startswith("min_"):
         rows.sort(key=lambda r: (order[r.status], -(r.value or 0.0), r.label))
-    return Selection(params.objective, params.model_dump(mode="json"), rows, winner)
+    return Selection(params.objective, params.model_dump(mode="json"), rows, winner, max(gates, default=None))
 
 
 def rep_passed(v: Artifact) -> bool:
@@ -422,8 +428,10 @@ def pareto_svg(sel: Selection, width: int = 620, height: int = 360) -> str:
     lat = [r.p99_ms if "p99" in sel.objective and r.p99_ms else r.p50_ms for r in pts]
     xs = [float(x) for x in lat]  # type: ignore[arg-type]
     ys = [float(r.min_cosine) for r in pts]  # type: ignore[arg-type]
-    x0, x1 = min(xs) * 0.9, max(xs) * 1.08
-    y0, y1 = min(ys) - 0.05 * (max(ys) - min(ys) + 1e-3), max(ys) + 0.08 * (max(ys) - min(ys) + 1e-3)
+    x0, x1 = min(xs) * 0.9, max(xs) * 1.12
+    gate = sel.gate_min_cosine
+    lo, hi = min(ys + ([gate] if gate is not None else [])), max(ys)
+    y0, y1 = lo - 0.06 * (hi - lo + 1e-3), hi + 0.06 * (hi - lo + 1e-3)
     big = max((r.bytes or 1) for r in pts)
 
     def sx(x: float) -> float:
@@ -442,7 +450,13 @@ def pareto_svg(sel: Selection, width: int = 620, height: int = 360) -> str:
         xv, yv = x0 + (x1 - x0) * k / 4, y0 + (y1 - y0) * k / 4
         parts.append(
             f'<text x="{sx(xv):.1f}" y="{top + ph + 14}" text-anchor="middle">{xv:.0f}</text>'
-            f'<text x="{left - 4}" y="{sy(yv) + 4:.1f}" text-anchor="end">{yv:.3f}</text>'
+            f'<text x="{left - 4}" y="{sy(yv) + 4:.1f}" text-anchor="end">{yv:.4f}</text>'
+        )
+    if gate is not None:
+        parts.append(
+            f'<line x1="{left}" x2="{left + pw}" y1="{sy(gate):.1f}" y2="{sy(gate):.1f}" stroke="#d62728" '
+            f'stroke-dasharray="6 4"/><text x="{left + pw - 4}" y="{sy(gate) - 4:.1f}" text-anchor="end" '
+            f'fill="#d62728">gate: min cosine {gate}</text>'
         )
     front = _front([(x, y, r) for x, y, r in zip(xs, ys, pts, strict=True) if r.status in ("winner", "lost")])
     if len(front) > 1:
@@ -461,8 +475,8 @@ def pareto_svg(sel: Selection, width: int = 620, height: int = 360) -> str:
         if r.status == "winner":
             parts.append(
                 f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="{rad + 4:.1f}" fill="none" stroke="#d62728" '
-                f'stroke-width="2.5"/><text x="{sx(x) + rad + 7:.1f}" y="{sy(y) - 6:.1f}" fill="#d62728" '
-                f'font-weight="bold">winner</text>'
+                f'stroke-width="2.5"/><text x="{sx(x):.1f}" y="{sy(y) + rad + 17:.1f}" fill="#d62728" '
+                f'text-anchor="middle" font-weight="bold">winner</text>'
             )
         parts.append(
             f'<text x="{sx(x) + rad + 3:.1f}" y="{sy(y) + 4:.1f}" fill="{"#222" if ok else "#888"}">'

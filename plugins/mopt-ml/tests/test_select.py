@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from mopt.api import Artifact, Missing
+
 from mopt_ml.select import NoWinner, SelectKind, render_table, select
 
 # --------------------------------------------------------------------------- unit
