@@ -141,6 +141,9 @@ class TargetKind:
     install_hints: ClassVar[dict[str, str]] = {}
     #: resource slots one action holds while running ("cpu", "gpu")
     resources: ClassVar[dict[str, int]] = {"cpu": 1}
+    #: runs alone: the local scheduler starts it when nothing else runs and starts nothing
+    #: beside it (benchmarks: a timing shared with other work is not a timing)
+    exclusive: ClassVar[bool] = False
     #: `fingerprint()` depends only on installed packages and env variables (not on the
     #: GPU, driver or other machine state), so a no-op build may skip calling it
     static_fingerprint: ClassVar[bool] = False

@@ -530,7 +530,7 @@ class Engine:
                             reporter.done(st)
                             progressed = True
                             continue
-                    need = self._resources(node)
+                    need = self._resources(node, slots)
                     if any(used[r] + n > slots.get(r, 0) for r, n in need.items()):
                         if all(v == 0 for v in used.values()) and any(
                             n > slots.get(r, 0) for r, n in need.items()
@@ -639,8 +639,11 @@ class Engine:
         d.mkdir(parents=True, exist_ok=True)
         return d
 
-    def _resources(self, node: Node) -> dict[str, int]:
-        res = dict(self.kind(node.kind).resources)
+    def _resources(self, node: Node, slots: dict[str, int] | None = None) -> dict[str, int]:
+        kind = self.kind(node.kind)
+        res = dict(kind.resources)
+        if kind.exclusive and slots:  # every slot the machine has: nothing runs beside it
+            res = {r: max(n, res.get(r, 0)) for r, n in slots.items()}
         return {r: n for r, n in res.items() if n > 0}
 
     def _finish_hit(self, st: NodeState, entry: ActionEntry, outputs: dict[str, str]) -> None:

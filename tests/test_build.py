@@ -315,3 +315,26 @@ def test_selected_target_is_materialized_but_not_its_dependencies(toy: Path) -> 
     assert data["counts"] == {"built": 3}
     assert (toy / "build/toy/gpu/toy-engine/engine.plan").is_file()
     assert not (toy / "build/toy/gpu/toy-export").exists()
+
+
+def test_an_exclusive_kind_runs_alone(project: Path, tmp_path: Path) -> None:
+    # three slow exports and a benchmark-like exclusive kind per export, with 2 jobs: the
+    # exports run two at a time, and nothing overlaps an exclusive action
+    (project / "r.toml").write_text(RECIPE.replace(
+        '[defaults]\ntargets = ["toy-weights", "toy-export", "toy-engine", "toy-check"]',
+        '[defaults]\ntargets = ["toy-weights", "toy-export", "toy-timed"]\n'
+        '[defaults.toy-export]\nsleep = 0.4\n',
+    ).replace("[toy.gpu]\nhardware = \"toy-gpu\"\n", '[toy.cpu.sweep]\n"toy-export.opset" = [15, 16, 17]\n'))
+    times = tmp_path / "times.txt"
+    data = build(project, "-j", "2", env={**os.environ, "MOPT_FIXTURE_TIMES": str(times)})
+    assert data["returncode"] == 0, data["stderr"]
+    spans = [(float(a), float(b), label) for a, b, label in (ln.split(" ", 2) for ln in times.read_text().splitlines())]
+    timed = [s for s in spans if s[2].startswith("toy-timed")]
+    exports = [s for s in spans if s[2].startswith("toy-export")]
+    assert len(timed) == 3 and len(exports) == 3
+    for a, b, label in timed:
+        for c, d, other in spans:
+            if other != label:
+                assert d <= a or c >= b, f"{other} ran during exclusive {label}"
+    # and the non-exclusive exports did share the two slots
+    assert any(a < d and c < b for (a, b, x) in exports for (c, d, y) in exports if x != y)

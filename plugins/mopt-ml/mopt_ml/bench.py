@@ -35,6 +35,7 @@ class BenchKind(TargetKind):
         Input("reference", kinds=("weights",)),
     )
     reproducible = False
+    exclusive = True  # timed alone: other actions of the build wait while it runs
 
     class Params(Params):
         batch_sizes: list[int] = Field(default=[1, 8, 32], min_length=1, description="batch sizes")
@@ -94,8 +95,8 @@ _BENCH_LOCK = threading.Lock()
 def exclusive_cpu(log: Any) -> Iterator[None]:
     """Hold the benchmark lock: one benchmark at a time in this process (mopt runs actions in
     threads) and across processes on this machine (a lock file), so two benchmarks never
-    time each other. Other kinds of actions can still run beside it: give bench its own
-    `mopt build -j1` run, or a selector, for quiet numbers."""
+    time each other. Within one build the kind is also `exclusive` (the scheduler runs
+    nothing beside it); another build or program on the machine can still disturb it."""
     import fcntl
     import tempfile
 

@@ -4,12 +4,13 @@ sharing and invalidation can be tested without torch."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from pydantic import Field
@@ -77,7 +78,8 @@ class ToyExport(TargetKind):
                 fh.write(f"{ctx.target}\n")
         if ctx.params.sleep:
             ctx.log("sleeping")
-            time.sleep(ctx.params.sleep)
+            with _timed(ctx.target):
+                time.sleep(ctx.params.sleep)
         if ctx.params.fail:
             (ctx.out / "partial.bin").write_bytes(b"x" * 10)
             raise RuntimeError("toy export failed on purpose")
@@ -151,6 +153,34 @@ class ToyCheck(TargetKind):
         return {"score": score}
 
 
+@contextlib.contextmanager
+def _timed(label: str) -> Iterator[None]:
+    """Append `start end label` to $MOPT_FIXTURE_TIMES (tests of scheduling)."""
+    t0 = time.time()
+    yield
+    path = os.environ.get("MOPT_FIXTURE_TIMES")
+    if path:
+        with open(path, "a") as fh:
+            fh.write(f"{t0} {time.time()} {label}\n")
+
+
+class ToyTimed(TargetKind):
+    """An `exclusive` kind (like a benchmark): nothing else may run beside it."""
+
+    name = "toy-timed"
+    exclusive = True
+    consumes = (Input("model", kinds=("toy-export",), fanout=True),)
+
+    class Params(Params):
+        sleep: float = 0.3
+
+    def run(self, ctx: BuildContext) -> dict[str, Any]:
+        with _timed(ctx.target):
+            time.sleep(ctx.params.sleep)
+        (ctx.out / "t.txt").write_text("timed\n")
+        return {}
+
+
 class ToyFamily(Family):
     """A toy family."""
 
@@ -174,7 +204,7 @@ TOY_GPU = HardwareProfile(
 @hookimpl
 def mopt_register_targets(register: Callable[[Any], None]) -> None:
     """Toy kinds."""
-    for k in (ToyWeights, ToyExport, ToyEngine, ToyGpuOnly, ToyCheck):
+    for k in (ToyWeights, ToyExport, ToyEngine, ToyGpuOnly, ToyCheck, ToyTimed):
         register(k)
 
 
