@@ -27,6 +27,7 @@ import html
 import json
 import math
 import shutil
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -90,6 +91,11 @@ class SelectKind(TargetKind):
         mean_cosine: float | None = Field(default=None, description="gate: exclude below this mean cosine")
         max_memory_mb: float | None = Field(
             default=None, gt=0, description="gate: exclude above this peak memory"
+        )
+        normalize: bool = Field(
+            default=True,
+            description="scale latencies by each bench's PyTorch reference (timed in the same run) "
+            "to cancel machine drift between benches",
         )
         tie_tolerance: float = Field(
             default=0.0,
@@ -173,6 +179,8 @@ class Row:
     p50_ms: float | None = None
     p99_ms: float | None = None
     throughput: float | None = None  # sequences per second at the point
+    baseline_ms: float | None = None  # the PyTorch reference's p50 at the point, same bench run
+    drift: float = 1.0  # median baseline / this run's baseline (latencies are scaled by it)
     point: str | None = None  # "32x128"
     memory_mb: float | None = None
     value: float | None = None  # the objective's
@@ -236,6 +244,8 @@ def select(
     """Score every candidate and pick the winner (None when no variant passes)."""
     rows: list[Row] = []
     gates: list[float] = [params.min_cosine] if params.min_cosine is not None else []
+    found: dict[str, tuple[Artifact | None, Artifact | None]] = {}
+    points: dict[str, list[dict[str, Any]]] = {}
     for art in candidates:
         row = Row(label=art.label or art.target, kind=art.kind, path=art.path, meta=dict(art.meta))
         row.bytes = _size(art.path)
@@ -260,7 +270,26 @@ def select(
                 row.point = f"{pt['batch']}x{pt['seq']}"
                 row.p50_ms, row.p99_ms = float(pt["p50_ms"]), float(pt["p99_ms"])
                 row.throughput = int(pt["batch"]) / (float(pt["p50_ms"]) / 1000.0)
-            row.value = _objective(res.get("points", []), row, params)
+                base = rep["results"][1]["points"] if len(rep["results"]) > 1 else []
+                row.baseline_ms = next(
+                    (float(q["p50_ms"]) for q in base if (q["batch"], q["seq"]) == (pt["batch"], pt["seq"])),
+                    None,
+                )
+            points[row.label] = res.get("points", [])
+        found[row.label] = (v, b)
+    # the machine drifts between benchmarks; each bench times the same PyTorch reference in
+    # its own run, so scaling a variant's latencies by (median reference / its reference)
+    # compares the variants as if timed side by side
+    timed = [r for r in rows if r.p50_ms is not None]
+    if params.normalize and timed and all(r.baseline_ms for r in timed):
+        med = statistics.median(r.baseline_ms for r in timed if r.baseline_ms)
+        for r in timed:
+            assert r.baseline_ms
+            r.drift = med / r.baseline_ms
+    for row in rows:
+        v, b = found[row.label]
+        if b is not None:
+            row.value = _objective(points.get(row.label, []), row, params)
         # why it cannot win, first reason only
         if v is None:
             gone = [m for m in missing.get("validate", []) if row.label in _missing_for(m)]
@@ -268,8 +297,7 @@ def select(
         elif not rep_passed(v):
             row.status, row.why = (
                 "excluded",
-                "failed its validation gate: "
-                + "; ".join(v.meta.get("failed_gates") or ["see validate's report"]),
+                "failed its validation gate: " + "; ".join(_failed_gates(v)),
             )
         elif params.min_cosine is not None and (row.min_cosine or 0.0) < params.min_cosine:
             row.status, row.why = "excluded", f"min cosine {row.min_cosine:.4f} < {params.min_cosine}"
@@ -335,6 +363,19 @@ def rep_passed(v: Artifact) -> bool:
     return bool(json.loads((v.path / "report.json").read_text()).get("passed", False))
 
 
+def _failed_gates(v: Artifact) -> list[str]:
+    """`min_cosine 0.9711 < 0.99`, from validate's result or, failing that, its report."""
+    if v.meta.get("failed_gates"):
+        return list(v.meta["failed_gates"])
+    gates = json.loads((v.path / "report.json").read_text()).get("gates") or {}
+    out = [
+        f"{name} {g['value']:.4f} {'>' if name == 'max_abs_diff' else '<'} {g['limit']}"
+        for name, g in gates.items()
+        if not g.get("passed", True)
+    ]
+    return out or ["see validate's report"]
+
+
 def _missing_for(m: Missing) -> list[str]:
     """The candidates a missing validate / bench node was about."""
     return list(m.input_labels.get("model", []))
@@ -349,19 +390,20 @@ def _not_there(what: str, gone: list[Missing]) -> str:
 
 def _objective(points: list[dict[str, Any]], row: Row, params: Any) -> float | None:
     o = params.objective
+    k = row.drift
     if o == "min_latency_p99":
-        return row.p99_ms
+        return row.p99_ms * k if row.p99_ms is not None else None
     if o == "min_latency_p50":
-        return row.p50_ms
+        return row.p50_ms * k if row.p50_ms is not None else None
     if o == "max_throughput":
-        return row.throughput
+        return row.throughput / k if row.throughput is not None else None
     if o == "min_memory":
         return row.memory_mb
     # max_throughput_under_latency: the best throughput over the grid within the budget
     ok = [
-        int(p["batch"]) / (float(p["p50_ms"]) / 1000.0)
+        int(p["batch"]) / (float(p["p50_ms"]) * k / 1000.0)
         for p in points
-        if float(p["p99_ms"]) <= params.latency_budget_ms
+        if float(p["p99_ms"]) * k <= params.latency_budget_ms
         and (params.seq_len is None or int(p["seq"]) == params.seq_len)
     ]
     return max(ok) if ok else None
@@ -382,7 +424,7 @@ def _fmt_value(objective: str, v: float | None) -> str:
 
 def render_table(sel: Selection) -> str:
     """A plain-text table of every variant (the log, and the error when none passes)."""
-    head = ("variant", "kind", "min cos", "mean cos", "p50 ms", "p99 ms", "seq/s", "MB", "result")
+    head = ("variant", "kind", "min cos", "mean cos", "p50 ms", "p99 ms", "seq/s", "drift", "MB", "result")
     lines = []
     for r in sel.rows:
         lines.append(
@@ -394,12 +436,13 @@ def render_table(sel: Selection) -> str:
                 _n(r.p50_ms, 1),
                 _n(r.p99_ms, 1),
                 _n(r.throughput, 1),
+                f"{r.drift:.3f}" if r.baseline_ms else "–",
                 _n((r.bytes or 0) / 2**20, 1) if r.bytes is not None else "–",
                 f"{r.status.upper()}: {r.why}" if r.why else r.status.upper(),
             )
         )
     widths = [max(len(h), *(len(x[i]) for x in lines)) if lines else len(h) for i, h in enumerate(head)]
-    out = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True))]
+    out = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)).rstrip()]
     out += ["  ".join(c.ljust(w) for c, w in zip(x, widths, strict=True)).rstrip() for x in lines]
     return "\n".join(out)
 
@@ -508,6 +551,7 @@ def render_html(sel: Selection, svg: str, section: str) -> str:
             f'<tr style="{style.get(r.status, "")}"><td>{html.escape(r.label)}</td><td>{html.escape(r.kind)}</td>'
             f"<td>{_n(r.min_cosine, 4)}</td><td>{_n(r.mean_cosine, 4)}</td><td>{_n(r.p50_ms, 1)}</td>"
             f"<td>{_n(r.p99_ms, 1)}</td><td>{_n(r.throughput, 1)}</td>"
+            f"<td>{f'{r.drift:.3f}' if r.baseline_ms else '–'}</td><td>{_fmt_value(sel.objective, r.value)}</td>"
             f"<td>{_n((r.bytes or 0) / 2**20, 2) if r.bytes is not None else '–'}</td>"
             f"<td>{html.escape(r.status)}</td><td>{html.escape(r.why)}</td></tr>"
         )
@@ -517,10 +561,13 @@ def render_html(sel: Selection, svg: str, section: str) -> str:
         "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
         "td:first-child,td:nth-child(2),td:nth-last-child(-n+2){text-align:left}</style></head><body>"
         f"<h1>{html.escape(section)}: {html.escape(sel.winner or 'no winner')}</h1>"
+        "<p>p50 / p99 are as measured; the objective column scales latencies by <i>drift</i> "
+        "(median PyTorch reference / the reference timed in that variant's bench run), so "
+        "machine drift between benches does not pick the winner.</p>"
         f"<p>objective <b>{html.escape(sel.objective)}</b>; params "
         f"<code>{html.escape(json.dumps(sel.params, sort_keys=True))}</code></p>"
         f"{svg}<table><tr><th>variant</th><th>kind</th><th>min cos</th><th>mean cos</th><th>p50 ms</th>"
-        "<th>p99 ms</th><th>seq/s</th><th>MiB</th><th>result</th><th>why</th></tr>"
+        "<th>p99 ms</th><th>seq/s</th><th>drift</th><th>objective</th><th>MiB</th><th>result</th><th>why</th></tr>"
         + "".join(cells)
         + "</table></body></html>"
     )

@@ -32,6 +32,7 @@ def _variant(
     passed: bool = True,
     points: list[tuple[int, int, float, float]] | None = None,
     rss: float = 500.0,
+    baseline: float | None = None,
 ) -> tuple[Artifact, Artifact, Artifact]:
     """A candidate folder of `size` bytes, its validate report and its bench result."""
     cand = root / "cand" / label
@@ -47,11 +48,10 @@ def _variant(
     ben = root / "bench" / label
     ben.mkdir(parents=True)
     pts = points or [(32, 128, p50, p99 if p99 is not None else p50 * 1.1)]
-    (ben / "bench.json").write_text(
-        json.dumps({"results": [{"peak_rss_mb": rss, "points": [
-            {"batch": b, "seq": s, "p50_ms": a, "p99_ms": c} for b, s, a, c in pts
-        ]}]})
-    )
+    results = [{"peak_rss_mb": rss, "points": [{"batch": b, "seq": s, "p50_ms": a, "p99_ms": c} for b, s, a, c in pts]}]
+    if baseline is not None:  # the PyTorch reference, timed in the same bench run
+        results.append({"points": [{"batch": b, "seq": s, "p50_ms": baseline, "p99_ms": baseline} for b, s, *_ in pts]})
+    (ben / "bench.json").write_text(json.dumps({"results": results}))
     return (
         Artifact(cand, "ort-quantize", "int8", "d-" + label, {"precision": "int8"}, label=label),
         Artifact(val, "validate", "validate", "v-" + label, {"passed": passed, "failed_gates": failed},
@@ -284,3 +284,19 @@ def test_sweep_select_end_to_end(tmp_path: Path) -> None:
     assert "no variant of tiny.cpu passed the gates" in failed
     # the table is in the log that the failure message points at
     assert "failed its validation gate: min_cosine" in third.stderr, third.stderr[-3000:]
+
+
+def test_latencies_are_compared_through_each_bench_s_own_reference(tmp_path: Path) -> None:
+    # "a" was timed while the machine was slow (its reference took 500 ms), "b" while fast
+    # (400 ms): raw, b looks faster; against the median reference (450 ms) a is
+    vs = [
+        _variant(tmp_path, "a", min_cos=0.999, mean_cos=0.999, p50=100, baseline=500),
+        _variant(tmp_path, "b", min_cos=0.999, mean_cos=0.999, p50=90, baseline=400),
+    ]
+    sel = _select(vs, objective="min_latency_p50")
+    rows = {r.label: r for r in sel.rows}
+    assert sel.winner == "a"
+    assert rows["a"].value == pytest.approx(90.0) and rows["b"].value == pytest.approx(101.25)
+    assert rows["a"].p50_ms == 100 and rows["a"].drift == pytest.approx(0.9)
+    assert _select(vs, objective="min_latency_p50", normalize=False).winner == "b"
+    assert _select(vs, objective="max_throughput").winner == "a"
