@@ -3,7 +3,7 @@
     from mopt_torch.warm import compiled_embedder, bucket_for
     model, meta = compiled_embedder(weights_dir, artifact_dir)      # loads cache.bin first
     b, s = bucket_for(batch, seq, meta)                               # pad (right) to a bucket
-    emb = model(input_ids, attention_mask)
+    emb = model(input_ids, attention_mask)                            # yours to keep, also with CUDA graphs
 
 `load_warm` refuses an artifact made by another torch version or for another GPU
 architecture (a cache from sm_90 is never used on sm_89): it would not be hit anyway, and
@@ -76,17 +76,53 @@ def compile_like(module: Any, meta: dict[str, Any]) -> Any:
     return torch.compile(module, mode=mode, dynamic=meta["dynamic"], fullgraph=meta["fullgraph"])
 
 
+#: modes whose compiled module replays CUDA graphs
+CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+class KeptOutputs:
+    """Calls a CUDA-graph compiled module so that its outputs may be kept.
+
+    A CUDA graph writes its outputs into a static memory pool that the next replay
+    overwrites; torch raises when a kept output of an earlier replay is read. Each call here
+    marks a new step and returns a clone (batch × hidden floats: negligible next to the
+    forward pass). Other attributes come from the compiled module."""
+
+    def __init__(self, compiled: Any) -> None:
+        self.compiled = compiled
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        torch.compiler.cudagraph_mark_step_begin()
+        return self.compiled(*args, **kwargs).clone()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.compiled, name)
+
+
 def compiled_embedder(
     weights: Path | str, path: Path | str, device: str = "cuda"
 ) -> tuple[Any, dict[str, Any]]:
-    """The embedding module of `weights`, compiled warm from the artifact at `path`."""
+    """The embedding module of `weights`, compiled warm from the artifact at `path`.
+    For CUDA-graph modes it is wrapped in `KeptOutputs`: every output is the caller's own."""
     from mopt_torch.embedder import load_embedder
 
     meta = load_warm(path)
     wrapper, _ = load_embedder(
-        weights, meta["precision"], device, meta.get("family"), meta["pooling"], meta["attention"]
+        weights,
+        meta["precision"],
+        device,
+        meta.get("family"),
+        meta["pooling"],
+        meta["attention"],
+        meta.get("sdpa_backend", "auto"),
+        meta.get("rope_table", False),
     )
-    return compile_like(wrapper, meta), meta
+    compiled = compile_like(wrapper, meta)
+    if meta["mode"] in CUDAGRAPH_MODES:
+        compiled = KeptOutputs(compiled)
+    return compiled, meta
 
 
 def bucket_for(batch: int, seq: int, meta: dict[str, Any]) -> tuple[int, int]:

@@ -95,6 +95,35 @@ def test_check_refuses_cpu_profiles_old_gpus_for_bf16_and_causal_attention_on_en
     assert codes(check(AotiKind, "h200", max_seq_len=16, seq_multiple=16)) == ["shape-order"]
 
 
+def test_sdpa_backend_pins_only_the_causal_path():
+    assert codes(check(TorchCompileKind, "h200", sdpa_backend="cudnn")) == []
+    assert codes(check(TorchCompileKind, "h200", BERT, sdpa_backend="cudnn")) == ["sdpa-backend-needs-causal"]
+    assert codes(check(TorchCompileKind, "h200", attention="sdpa", sdpa_backend="flash")) == [
+        "sdpa-backend-needs-causal"
+    ]
+    synthetic = {"hidden_size": 64, "num_hidden_layers": 2}  # no model_type: resolved at build time
+    assert codes(check(TorchCompileKind, "h200", synthetic, sdpa_backend="cudnn")) == []
+    with pytest.raises(ValueError):
+        TorchCompileKind.Params(sdpa_backend="fa3")
+
+
+def test_cuda_graph_outputs_are_cloned_for_the_caller():
+    import torch
+    from mopt_torch.warm import KeptOutputs
+
+    class Compiled:
+        buf = torch.zeros(2)
+        tag = "inner"
+
+        def __call__(self, x):
+            self.buf.copy_(x)  # like a CUDA graph: one static output buffer
+            return self.buf
+
+    m = KeptOutputs(Compiled())
+    a, b = m(torch.ones(2)), m(torch.full((2,), 2.0))
+    assert a.tolist() == [1.0, 1.0] and b.tolist() == [2.0, 2.0] and m.tag == "inner"
+
+
 def test_auto_attention_is_causal_only_for_decoders():
     assert resolve_attention("auto", QWEN3, "last-token") == "sdpa-causal"
     assert resolve_attention("auto", BERT, "mean") == "sdpa"
@@ -214,6 +243,30 @@ def test_the_embedder_uses_the_model_familys_own_loading_and_pooling(tmp_path):
         c = fam(ids, mask)
     assert type(fam).__name__ == "EmbeddingWrapper" and a.shape == (3, 32)
     assert torch.allclose(a, b, atol=1e-5) and torch.allclose(a, c, atol=1e-5)
+
+
+def test_a_pinned_sdpa_backend_and_rope_tables_equal_masked_sdpa_eager_and_compiled(tmp_path):
+    """sdpa_backend (flash here: it has a CPU kernel) and rope_table (cos/sin looked up, not
+    recomputed) on right-padded rows equal plain masked sdpa,
+    eagerly and through dynamo (which bakes sdpa_kernel into the graph); without CUDA the GQA
+    probe says no, so K/V heads are repeated before the call."""
+    pytest.importorskip("mopt_ml.families", reason="needs the mopt-ml plugin")
+    import torch
+    from mopt_torch.embedder import load_embedder, right_padded_batch, sdpa_gqa_native
+
+    weights = tiny_qwen3(tmp_path / "weights")
+    spec = "mopt_ml.families:Qwen3Family"
+    ref, _ = load_embedder(weights, "fp32", "cpu", spec, "last-token", "sdpa")
+    pinned, model = load_embedder(weights, "fp32", "cpu", spec, "last-token", "sdpa-causal", "flash", True)
+    assert model.config._attn_implementation == "sdpa_causal_fa2"
+    assert type(model.rotary_emb).__name__ == "RopeTable" and model.rotary_emb.cos.shape == (256, 8)
+    ids, mask = right_padded_batch(3, 24, 300, 0, "cpu")
+    with torch.no_grad():
+        a, b = ref(ids, mask), pinned(ids, mask)
+        c = torch.compile(pinned, backend="eager", dynamic=False)(ids, mask)
+    assert torch.allclose(a, b, atol=1e-5) and torch.allclose(a, c, atol=1e-5)
+    if not torch.cuda.is_available():
+        assert sdpa_gqa_native("flash") is False  # the probe needs CUDA: repeat K/V heads
 
 
 @pytest.mark.slow
