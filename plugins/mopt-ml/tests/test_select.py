@@ -300,3 +300,39 @@ def test_latencies_are_compared_through_each_bench_s_own_reference(tmp_path: Pat
     assert rows["a"].p50_ms == 100 and rows["a"].drift == pytest.approx(0.9)
     assert _select(vs, objective="min_latency_p50", normalize=False).winner == "b"
     assert _select(vs, objective="max_throughput").winner == "a"
+
+
+def test_serving_targets_take_the_winner(tmp_path: Path) -> None:
+    pytest.importorskip("mopt_serve", reason="triton-repo is in mopt-serve")
+    pytest.importorskip("mopt_image", reason="image is in mopt-image")
+    digest = "0" * 64
+    (tmp_path / "r.toml").write_text(f"""\
+schema = 1
+[models.tiny]
+family = "qwen3"
+source = {{ synthetic = "qwen3", seed = 1 }}
+[tiny.cpu]
+hardware = "cpu"
+targets = ["weights", "onnx", "int8", "validate", "bench", "best", "triton-repo", "image"]
+[tiny.cpu.int8]
+kind = "ort-quantize"
+[tiny.cpu.best]
+kind = "select"
+[tiny.cpu.image]
+input = ["best"]
+base = "docker.io/library/python:3.12-slim@sha256:{digest}"
+""")
+    plan = mopt(tmp_path, "plan", "r.toml", "--json")
+    assert plan.returncode == 0, plan.stderr
+    nodes = {n["id"]: n for n in json.loads(plan.stdout)["nodes"]}
+    # triton-repo prefers select over the section's other model artifacts; image when named
+    assert nodes["tiny.cpu:triton-repo"]["inputs"]["model"] == ["tiny.cpu:best"]
+    assert nodes["tiny.cpu:image"]["inputs"] == {
+        "serve": ["tiny.cpu:triton-repo"], "model": ["tiny.cpu:best"], "files": []
+    }
+    # select gathers every candidate and every validate / bench of the section in one node
+    assert nodes["tiny.cpu:best"]["inputs"] == {
+        "candidates": ["tiny.cpu:int8", "tiny.cpu:onnx"],
+        "validate": ["tiny.cpu:validate[int8]", "tiny.cpu:validate[onnx]"],
+        "bench": ["tiny.cpu:bench[int8]", "tiny.cpu:bench[onnx]"],
+    }
