@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +10,7 @@ import mopt
 from mopt.api import BuildContext
 from mopt_image import oci
 from mopt_image.baseref import parse_base, qualify
-from mopt_image.builders import BuilderError, BuildRequest, select
+from mopt_image.builders import BuilderError, BuildRequest, rmtree, select
 from mopt_image.context import assemble
 from mopt_image.kind import ARCHIVE, LABEL_PREFIX
 from mopt_image.templates import Inputs, choose_backend, make_spec, render_dockerfile
@@ -92,12 +91,12 @@ def build_image(ctx: BuildContext, *, plugin_version: str) -> dict[str, Any]:
     smoke: dict[str, Any] | None = None
     try:
         out = builder.build(req)
-        _rmtree(context.path)  # a copy of the model: free the disk before the archive is written
+        rmtree(context.path)  # a copy of the model: free the disk before the archive is written
         norm = oci.normalize_layout(req.layout, ref_name=tag_part, full_name=f"{qualify(repo)}:{tag_part}")
         if norm.dropped:
             ctx.log(f"cleared volatile config fields {', '.join(norm.dropped)}")
         oci.write_archive(req.layout, ctx.out / ARCHIVE, repo_tag=f"{repo}:{tag_part}")
-        _rmtree(req.layout)
+        rmtree(req.layout)
         ctx.log(f"image {norm.digest} (id {norm.image_id[:19]}) → {ARCHIVE}")
         if p.smoke_test:
             argv = list(p.smoke_command) if p.smoke_command else ["sh", "-c", spec.smoke_script()]
@@ -140,10 +139,6 @@ def build_image(ctx: BuildContext, *, plugin_version: str) -> dict[str, Any]:
     }
     _write_json(ctx.out / "image.json", info)
     return info
-
-
-def _rmtree(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _write_json(path: Path, obj: Any) -> None:

@@ -232,7 +232,7 @@ class BuildahBuilder(Builder):
         except BuilderError as exc:
             self.req.log(f"warning: {exc}")
         _unmount_below(self.req.work, self.req.log)
-        _rmtree(self.req.work)
+        rmtree(self.req.work)
 
 
 def _mounts_below(path: Path) -> list[str]:
@@ -259,7 +259,9 @@ def _unmount_below(path: Path, log: Callable[[str], None]) -> None:
         raise BuilderError(f"cannot unmount {left[0]}: refusing to delete the build's storage under it")
 
 
-def _rmtree(path: Path) -> None:
+def rmtree(path: Path) -> None:
+    """Remove `path`, also read-only folders left by a builder (best effort)."""
+
     def onerror(func: Any, p: str, _exc: Any) -> None:
         try:
             os.chmod(os.path.dirname(p), 0o755)
@@ -423,7 +425,7 @@ class DockerBuilder(Builder):
             except Exception as exc:  # the image is still usable; say so and go on
                 self.req.log(f"warning: could not remove {ref} from the daemon: {exc}")
         self.client.close()
-        _rmtree(self.req.work)
+        rmtree(self.req.work)
 
 
 BUILDERS: dict[str, type[Builder]] = {"buildah": BuildahBuilder, "docker": DockerBuilder}
