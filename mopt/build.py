@@ -222,6 +222,18 @@ class Engine:
             self._file_digests[path] = self.store.state.path_digest(path)
         return self._file_digests[path]
 
+    def unmet(self, node: Node) -> str | None:
+        """Why this machine cannot build `node` (its kind's requirements for these params on
+        the section's profile), or None."""
+        from mopt.procs import unmet
+
+        kind = self.kind(node.kind)
+        return unmet(
+            kind.requirements(node.target.params, node.hardware),
+            node.hardware,
+            getattr(kind, "install_hints", None),
+        )
+
     def parts(
         self, node: Node, inputs: dict[str, list[str]], missing: dict[str, list[Missing]] | None = None
     ) -> dict[str, Any]:
@@ -311,8 +323,6 @@ class Engine:
 
     def plan(self, ids: list[str]) -> dict[str, dict[str, Any]]:
         """Per node: up to date / new / why it will run, without running anything."""
-        from mopt.procs import unmet
-
         self.planning = True
         self._prefetch()
         outputs: dict[str, str | None] = {}
@@ -362,12 +372,7 @@ class Engine:
                 result[i] = {"state": "up-to-date", "summary": "up to date", "key": key}
                 continue
             outputs[i] = None
-            kind = self.kind(node.kind)
-            why = unmet(
-                kind.requirements(node.target.params, node.hardware),
-                node.hardware,
-                getattr(kind, "install_hints", None),
-            )
+            why = self.unmet(node)
             if why:
                 gone[i] = "unbuildable"
                 result[i] = {
@@ -469,7 +474,7 @@ class Engine:
             self.store.state.flush()
             self.flush_index()
             return result
-        from mopt.procs import gpu_slots, unmet
+        from mopt.procs import gpu_slots
 
         reporter = reporter or Reporter()
         jobs = jobs or os.cpu_count() or 1
@@ -518,12 +523,7 @@ class Engine:
                             reporter.done(st)
                             progressed = True
                             continue
-                        kind = self.kind(node.kind)
-                        why = unmet(
-                            kind.requirements(node.target.params, node.hardware),
-                            node.hardware,
-                            getattr(kind, "install_hints", None),
-                        )
+                        why = self.unmet(node)
                         if why:
                             st.status = "unbuildable"
                             st.reason = f"unbuildable here: {why}"
