@@ -107,7 +107,9 @@ class LiveReporter(LineReporter):
         self.running.pop(st.node.id, None)
         self.counts[st.status] = self.counts.get(st.status, 0) + 1
         if st.status != "cached":
-            extra = f" in {st.duration:.1f}s" if st.status == "built" else (f": {st.reason}" if st.reason else "")
+            extra = (
+                f" in {st.duration:.1f}s" if st.status == "built" else (f": {st.reason}" if st.reason else "")
+            )
             self.live.console.print(f"{st.status:>11} {st.node.id}{extra}", markup=False, highlight=False)
         self._refresh()
 
@@ -215,6 +217,7 @@ def register(app: click.Group) -> None:
         for st in states.values():
             counts[st.status] = counts.get(st.status, 0) + 1
         failed = [st for st in states.values() if st.status in ("failed", "unbuildable", "blocked")]
+        selected = _selected(states, engine.build_dir)
         if stamp is not None:
             watch = None if failed else noop_stamp_inputs(engine, states)
             if watch is None:
@@ -224,8 +227,13 @@ def register(app: click.Group) -> None:
                 noop.write(
                     stamp,
                     **watch,
-                    result={"recipe": str(s.recipe.path), "n": len(states), "build_dir": str(engine.build_dir),
-                            "nodes": nodes},
+                    result={
+                        "recipe": str(s.recipe.path),
+                        "n": len(states),
+                        "build_dir": str(engine.build_dir),
+                        "nodes": nodes,
+                        "selected": selected,
+                    },
                 )
         if as_json:
             _print_json(
@@ -254,7 +262,15 @@ def register(app: click.Group) -> None:
             summary = ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
             err.print(f"{len(states)} action(s): {summary} in {time.time() - t0:.2f}s")
             built_dirs = {engine.build_dir / s.graph.nodes[i].model.name for i in ids}
-            reports = sorted(p for d in built_dirs if d.exists() for p in d.glob("**/report.html"))
+            reports = sorted(
+                p
+                for d in built_dirs
+                if d.exists()
+                for pat in ("**/report.html", "**/selection.html")
+                for p in d.glob(pat)
+            )
+            for line in selected:
+                err.print(line)
             if reports:
                 err.print("reports:")
                 for r in reports[:20]:
@@ -306,7 +322,9 @@ def register(app: click.Group) -> None:
             "path": str(address_path(engine.build_dir, node_id)),
             "key": entry.key,
             "outputs_tree": entry.outputs_tree,
-            "files": [{"path": f.path, "size": f.size, "mode": oct(f.mode), "digest": f.digest} for f in files],
+            "files": [
+                {"path": f.path, "size": f.size, "mode": oct(f.mode), "digest": f.digest} for f in files
+            ],
             "provenance": {
                 "kind": entry.kind,
                 "duration_s": entry.duration_s,
@@ -327,7 +345,9 @@ def register(app: click.Group) -> None:
         for f in data["files"]:
             out.print(f"  {human(f['size']):>10}  {f['digest'][:16]}  {f['path']}")
         prov = data["provenance"]
-        out.print(f"  built by {prov['kind']} on {prov['host']} at {prov['created']} in {prov['duration_s']:.2f}s")
+        out.print(
+            f"  built by {prov['kind']} on {prov['host']} at {prov['created']} in {prov['duration_s']:.2f}s"
+        )
         if not prov["reproducible"]:
             out.print("  note: this kind's output is not bit-reproducible (rebuilds differ byte-wise)")
         for k, v in prov["fingerprint"].items():
@@ -369,13 +389,17 @@ def register(app: click.Group) -> None:
             _print_json({"artifacts": rows})
             return
         for r in rows:
-            out.print(f"{human(r['bytes']):>10}  {r['files']:>4} files  {r['built']}  {r['id']}  ({r['kind']})")
+            out.print(
+                f"{human(r['bytes']):>10}  {r['files']:>4} files  {r['built']}  {r['id']}  ({r['kind']})"
+            )
         out.print(f"{len(rows)} built of {len(ids)}; {human(sum(r['bytes'] for r in rows))} in all")
 
     @app.command(context_settings=CONTEXT)
     @recipe_arg
     @selectors_arg
-    @click.option("--output", "-o", type=click.Path(path_type=Path), help="HTML file (default build/report.html)")
+    @click.option(
+        "--output", "-o", type=click.Path(path_type=Path), help="HTML file (default build/report.html)"
+    )
     @json_opt
     def report(recipe: Path, selectors: tuple[str, ...], output: Path | None, as_json: bool) -> None:
         """One HTML page over RECIPE's built artifacts: accuracy, latency, size, provenance."""
@@ -428,6 +452,22 @@ def register(app: click.Group) -> None:
         )
 
 
+def _selected(states: dict[str, Any], build_dir: Path) -> list[str]:
+    """One line per built node whose result names a `winner` (a select-like kind)."""
+    from mopt.build import address_path
+
+    lines = []
+    for st in states.values():
+        res = (st.entry.meta.get("result") or {}) if st.entry is not None else {}
+        if st.status in ("built", "cached") and res.get("winner"):
+            lines.append(
+                f"selected {st.node.section.id}: {res['winner']} ({res.get('objective', 'objective')}; "
+                f"{res.get('eligible', '?')} of {res.get('variants', '?')} variants passed) → "
+                f"{address_path(build_dir, st.node.id)}"
+            )
+    return lines
+
+
 def _report_noop(done: dict[str, Any], seconds: float, as_json: bool, quiet: bool) -> None:
     """Print what a no-op build prints, from the stamp."""
     n = done["n"]
@@ -451,6 +491,8 @@ def _report_noop(done: dict[str, Any], seconds: float, as_json: bool, quiet: boo
         for k, node in enumerate(done["nodes"], 1):
             sys.stderr.write(f"[{k}/{n}] cached {node['id']}\n")
     sys.stderr.write(f"{n} action(s): {n} cached in {seconds:.2f}s (no-op: nothing changed)\n")
+    for line in done.get("selected", []):
+        sys.stderr.write(line + "\n")
     sys.stderr.write(f"artifacts under {done['build_dir']}\n")
 
 
@@ -485,7 +527,10 @@ def _matches(node: Any, sel: str) -> bool:
     sec, _, tgt = sel.partition(":")
     return any(
         fnmatch.fnmatchcase(a.partition(":")[0], sec or "*")
-        and (fnmatch.fnmatchcase(a.partition(":")[2], tgt or "*") or (tgt == node.target.name and a.partition(":")[2] == node.label))
+        and (
+            fnmatch.fnmatchcase(a.partition(":")[2], tgt or "*")
+            or (tgt == node.target.name and a.partition(":")[2] == node.label)
+        )
         for a in node.addresses
     )
 

@@ -267,7 +267,11 @@ def test_sweep_select_end_to_end(tmp_path: Path) -> None:
     second = json.loads(mopt(tmp_path, "build", "r.toml", "--json", "--keep-going", "--no-check").stdout)
     ran = {n["id"] for n in second["nodes"] if n["status"] == "built"}
     assert ran == {"tiny.cpu:best"}
-    assert json.loads((best / "selection.json").read_text())["objective"] == "min_memory"
+    picked = json.loads((best / "selection.json").read_text())
+    assert picked["objective"] == "min_memory"
+    # the build says what was picked and where it is
+    again = mopt(tmp_path, "build", "r.toml", "--keep-going", "--no-check")
+    assert f"selected tiny.cpu: {picked['winner']} (min_memory; 3 of 4 variants passed) → {best}" in again.stderr
 
     # the report shows the sweep: the winner on best's row and the Pareto plot inline
     rep = mopt(tmp_path, "report", "r.toml", "-o", "report.html")
