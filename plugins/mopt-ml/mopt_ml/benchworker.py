@@ -204,10 +204,16 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             file=sys.stderr,
             flush=True,
         )
+    gpu_peak = None
+    if spec["backend"] in ("torch-compile", "torch-cuda-eager"):  # on the GPU
+        import torch
+
+        gpu_peak = torch.cuda.max_memory_allocated() / 2**20
     return {
         "backend": spec["backend"],
         "label": spec.get("label", spec["backend"]),
         "threads": threads,
+        "peak_gpu_mb": gpu_peak,  # tensors allocated by torch on the GPU (None on CPU)
         "load_seconds": load_s,
         "rss_start_mb": rss_start,
         "rss_loaded_mb": rss_loaded,

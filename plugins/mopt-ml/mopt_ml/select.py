@@ -263,7 +263,7 @@ def select(
         if b is not None:
             rep = json.loads((b.path / "bench.json").read_text())
             res = rep["results"][0]
-            gpu = res.get("peak_gpu_mb") or res.get("peak_cuda_mb")
+            gpu = res.get("peak_gpu_mb")  # GPU backends; CPU ones: the process peak RSS
             row.memory_mb = float(gpu if gpu is not None else res.get("peak_rss_mb", 0.0)) or None
             pt = _point(res.get("points", []), params)
             if pt is not None:

@@ -340,3 +340,13 @@ base = "docker.io/library/python:3.12-slim@sha256:{digest}"
         "validate": ["tiny.cpu:validate[int8]", "tiny.cpu:validate[onnx]"],
         "bench": ["tiny.cpu:bench[int8]", "tiny.cpu:bench[onnx]"],
     }
+
+
+def test_memory_is_the_gpu_peak_for_gpu_benchmarks(tmp_path: Path) -> None:
+    a = _variant(tmp_path, "a", min_cos=0.999, mean_cos=0.999, p50=10, rss=100)
+    b = _variant(tmp_path, "b", min_cos=0.999, mean_cos=0.999, p50=10, rss=900)
+    bench = json.loads((b[2].path / "bench.json").read_text())
+    bench["results"][0]["peak_gpu_mb"] = 50.0  # a GPU backend: its process RSS is not the point
+    (b[2].path / "bench.json").write_text(json.dumps(bench))
+    sel = _select([a, b], objective="min_memory")
+    assert sel.winner == "b" and {r.label: r.memory_mb for r in sel.rows} == {"a": 100.0, "b": 50.0}
