@@ -678,7 +678,7 @@ class Engine:
             for folder in (out_dir, tmp_dir, in_dir):
                 folder.mkdir()
             log_path = scratch / "log.txt"
-            logger = _action_logger(key, log_path, lambda line: _set_last(st, line))
+            logger = action_logger(key, log_path, lambda line: _set_last(st, line))
             t0 = time.time()
             try:
                 inputs: dict[str, list[Artifact]] = {}
@@ -728,7 +728,7 @@ class Engine:
                 json.dumps(meta)  # metadata must be JSON: fail here, not in the cache
                 duration = time.time() - t0
                 logger.info(f"mopt: done in {duration:.2f}s")
-                _close_logger(logger)
+                close_logger(logger)
                 with self.store.in_use():
                     tree, _entries = self.store.put_tree(out_dir)
                     log_digest = self.store.put_log(log_path)
@@ -770,12 +770,12 @@ class Engine:
                 logger.debug(traceback.format_exc())
                 with open(log_path, "a") as fh:
                     fh.write(traceback.format_exc())
-                _close_logger(logger)
+                close_logger(logger)
                 st.status = "failed"
                 st.reason = f"{type(exc).__name__}: {exc}"
                 st.log_path = self.store.keep_failed_log(key, log_path)
             finally:
-                _close_logger(logger)
+                close_logger(logger)
         return st
 
 
@@ -807,11 +807,15 @@ _logger_seq = 0
 _logger_lock = threading.Lock()
 
 
-def _action_logger(key: str, path: Path, on_line: Callable[[str], None]) -> logging.Logger:
+def action_logger(
+    key: str, path: Path, on_line: Callable[[str], None] | None = None, prefix: str = "mopt.action"
+) -> logging.Logger:
+    """A logger of its own for one action: INFO and up into `path` (the action's log),
+    every message to `on_line` (the live last line); close it with `close_logger`."""
     global _logger_seq
     with _logger_lock:
         _logger_seq += 1
-        name = f"mopt.action.{key[:16]}.{_logger_seq}"
+        name = f"{prefix}.{key[:16]}.{_logger_seq}"
     logger = logging.getLogger(name)
     logger.setLevel(logging.DEBUG)
     logger.propagate = False
@@ -819,11 +823,12 @@ def _action_logger(key: str, path: Path, on_line: Callable[[str], None]) -> logg
     fh.setFormatter(logging.Formatter("%(message)s"))
     fh.setLevel(logging.INFO)
     logger.addHandler(fh)
-    logger.addHandler(_TailHandler(on_line))
+    if on_line is not None:
+        logger.addHandler(_TailHandler(on_line))
     return logger
 
 
-def _close_logger(logger: logging.Logger) -> None:
+def close_logger(logger: logging.Logger) -> None:
     for h in list(logger.handlers):
         h.close()
         logger.removeHandler(h)

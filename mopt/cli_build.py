@@ -245,6 +245,8 @@ def register(app: click.Group) -> None:
                         "hashed_files": engine.store.state.hashed_files,
                         "hashed_bytes": engine.store.state.hashed_bytes,
                         "stat_hits": engine.store.state.hits,
+                        # why the no-op fast path was not taken
+                        "noop_miss": noop.last_miss if stamp is not None else "no store folder",
                     },
                     "build_dir": str(engine.build_dir),
                     "nodes": [st.as_json() for st in states.values()],

@@ -70,37 +70,57 @@ def find_store_dir(recipe: str) -> str | None:
         d = parent
 
 
+#: why the last `check` found no usable stamp ("" when it did): `mopt build --json` reports it
+last_miss = ""
+
+
 def check(path: str) -> dict[str, Any] | None:
-    """The stamp's recorded result if nothing it depends on changed, else None."""
+    """The stamp's recorded result if nothing it depends on changed, else None (the reason
+    is left in `last_miss`)."""
+    global last_miss
+    last_miss = _miss(path)
+    if last_miss:
+        return None
+    with open(path) as fh:
+        result: dict[str, Any] = json.load(fh).get("result", {})
+    return result
+
+
+def _miss(path: str) -> str:
     try:
         with open(path) as fh:
             stamp = json.load(fh)
-    except (OSError, ValueError):
-        return None
+    except OSError:
+        try:
+            with open(path + ".skipped") as fh:
+                return "no stamp: " + fh.read().strip()
+        except OSError:
+            return "no stamp"
+    except ValueError:
+        return "unreadable stamp"
     if stamp.get("version") != STAMP_VERSION or stamp.get("python") != sys.executable:
-        return None
+        return "another stamp version or Python"
     if stamp.get("host") != _host():  # platform() parts (CPU class) are per machine
-        return None
+        return "another host"
     if _env(stamp.get("env_extra", [])) != stamp.get("env"):
-        return None
+        return "environment changed"
     for p, want in stamp.get("files", {}).items():
         if _stat(p) != want:
-            return None
+            return f"changed: {p}"
     for p in stamp.get("exist", []):
         if not os.path.exists(p):
-            return None
+            return f"gone: {p}"
     for p in stamp.get("absent", []):
         if os.path.exists(p):
-            return None
+            return f"appeared: {p}"
     for p, want in stamp.get("dirs", {}).items():
         try:
             if os.stat(p).st_mtime_ns != want:
-                return None
+                return f"folder changed: {p}"
         except OSError:
             if want is not None:
-                return None
-    result: dict[str, Any] = stamp.get("result", {})
-    return result
+                return f"folder gone: {p}"
+    return ""
 
 
 def write(
@@ -126,8 +146,12 @@ def write(
     import time
 
     now = time.time_ns()
-    if any(st is not None and now - st[2] < RACY_NS for st in stats.values()):
+    racy = [p for p, st in stats.items() if st is not None and now - st[2] < RACY_NS]
+    if racy:
         invalidate(path)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".skipped", "w") as fh:
+            fh.write(f"the last build did not write one: {racy[0]} had just changed\n")
         return
     stamp = {
         "version": STAMP_VERSION,
@@ -146,6 +170,10 @@ def write(
     with os.fdopen(fd, "w") as fh:
         json.dump(stamp, fh, separators=(",", ":"))
     os.replace(tmp, path)
+    try:
+        os.unlink(path + ".skipped")
+    except OSError:
+        pass
 
 
 def _host() -> str:
@@ -153,10 +181,11 @@ def _host() -> str:
 
 
 def invalidate(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
+    for p in (path, path + ".skipped"):
+        try:
+            os.unlink(p)
+        except OSError:
+            pass
 
 
 def _dir_mtime(d: str) -> int | None:

@@ -61,7 +61,8 @@ def test_unchanged_build_takes_the_fast_path(proj: Path) -> None:
     time.sleep(0.2)  # files written within the racy window are not trusted by stat
     assert not fast(build(proj))  # first no-op: full path, writes the stamp
     second = build(proj)
-    assert fast(second) and second["counts"] == {"cached": 4}
+    assert fast(second), second["io"]["noop_miss"]
+    assert second["counts"] == {"cached": 4}
     assert {n["id"] for n in second["nodes"]} == {"m1.cpu:a", "m1.cpu:b", "m2.cpu:a", "m2.cpu:b"}
 
 
@@ -93,6 +94,17 @@ def test_any_change_takes_the_full_path(proj: Path, change: str) -> None:
         (proj / "mopt.toml").write_text('[store]\npath = ".mopt"\n[plugins]\ndisable = []\n')
     data = build(proj, env)
     assert not fast(data)
+    # and the JSON says why
+    why = {
+        "touch_input": f"changed: {proj / 'in' / 'm1.txt'}",
+        "edit_input": f"changed: {proj / 'in' / 'm1.txt'}",
+        "edit_recipe": f"changed: {proj / 'r.toml'}",
+        "env": "environment changed",
+        "delete_output": "changed: ",  # the hard-linked blob is seen first
+        "delete_ac": str(proj / ".mopt" / "ac"),
+        "new_config": f"changed: {proj / 'mopt.toml'}",
+    }[change]
+    assert why in data["io"]["noop_miss"]
     built = {n["id"] for n in data["nodes"] if n["status"] == "built"}
     expected = {
         "touch_input": set(),

@@ -16,24 +16,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-from mopt.api import BuildContext, Input, Params, TargetKind
+from mopt.api import Artifact, BuildContext, Params
 from pydantic import Field
 
-from mopt_ml.validate import ONNX_KINDS
+from mopt_ml.validate import ArtifactTester
 
 
-class BenchKind(TargetKind):
-    static_fingerprint = True  # library versions only: a no-op build may skip it
+class BenchKind(ArtifactTester):
     """Latency p50/p90/p99, throughput and peak memory of an artifact and its PyTorch FP32
     baseline: warm-up, then timed windows until two agree (bounded)."""
 
     name = "bench"
     version = "1"
     description = "latency / throughput / memory of the artifact and the PyTorch FP32 baseline"
-    consumes = (
-        Input("model", kinds=(*ONNX_KINDS, "torch-compile"), fanout=True),
-        Input("reference", kinds=("weights",)),
-    )
     reproducible = False
     exclusive = True  # timed alone: other actions of the build wait while it runs
 
@@ -63,28 +58,10 @@ class BenchKind(TargetKind):
     def platform(self, hardware: Any) -> dict[str, Any]:
         return {"machine": platform.machine(), "cpu": cpu_model(), "cpus": os.cpu_count()}
 
-    def input_files(self, params: Any, project_dir: Path) -> list[Path]:
-        from mopt_ml.common import data_input_files
-
-        return data_input_files(params.data, project_dir)
-
-    def run(self, ctx: BuildContext) -> dict[str, Any]:
-        from mopt_ml.common import require
-
-        require("torch", "transformers", "onnxruntime")
-        art = ctx.input("model")
-        ref = ctx.input("reference")
+    def test(self, art: Artifact, ref: Path, ctx: BuildContext, label: str) -> dict[str, Any]:
+        p = ctx.params
         return bench(
-            art.path,
-            ref.path,
-            ctx.out,
-            ctx.tmp,
-            ctx.family,
-            ctx.params,
-            ctx.project_dir,
-            ctx.log,
-            label=f"{art.target} ({art.kind})",
-            kind=art.kind,
+            art.path, ref, ctx.out, ctx.tmp, ctx.family, p, ctx.project_dir, ctx.log, label, art.kind
         )
 
 
@@ -200,13 +177,31 @@ def bench(
         common["shapes"] = [list(x) for x in shapes]
         meta = {"precision": cmeta.get("precision")}
         results = [
-            _run_worker({**common, "backend": "torch-compile", "label": art_label, "model": str(model_dir),
-                         "weights": str(ref_dir)}, tmp, log),
+            _run_worker(
+                {
+                    **common,
+                    "backend": "torch-compile",
+                    "label": art_label,
+                    "model": str(model_dir),
+                    "weights": str(ref_dir),
+                },
+                tmp,
+                log,
+            ),
         ]
         if params.baseline:
             results.append(
-                _run_worker({**common, "backend": "torch-cuda-eager", "label": f"pytorch-{cmeta.get('precision')}-eager",
-                             "model": str(model_dir), "weights": str(ref_dir)}, tmp, log)
+                _run_worker(
+                    {
+                        **common,
+                        "backend": "torch-cuda-eager",
+                        "label": f"pytorch-{cmeta.get('precision')}-eager",
+                        "model": str(model_dir),
+                        "weights": str(ref_dir),
+                    },
+                    tmp,
+                    log,
+                )
             )
         log("baseline: eager PyTorch in the artifact's precision on the same GPU")
     else:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from mopt.api import BuildContext, Input, Params, TargetKind
+from mopt.api import Artifact, BuildContext, Input, Params, TargetKind
 from pydantic import Field
 
 #: the kinds whose folders hold a model.onnx this plugin can run
@@ -22,18 +22,40 @@ class GateFailed(RuntimeError):
     """The artifact is not accurate enough for the recipe's thresholds."""
 
 
-class ValidateKind(TargetKind):
+class ArtifactTester(TargetKind):
+    """Base of the kinds that test one artifact against the PyTorch reference (`validate`,
+    `bench`): fanned out over the section's artifacts, reading an optional `data` file."""
+
+    consumes = (
+        Input("model", kinds=(*ONNX_KINDS, "torch-compile"), fanout=True),
+        Input("reference", kinds=("weights",)),
+    )
     static_fingerprint = True  # library versions only: a no-op build may skip it
+
+    def input_files(self, params: Any, project_dir: Path) -> list[Path]:
+        from mopt_ml.common import data_input_files
+
+        return data_input_files(params.data, project_dir)
+
+    def run(self, ctx: BuildContext) -> dict[str, Any]:
+        from mopt_ml.common import require
+
+        require("torch", "transformers", "onnxruntime")
+        art = ctx.input("model")
+        return self.test(art, ctx.input("reference").path, ctx, f"{art.target} ({art.kind})")
+
+    def test(self, art: Artifact, ref: Path, ctx: BuildContext, label: str) -> dict[str, Any]:
+        """Test `art` against the reference weights in `ref`; the action's result."""
+        raise NotImplementedError
+
+
+class ValidateKind(ArtifactTester):
     """Min / mean cosine of pooled embeddings vs the PyTorch reference, max abs diff and
     top-1 neighbour agreement on the validation texts; fails below the thresholds."""
 
     name = "validate"
     version = "1"
     description = "accuracy of an artifact vs the PyTorch reference, with a gate"
-    consumes = (
-        Input("model", kinds=(*ONNX_KINDS, "torch-compile"), fanout=True),
-        Input("reference", kinds=("weights",)),
-    )
 
     class Params(Params):
         min_cosine: float | None = Field(default=0.99, description="fail below this min cosine")
@@ -64,26 +86,16 @@ class ValidateKind(TargetKind):
 
         return versions("torch", "transformers", "onnxruntime", "numpy", "tokenizers")
 
-    def input_files(self, params: Any, project_dir: Path) -> list[Path]:
-        from mopt_ml.common import data_input_files
-
-        return data_input_files(params.data, project_dir)
-
-    def run(self, ctx: BuildContext) -> dict[str, Any]:
-        from mopt_ml.common import require
-
-        require("torch", "transformers", "onnxruntime")
-        art = ctx.input("model")
-        ref = ctx.input("reference")
+    def test(self, art: Artifact, ref: Path, ctx: BuildContext, label: str) -> dict[str, Any]:
         return validate(
             art.path,
-            ref.path,
+            ref,
             ctx.out,
             ctx.family,
             ctx.params,
             ctx.project_dir,
             ctx.log,
-            label=f"{art.target} ({art.kind})",
+            label=label,
             kind=art.kind,
         )
 
@@ -183,7 +195,7 @@ def validate(
     if failed and params.on_fail == "fail":
         raise GateFailed(f"validation gate failed: {'; '.join(failed)} ({summary})")
     if failed:
-        log(f"validation gate failed (recorded, on_fail = \"record\"): {'; '.join(failed)}")
+        log(f'validation gate failed (recorded, on_fail = "record"): {"; ".join(failed)}')
     return {
         "passed": not failed,
         "failed_gates": failed,

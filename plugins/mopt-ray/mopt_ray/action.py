@@ -12,7 +12,6 @@ Engine could call `run_action` for its local misses too.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import socket
@@ -28,6 +27,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from mopt.api import Artifact, BuildContext, HardwareProfile, Missing
+from mopt.build import action_logger, close_logger
 from mopt.store import ActionEntry, Store
 
 LOG_TAIL_BYTES = 64 * 1024
@@ -72,7 +72,7 @@ class ActionSpec(_Model):
     section: str
     label: str
     #: partial slots' inputs that are not there (mopt.api.Missing as dicts)
-    missing: dict[str, list[dict[str, str]]] = Field(default_factory=dict)
+    missing: dict[str, list[dict[str, Any]]] = Field(default_factory=dict)
     source_tree: str | None = None
     files: list[FileSpec] = Field(default_factory=list)
     recipe: str = ""
@@ -204,7 +204,7 @@ def run_action(
         for d in (out_dir, tmp_dir, in_dir):
             d.mkdir()
         log_path = scratch / "log.txt"
-        logger = _logger(spec.key, log_path, on_line)
+        logger = action_logger(spec.key, log_path, on_line, prefix="mopt.ray.action")
         t0 = time.time()
         try:
             inputs: dict[str, list[Artifact]] = {}
@@ -265,7 +265,7 @@ def run_action(
             json.dumps(meta)  # metadata must be JSON: fail here, not in the cache
             duration = time.time() - t0
             logger.info(f"mopt: done in {duration:.2f}s")
-            _close(logger)
+            close_logger(logger)
             with store.in_use():
                 tree, _entries = store.put_tree(out_dir)
                 log_digest = store.put_log(log_path)
@@ -294,7 +294,7 @@ def run_action(
             if isinstance(exc, KeyboardInterrupt | SystemExit):
                 raise
             logger.error("mopt: FAILED: " + "".join(traceback.format_exception_only(exc)).strip())
-            _close(logger)
+            close_logger(logger)
             with open(log_path, "a") as fh:
                 fh.write(traceback.format_exc())
             store.keep_failed_log(spec.key, log_path)
@@ -306,7 +306,7 @@ def run_action(
                 host=host,
             )
         finally:
-            _close(logger)
+            close_logger(logger)
 
 
 def _tree_into(store: Store, tree: str, dest: Path, fetch_tree: FetchTree | None) -> None:
@@ -325,41 +325,3 @@ def _tail(path: Path) -> str:
             return fh.read().decode("utf-8", "replace")
     except OSError:
         return ""
-
-
-class _Tail(logging.Handler):
-    def __init__(self, cb: Callable[[str], None]) -> None:
-        super().__init__()
-        self.cb = cb
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.cb(record.getMessage())
-
-
-_seq = 0
-_seq_lock = threading.Lock()
-
-
-def _logger(key: str, path: Path, on_line: Callable[[str], None] | None) -> logging.Logger:
-    global _seq
-    with _seq_lock:
-        _seq += 1
-        name = f"mopt.ray.action.{key[:16]}.{_seq}"
-    logger = logging.getLogger(name)
-    logger.setLevel(logging.DEBUG)
-    logger.propagate = False
-    fh = logging.FileHandler(path, encoding="utf-8")
-    fh.setFormatter(logging.Formatter("%(message)s"))
-    fh.setLevel(logging.INFO)
-    logger.addHandler(fh)
-    if on_line is not None:
-        logger.addHandler(_Tail(on_line))
-    return logger
-
-
-def _close(logger: logging.Logger) -> None:
-    for h in list(logger.handlers):
-        h.close()
-        logger.removeHandler(h)
-
-

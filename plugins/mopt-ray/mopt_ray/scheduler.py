@@ -93,14 +93,14 @@ class RayBuild:
                 for _ in range(len(pending)):
                     i = pending.popleft()
                     st = self.states[i]
-                    ready, why_not, missing = readiness(st.node, self.states, self.outputs, self.graph)
-                    if ready == "blocked":
+                    state, why_not, missing = readiness(st.node, self.states, self.outputs, self.graph)
+                    if state == "blocked":
                         self._done(st, "blocked", why_not)
                         continue
                     if stop:
                         self._done(st, "blocked", "not started after an earlier failure (use --keep-going)")
                         continue
-                    if ready == "wait":
+                    if state == "wait":
                         pending.append(i)
                         continue
                     st.missing = missing
