@@ -338,3 +338,53 @@ def test_an_exclusive_kind_runs_alone(project: Path, tmp_path: Path) -> None:
                 assert d <= a or c >= b, f"{other} ran during exclusive {label}"
     # and the non-exclusive exports did share the two slots
     assert any(a < d and c < b for (a, b, x) in exports for (c, d, y) in exports if x != y)
+
+
+def test_a_gathering_node_runs_on_what_got_built(project: Path) -> None:
+    # toy-gpu-only cannot build here: toy-gather still runs, on the rest, and says so; its
+    # key holds the missing input's status, so it is cached until that input builds
+    (project / "r.toml").write_text(RECIPE.replace(
+        '[defaults]\ntargets = ["toy-weights", "toy-export", "toy-engine", "toy-check"]',
+        '[defaults]\ntargets = ["toy-weights", "toy-export", "toy-engine", "toy-gpu-only", "toy-check", "toy-gather"]',
+    ).replace("[toy.gpu]\nhardware = \"toy-gpu\"\n", ""))
+    data = build(project, "--keep-going")
+    states = {n["id"]: n for n in data["nodes"]}
+    assert states["toy.cpu:toy-gpu-only"]["status"] == "unbuildable"
+    assert states["toy.cpu:toy-gather"]["status"] == "built"
+    assert data["returncode"] == 1  # the unbuildable target still fails the build
+    got = json.loads((project / "build/toy/cpu/toy-gather/gathered.json").read_text())
+    assert [a["label"] for a in got["got"]["models"]] == ["toy-engine", "toy-export"]
+    assert [a["label"] for a in got["got"]["checks"]] == ["toy-check[toy-engine]", "toy-check[toy-export]"]
+    assert got["got"]["checks"][0]["from"] == {"model": ["toy-engine"], "reference": ["toy-weights"]}
+    assert got["missing"]["models"][0]["label"] == "toy-gpu-only"
+    assert got["missing"]["models"][0]["status"] == "unbuildable"
+    assert got["missing"]["models"][0]["reason"].startswith("unbuildable here:")
+    assert set(got["missing"]) == {"models"}
+    # plan predicts the same: toy-gather is up to date, not "will run"
+    plan = json.loads(run_mopt("plan", "r.toml", "--json", cwd=project).stdout)
+    status = {n["id"]: n["status"]["state"] for n in plan["nodes"]}
+    assert status["toy.cpu:toy-gpu-only"] == "unbuildable"
+    assert status["toy.cpu:toy-gather"] == "up-to-date"
+    again = build(project, "--keep-going")
+    assert {n["id"]: n["status"] for n in again["nodes"]}["toy.cpu:toy-gather"] == "cached"
+
+
+def test_a_gathering_node_runs_again_when_a_missing_input_builds(project: Path) -> None:
+    recipe = RECIPE.replace(
+        '[defaults]\ntargets = ["toy-weights", "toy-export", "toy-engine", "toy-check"]',
+        '[defaults]\ntargets = ["toy-weights", "toy-export", "toy-engine", "toy-check", "toy-gather"]',
+    ).replace("[toy.gpu]\nhardware = \"toy-gpu\"\n", "")
+    (project / "r.toml").write_text(recipe + "[toy.cpu.toy-export]\nfail = true\n")
+    first = build(project, "--keep-going")
+    assert {n["id"]: n["status"] for n in first["nodes"]}["toy.cpu:toy-gather"] == "built"
+    got = json.loads((project / "build/toy/cpu/toy-gather/gathered.json").read_text())
+    assert got["got"] == {"checks": [], "models": []}
+    assert {m["label"]: m["status"] for m in got["missing"]["models"]} == {
+        "toy-export": "failed", "toy-engine": "blocked"
+    }
+    (project / "r.toml").write_text(recipe)
+    second = build(project, "--keep-going")
+    assert second["returncode"] == 0
+    assert {n["id"]: n["status"] for n in second["nodes"]}["toy.cpu:toy-gather"] == "built"
+    got = json.loads((project / "build/toy/cpu/toy-gather/gathered.json").read_text())
+    assert got["missing"] == {} and len(got["got"]["models"]) == 2

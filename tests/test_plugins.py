@@ -170,7 +170,8 @@ def test_installed_fixture_plugin_is_listed_and_used(tmp_path: Path) -> None:
     fx = plugins["fixture"]
     assert fx["distribution"] == "mopt-fixture-plugin" and fx["version"] == "0.3.0"
     assert fx["registered"] == {
-        "targets": ["toy-weights", "toy-export", "toy-engine", "toy-gpu-only", "toy-check", "toy-timed"],
+        "targets": ["toy-weights", "toy-export", "toy-engine", "toy-gpu-only", "toy-check", "toy-timed",
+                    "toy-gather"],
         "families": ["toyfam"],
         "hardware": ["toy-gpu"],
     }

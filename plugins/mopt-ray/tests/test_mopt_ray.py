@@ -293,3 +293,25 @@ def test_worker_loss_is_retried_and_leaves_nothing_under_a_final_name(
         assert not (worker_store / "ac" / f"{st.key}.json").exists()
     for leftover in (remote_root / "tmp").glob("*") if (remote_root / "tmp").exists() else []:
         raise AssertionError(f"unfinished upload left behind: {leftover}")
+
+
+def test_a_gathering_node_runs_on_ray_with_what_got_built(cluster: Any, tmp_path: Path) -> None:
+    # no worker offers mopt:toy-gpu: the engine is unbuildable, its check blocked; toy-gather
+    # (gather + partial) still runs on a worker, on the export and its check
+    recipe = RECIPE.replace(
+        'targets = ["toy-weights", "toy-export", "toy-engine", "toy-check"]',
+        'targets = ["toy-weights", "toy-export", "toy-engine", "toy-check", "toy-gather"]',
+    )
+    url = f"file://{tmp_path / 'remote'}"
+    states, _engine, _remote = ray_build(
+        make_project(tmp_path / "g", recipe), url, {}, tmp_path / "worker-store", ["toy.gpu"]
+    )
+    s = by_label(states)
+    assert s["gpu:toy-engine"].status == "unbuildable"
+    assert s["gpu:toy-gather"].status == "built", s["gpu:toy-gather"].reason
+    assert s["gpu:toy-gather"].entry.meta["executor"] == "ray"
+    got = json.loads((tmp_path / "g" / "build/toy/gpu/toy-gather/gathered.json").read_text())
+    assert [a["label"] for a in got["got"]["models"]] == ["toy-export"]
+    assert [a["label"] for a in got["got"]["checks"]] == ["toy-check[toy-export]"]
+    assert {m["label"]: m["status"] for m in got["missing"]["models"]} == {"toy-engine": "unbuildable"}
+    assert {m["label"]: m["status"] for m in got["missing"]["checks"]} == {"toy-check[toy-engine]": "blocked"}

@@ -181,6 +181,29 @@ class ToyTimed(TargetKind):
         return {}
 
 
+class ToyGather(TargetKind):
+    """Takes every engine / export of the section and every check at once, whatever got
+    built (`gather` + `partial`): writes what it got and what was missing."""
+
+    name = "toy-gather"
+    consumes = (
+        Input("models", kinds=("toy-engine", "toy-export", "toy-gpu-only"), gather=True, partial=True),
+        Input("checks", kinds=("toy-check",), gather=True, partial=True),
+    )
+
+    def run(self, ctx: BuildContext) -> dict[str, Any]:
+        got = {
+            slot: [{"label": a.label, "kind": a.kind, "from": a.input_labels} for a in arts]
+            for slot, arts in ctx.inputs.items()
+        }
+        missing = {
+            slot: [{"label": m.label, "status": m.status, "reason": m.reason} for m in ms]
+            for slot, ms in ctx.missing.items()
+        }
+        (ctx.out / "gathered.json").write_text(json.dumps({"got": got, "missing": missing}, sort_keys=True))
+        return {"got": sum(len(v) for v in got.values()), "missing": sum(len(v) for v in missing.values())}
+
+
 class ToyFamily(Family):
     """A toy family."""
 
@@ -204,7 +227,7 @@ TOY_GPU = HardwareProfile(
 @hookimpl
 def mopt_register_targets(register: Callable[[Any], None]) -> None:
     """Toy kinds."""
-    for k in (ToyWeights, ToyExport, ToyEngine, ToyGpuOnly, ToyCheck, ToyTimed):
+    for k in (ToyWeights, ToyExport, ToyEngine, ToyGpuOnly, ToyCheck, ToyTimed, ToyGather):
         register(k)
 
 
