@@ -52,15 +52,21 @@ def readiness(
         return "blocked", f"input {hard[0]} {states[hard[0]].status}", {}
     if any(d not in outputs and d not in gone for d in deps):
         return "wait", "", {}
+    return "ready", "", missing_inputs(node, {d: (states[d].status, states[d].reason) for d in gone}, graph)
+
+
+def missing_inputs(node: Node, gone: dict[str, tuple[str, str]], graph: Any) -> dict[str, list[Missing]]:
+    """Slot → the inputs of `node` that will not come (`gone`: id → (status, reason))."""
     missing: dict[str, list[Missing]] = {}
     for slot, ids in node.inputs.items():
         for d in ids:
             if d in gone:
                 dep = graph.nodes[d]
+                status, reason = gone[d]
                 missing.setdefault(slot, []).append(
-                    Missing(dep.label, dep.kind, states[d].status, states[d].reason, graph.input_labels(dep))
+                    Missing(dep.label, dep.kind, status, reason, graph.input_labels(dep))
                 )
-    return "ready", "", missing
+    return missing
 
 
 def built_inputs(node: Node, outputs: dict[str, str]) -> dict[str, list[str]]:
@@ -351,14 +357,10 @@ class Engine:
                 }
                 continue
             inputs = {s: [outputs[d] for d in ds if d not in gone] for s, ds in node.inputs.items()}
-            absent: dict[str, list[Missing]] = {}
-            for slot, ds in node.inputs.items():
-                for d in ds:
-                    if d in gone:  # a partial slot's: its status is part of the key
-                        dep = self.graph.nodes[d]
-                        absent.setdefault(slot, []).append(
-                            Missing(dep.label, dep.kind, gone[d], "", self.graph.input_labels(dep))
-                        )
+            # a partial slot's inputs that will not build: their status is part of the key
+            absent = missing_inputs(
+                node, {d: (gone[d], "") for d in node.input_ids() if d in gone}, self.graph
+            )
             try:
                 parts = self.parts(node, inputs, absent)  # type: ignore[arg-type]
             except MoptError as exc:  # e.g. a source not available locally: say so, go on

@@ -14,6 +14,7 @@ This module imports nothing heavy: it runs before pydantic and pluggy are loaded
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -170,10 +171,7 @@ def write(
     with os.fdopen(fd, "w") as fh:
         json.dump(stamp, fh, separators=(",", ":"))
     os.replace(tmp, path)
-    try:
-        os.unlink(path + ".skipped")
-    except OSError:
-        pass
+    _remove(path + ".skipped")
 
 
 def _host() -> str:
@@ -181,11 +179,14 @@ def _host() -> str:
 
 
 def invalidate(path: str) -> None:
-    for p in (path, path + ".skipped"):
-        try:
+    _remove(path, path + ".skipped")
+
+
+def _remove(*paths: str) -> None:
+    """Remove what exists of `paths` (a stamp, or its note, may never have been written)."""
+    for p in paths:
+        with contextlib.suppress(OSError):
             os.unlink(p)
-        except OSError:
-            pass
 
 
 def _dir_mtime(d: str) -> int | None:
