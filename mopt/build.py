@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import socket
-import tempfile
 import threading
 import time
 import traceback
@@ -31,7 +30,7 @@ from mopt.digest import canonical_json, hash_bytes
 from mopt.errors import MoptError
 from mopt.graph import Node
 from mopt.keys import action_key, diff_parts
-from mopt.store import ActionEntry, Store
+from mopt.store import ActionEntry, Store, StoreError
 
 LOCK_NAME = "mopt.lock"
 
@@ -108,17 +107,64 @@ class NodeState:
         return d
 
 
-def address_path(build_dir: Path, address: str) -> Path:
-    """build/<model>/<hardware>/<target> for an address `model.hardware:target`."""
-    section, _, label = address.partition(":")
-    model, _, hw = section.partition(".")
-    return build_dir / model / hw / label
+def address_path(build_dir: Path, address: str, recipe: Any = None) -> Path:
+    """build/<model>/<section>/<target> for an address `<section id>:<label>`.
+
+    The folders come from the section's own model and section names (`recipe`: the recipe,
+    or a list of its sections), never from splitting the id at a dot: a model may be named
+    `qwen2.5-0.5b`. Without `recipe` the id is split at its first dot (names without dots).
+    Each part must be one path component (the recipe checks names when it loads; this
+    holds for addresses from anywhere else too).
+    """
+    section_id, _, label = address.partition(":")
+    parts: tuple[str, str] | None = None
+    if recipe is not None:
+        for sec in getattr(recipe, "sections", recipe):
+            if sec.id == section_id:
+                parts = (sec.model, sec.key)
+                break
+    if parts is None:
+        m, _, h = section_id.partition(".")
+        parts = (m, h)
+    for part in (*parts, label):
+        if not part or part in (".", "..") or "/" in part or "\0" in part:
+            raise MoptError(
+                f"address {address!r} does not name a folder under {build_dir} ({part!r} is not one path "
+                "component)",
+                hint="model, section and target names are single folder names",
+            )
+    return build_dir / parts[0] / parts[1] / label
+
+
+def _check_input_files(kind: TargetKind) -> None:
+    """Make `kind.input_files` fail with a one-line error naming the file.
+
+    A kind resolves its declared files itself (e.g. `Path.resolve()`, which raises
+    RuntimeError on a loop of symbolic links in Python 3.11, ValueError on a NUL): every
+    caller, the schedulers' upfront hashing included, gets this wrapped method."""
+    inner = kind.input_files
+
+    def input_files(params: Any, project_dir: Path) -> list[Path]:
+        try:
+            return list(inner(params, project_dir))
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise MoptError(
+                f"a declared input file of kind {kind.name!r} cannot be resolved: {exc}",
+                hint="fix the path or the symbolic link it goes through",
+            ) from None
+
+    kind.input_files = input_files  # type: ignore[method-assign]
+
+
+class SourceUnavailable(MoptError):
+    """A model's source cannot be resolved here and now (e.g. not in the local cache while
+    planning): `plan` shows it as a status, `build` fails with it."""
 
 
 class Engine:
     """Keys, plans and builds the nodes of a session's graph."""
 
-    def __init__(self, session: Any, *, offline: bool = False, salt: str = "") -> None:
+    def __init__(self, session: Any, *, offline: bool = False, salt: str = "", read_only: bool = False) -> None:
         self.session = session
         self.project = session.project
         self.recipe = session.recipe
@@ -126,8 +172,13 @@ class Engine:
         self.registry = session.registry
         self.offline = offline
         self.salt = salt
-        self.store = Store(self.project.store_dir)
+        #: plan, ls, show, explain, report: nothing in the store is created, repaired or removed
+        self.read_only = read_only
+        self.store = Store(self.project.store_dir, read_only=read_only)
         self.build_dir = self.project.build_dir
+        self.store.allow(self.build_dir)
+        if not read_only:
+            self.store.check_writable()
         self._kinds: dict[str, TargetKind] = {}
         self._fingerprints: dict[str, dict[str, str]] = {}
         self._sources: dict[str, tuple[Path, str, dict[str, Any]]] = {}
@@ -140,7 +191,8 @@ class Engine:
         self._prefetched = False
         self.planning = False  # plan never downloads a source
         self.index_dir = self.store.root / "index"
-        self.index_dir.mkdir(exist_ok=True)
+        if not read_only:
+            self.index_dir.mkdir(exist_ok=True)
         self.remote = _remote_for(self.project, self.store, offline)
         if offline:  # libraries that honour these never touch the network
             os.environ["HF_HUB_OFFLINE"] = "1"
@@ -150,7 +202,9 @@ class Engine:
 
     def kind(self, name: str) -> TargetKind:
         if name not in self._kinds:
-            self._kinds[name] = self.registry.targets[name]()
+            k = self.registry.targets[name]()
+            _check_input_files(k)
+            self._kinds[name] = k
         return self._kinds[name]
 
     def fingerprint(self, kind: str) -> dict[str, str]:
@@ -184,12 +238,37 @@ class Engine:
             try:
                 path = src.resolve(model.source_params, ctx)
             except SourceError as exc:
-                err = MoptError(
+                err: MoptError = SourceUnavailable(
                     " ".join(str(exc).split()), file=model.where.file, table=model.where.table, key="source"
                 )
                 self._source_errors[model_name] = err
                 raise err from None
-            digest = self._source_digest(path)
+            except (OSError, ValueError) as exc:  # e.g. a NUL in a path, a loop of links
+                err = MoptError(
+                    f"cannot resolve the source: {' '.join(str(exc).split())}",
+                    file=model.where.file,
+                    table=model.where.table,
+                    key="source",
+                )
+                self._source_errors[model_name] = err
+                raise err from None
+            try:
+                digest = self._source_digest(Path(path))
+            except MoptError as exc:
+                err = MoptError(
+                    exc.message, file=model.where.file, table=model.where.table, key="source", hint=exc.hint
+                )
+                self._source_errors[model_name] = err
+                raise err from None
+            except OSError as exc:
+                err = MoptError(
+                    f"cannot read the source {path}: {exc}",
+                    file=model.where.file,
+                    table=model.where.table,
+                    key="source",
+                )
+                self._source_errors[model_name] = err
+                raise err from None
             info = {"source": src.describe(model.source_params), **src.lock_info(model.source_params, path)}
             self._sources[model_name] = (path, digest, info)
         return self._sources[model_name]
@@ -204,28 +283,74 @@ class Engine:
             return digest
         except SymlinkError:
             pass
+        import stat as stat_
+
         entries = []
         base = str(path)
+        seen: set[tuple[int, int]] = set()  # folders on the way, by inode: a loop of links ends here
+
+        def walk_error(exc: OSError) -> None:
+            raise MoptError(f"cannot read {exc.filename}: {exc.strerror}", hint="fix the source folder")
+
         with self.store.state.batch():
-            for root, dirs, files in os.walk(base, followlinks=True):
+            for root, dirs, files in os.walk(base, followlinks=True, onerror=walk_error):
+                rst = os.stat(root)
+                if (rst.st_dev, rst.st_ino) in seen:
+                    raise MoptError(
+                        f"{root}: a symbolic link loops back to a folder above it",
+                        hint="remove the link from the source folder",
+                    )
+                seen.add((rst.st_dev, rst.st_ino))
                 dirs.sort()
                 for f in sorted(files):
                     p = os.path.join(root, f)
                     real = os.path.realpath(p)
-                    st = os.stat(real)
+                    try:
+                        st = os.stat(real)
+                    except OSError as exc:
+                        raise MoptError(
+                            f"{p}: {exc.strerror} (a dangling or looping symbolic link?)",
+                            hint="remove the link or restore what it points to",
+                        ) from None
+                    if not stat_.S_ISREG(st.st_mode):
+                        raise MoptError(
+                            f"{p}: not a regular file (a device, socket or pipe)",
+                            hint="a source folder holds only files and folders",
+                        )
                     rel = os.path.relpath(p, base).replace(os.sep, "/")
-                    entries.append(
-                        TreeEntry(rel, mode_of(st.st_mode), st.st_size, self.store.state.file_digest(real))
-                    )
+                    try:
+                        digest = self.store.state.file_digest(real)
+                    except OSError as exc:
+                        raise MoptError(f"cannot read {p}: {exc.strerror}") from None
+                    entries.append(TreeEntry(rel, mode_of(st.st_mode), st.st_size, digest))
         entries.sort(key=lambda e: e.path)
         self._source_files.extend(os.path.join(base, e.path) for e in entries)
         return tree_digest(entries)
 
     def file_digest(self, path: Path) -> str:
         if path not in self._file_digests:
-            if not path.exists():
-                raise MoptError(f"input file {path} does not exist", hint="fix the path in the recipe")
-            self._file_digests[path] = self.store.state.path_digest(path)
+            import stat as stat_
+
+            try:
+                st = os.stat(path)
+            except OSError as exc:
+                if os.path.islink(path):
+                    raise MoptError(
+                        f"input file {path} is a symbolic link that does not resolve ({exc.strerror})",
+                        hint="fix the link or the path in the recipe",
+                    ) from None
+                if isinstance(exc, FileNotFoundError):
+                    raise MoptError(f"input file {path} does not exist", hint="fix the path in the recipe") from None
+                raise MoptError(f"input file {path}: {exc.strerror}", hint="fix the path in the recipe") from None
+            if not (stat_.S_ISREG(st.st_mode) or stat_.S_ISDIR(st.st_mode)):
+                raise MoptError(
+                    f"input file {path} is not a regular file or folder (a device, socket or pipe)",
+                    hint="declare a file or a folder",
+                )
+            try:
+                self._file_digests[path] = self.store.state.path_digest(path)
+            except OSError as exc:
+                raise MoptError(f"cannot read input file {path}: {exc.strerror or exc}") from None
         return self._file_digests[path]
 
     def unmet(self, node: Node) -> str | None:
@@ -317,12 +442,14 @@ class Engine:
 
     def flush_index(self) -> None:
         """Write the index of last builds (one file per recipe, replaced atomically)."""
-        if not self._index_dirty or self._index_data is None:
+        if not self._index_dirty or self._index_data is None or self.read_only:
             return
-        fd, tmp = tempfile.mkstemp(dir=self.index_dir, prefix=".tmp-")
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(canonical_json(self._index_data))
-        os.replace(tmp, self._index_file())
+        from mopt.noop import replace_durably
+
+        try:
+            replace_durably(str(self.store.guard(self._index_file())), canonical_json(self._index_data))
+        except OSError as exc:  # it only feeds plan's "why": a build must not fail on it
+            logging.getLogger("mopt").warning("could not write %s: %s", self._index_file(), exc)
         self._index_dirty = False
 
     # ------------------------------------------------------------------ plan
@@ -363,7 +490,8 @@ class Engine:
             )
             try:
                 parts = self.parts(node, inputs, absent)  # type: ignore[arg-type]
-            except MoptError as exc:  # e.g. a source not available locally: say so, go on
+            except SourceUnavailable as exc:  # e.g. not in the local cache: say so, go on
+                # (every other MoptError is a recipe error `build` rejects too: exit 2)
                 outputs[i] = None
                 result[i] = {"state": "unavailable", "summary": exc.message, "reasons": [exc.render()]}
                 continue
@@ -613,26 +741,23 @@ class Engine:
             entry = self.remote.pull(key)
             if entry is None:
                 return None
-        digests = [entry.outputs_tree] + ([entry.log] if entry.log else [])
-        try:
-            digests += [e.digest for e in self.store.tree_entries(entry.outputs_tree)]
-        except Exception:
+        repair = not self.read_only
+        # The manifest first: its own bytes are checked (tree_entries hashes them once per
+        # process, `intact` by stat after that), and a damaged one is removed, so the rerun
+        # stores it afresh instead of failing on it for good.
+        if not self.store.intact(entry.outputs_tree, repair=repair):
             return None
-        state = self.store.state
-        with state.batch():
+        try:
+            members = [e.digest for e in self.store.tree_entries(entry.outputs_tree)]
+        except StoreError as exc:
+            logging.getLogger("mopt").warning("%s%s", exc, "; removing it and rebuilding" if repair else "")
+            if repair:
+                self.store._remove_blob(entry.outputs_tree)
+            return None
+        digests = members + ([entry.log] if entry.log else [])
+        with self.store.state.batch():
             for d in digests:
-                path = self.store.blob_str(d)
-                try:
-                    ok = state.file_digest(path) == d
-                except FileNotFoundError:
-                    return None
-                if not ok:
-                    logging.getLogger("mopt").warning("blob %s is corrupt; removing it and rebuilding", d)
-                    try:
-                        os.chmod(path, 0o644)
-                        os.unlink(path)
-                    except OSError:
-                        pass
+                if not self.store.intact(d, repair=repair):
                     return None
         return entry
 
@@ -657,12 +782,19 @@ class Engine:
         assert st.key is not None and st.parts is not None
         self.record(st.node, st.key, st.parts)
 
+    def address_path(self, address: str) -> Path:
+        """build/<model>/<section>/<target> of `address` in this recipe."""
+        return address_path(self.build_dir, address, self.recipe)
+
     def _materialize(self, node: Node, tree: str) -> None:
         if node.id not in getattr(self, "_want", {node.id}):
             return
         with self.store.in_use():
             for address in node.addresses:
-                self.store.materialize(tree, address_path(self.build_dir, address))
+                # materialize checks every file by stat (or by inode for large, linked ones)
+                # and rebuilds the folder if one was edited or removed: a repair of this
+                # target's folder only, never of the blob another target's file shares
+                self.store.materialize(tree, self.address_path(address))
 
     def _execute(self, st: NodeState, reporter: Reporter) -> NodeState:
         """Run one action under its lock (another process may have built it meanwhile)."""
@@ -868,17 +1000,48 @@ def current_lock(engine: Engine, ids: list[str]) -> LockData:
     return data
 
 
-def read_lock(recipe_path: Path) -> dict[str, Any]:
-    p = lock_path(recipe_path)
+class LockFileError(MoptError):
+    """A lock file cannot be read or written; the message names it."""
+
+
+def load_lock_file(p: Path) -> dict[str, Any]:
+    """The parsed lock file at `p` ({} if there is none); LockFileError if it cannot be read
+    or is not what mopt writes (`gc` must not guess what a damaged one pinned)."""
     try:
-        data = json.loads(p.read_text())
+        text = p.read_text(encoding="utf-8")
     except FileNotFoundError:
         return {}
+    except (OSError, UnicodeDecodeError) as exc:
+        raise LockFileError(f"cannot read the lock file: {exc}", file=str(p)) from None
+    try:
+        data = json.loads(text)
     except ValueError as exc:
-        raise MoptError(
-            f"lock file is not valid JSON: {exc}", file=str(p), hint="delete it and rebuild"
-        ) from None
-    entry = data.get("recipes", {}).get(recipe_path.name, {})
+        raise LockFileError(f"lock file is not valid JSON: {exc}", file=str(p), hint="delete it and rebuild") from None
+    recipes = data.get("recipes", {}) if isinstance(data, dict) else None
+    if not isinstance(recipes, dict) or not all(
+        isinstance(e, dict) and isinstance(e.get("artifacts", {}), dict) for e in recipes.values()
+    ):
+        raise LockFileError(
+            "lock file is not a mopt lock file (no `recipes` table of artifacts)",
+            file=str(p),
+            hint="delete it and rebuild",
+        )
+    return data
+
+
+def lock_keys(p: Path) -> set[str]:
+    """Action keys the lock file `p` pins (LockFileError if it cannot be read)."""
+    data = load_lock_file(p)
+    return {
+        v
+        for entry in data.get("recipes", {}).values()
+        for v in entry.get("artifacts", {}).values()
+        if isinstance(v, str)
+    }
+
+
+def read_lock(recipe_path: Path) -> dict[str, Any]:
+    entry = load_lock_file(lock_path(recipe_path)).get("recipes", {}).get(recipe_path.name, {})
     return entry if isinstance(entry, dict) else {}
 
 
@@ -909,17 +1072,38 @@ def frozen_diff(recipe_path: Path, now: LockData) -> list[str]:
     return diffs
 
 
-def write_lock(recipe_path: Path, now: LockData, artifacts: dict[str, str]) -> bool:
-    """Update this recipe's entry of mopt.lock; return whether the file changed."""
+def write_lock(recipe_path: Path, now: LockData, artifacts: dict[str, str], store: Store | None = None) -> bool:
+    """Update this recipe's entry of mopt.lock; return whether the file changed.
+
+    The file is written 0644 through a fsynced temp file and a rename, and registered as a
+    gc root of `store`. LockFileError (one line) if the recipe's folder cannot be written."""
+    try:
+        changed = _write_lock(recipe_path, now, artifacts)
+    except OSError as exc:
+        raise LockFileError(
+            f"could not write the lock file: {exc.strerror or exc}",
+            file=str(lock_path(recipe_path)),
+            hint="the build itself succeeded; `mopt gc` will not pin it. Use --no-lock to skip the lock file",
+        ) from None
+    if store is not None:
+        store.add_root(lock_path(recipe_path))
+    return changed
+
+
+def _write_lock(recipe_path: Path, now: LockData, artifacts: dict[str, str]) -> bool:
     import fcntl
+
+    from mopt.noop import replace_durably
 
     p = lock_path(recipe_path)
     with open(p.parent / f".{LOCK_NAME}.flock", "a+") as lk:
         fcntl.flock(lk, fcntl.LOCK_EX)
         try:
-            data = json.loads(p.read_text())
-        except (FileNotFoundError, ValueError):
-            data = {}
+            data = load_lock_file(p)
+        except LockFileError:
+            data = {}  # a damaged one is replaced by what this build knows
+        if not isinstance(data.get("recipes"), dict):
+            data["recipes"] = {}
         data.setdefault("lock_version", 1)
         recipes = data.setdefault("recipes", {})
         old = recipes.get(recipe_path.name, {})
@@ -934,10 +1118,7 @@ def write_lock(recipe_path: Path, now: LockData, artifacts: dict[str, str]) -> b
             return False
         recipes[recipe_path.name] = new
         text = json.dumps(data, indent=2, sort_keys=True) + "\n"
-        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{LOCK_NAME}.")
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, p)
+        replace_durably(str(p), text.encode(), mode=0o644)  # others' gc reads it: not 0600
         return True
 
 
@@ -974,7 +1155,7 @@ def noop_stamp_inputs(engine: Engine, states: dict[str, NodeState]) -> dict[str,
         files.extend(engine.store.blob_str(e.digest) for e in entries)
         if st.node.id in engine._want:
             for address in st.node.addresses:
-                base = address_path(engine.build_dir, address)
+                base = engine.address_path(address)
                 files.extend(str(base / e.path) for e in entries)
     files.extend(engine._source_files)
     files.extend(str(p) for p in engine._file_digests)
@@ -1009,8 +1190,8 @@ def _remote_for(project: Any, store: Store, offline: bool) -> Any:
 
 
 def plan_status(session: Any, ids: list[str]) -> dict[str, dict[str, Any]]:
-    """`mopt plan`'s status column."""
-    engine = Engine(session)
+    """`mopt plan`'s status column (read-only: a plan never changes the store)."""
+    engine = Engine(session, read_only=True)
     try:
         return engine.plan(ids)
     finally:

@@ -149,6 +149,7 @@ def register(app: click.Group) -> None:
     @click.option("--frozen", is_flag=True, help="fail if sources or tools differ from mopt.lock")
     @click.option("--no-check", is_flag=True, help="skip `mopt check` before building")
     @click.option("--quiet", "-q", is_flag=True, help="do not list cached actions")
+    @click.option("--no-lock", is_flag=True, help="do not write mopt.lock (e.g. a read-only recipe folder)")
     @json_opt
     def build(
         recipe: Path,
@@ -159,6 +160,7 @@ def register(app: click.Group) -> None:
         frozen: bool,
         no_check: bool,
         quiet: bool,
+        no_lock: bool,
         as_json: bool,
     ) -> None:
         """Build the selected targets of RECIPE: cache hits are reused, misses run.
@@ -175,7 +177,7 @@ def register(app: click.Group) -> None:
                 _report_noop(done, time.time() - t0, as_json, quiet)
                 return
         from mopt import procs
-        from mopt.build import Engine, current_lock, frozen_diff, noop_stamp_inputs, write_lock
+        from mopt.build import Engine, LockFileError, current_lock, frozen_diff, noop_stamp_inputs, write_lock
 
         s = Session(recipe)
         wanted = s.graph.match(list(selectors))
@@ -211,13 +213,18 @@ def register(app: click.Group) -> None:
         artifacts = {
             st.node.id: st.key for st in states.values() if st.status in ("built", "cached") and st.key
         }
-        if not frozen:
-            write_lock(s.recipe.path, lock_now, artifacts)
+        if not frozen and not no_lock:
+            try:
+                write_lock(s.recipe.path, lock_now, artifacts, store=engine.store)
+            except LockFileError as exc:
+                err.print(f"warning: {exc}")
+        elif (s.recipe.path.parent / "mopt.lock").exists():
+            engine.store.add_root(s.recipe.path.parent / "mopt.lock")
         counts: dict[str, int] = {}
         for st in states.values():
             counts[st.status] = counts.get(st.status, 0) + 1
         failed = [st for st in states.values() if st.status in ("failed", "unbuildable", "blocked")]
-        selected = _selected(states, engine.build_dir)
+        selected = _selected(states, engine.build_dir, s.recipe)
         if stamp is not None:
             watch = None if failed else noop_stamp_inputs(engine, states)
             if watch is None:
@@ -291,7 +298,7 @@ def register(app: click.Group) -> None:
 
         s = Session(recipe)
         node_id = _one(s, target)
-        engine = Engine(s)
+        engine = Engine(s, read_only=True)
         info = engine.explain(node_id)
         if as_json:
             _print_json(info)
@@ -309,19 +316,19 @@ def register(app: click.Group) -> None:
     @json_opt
     def show(recipe: Path, target: str, as_json: bool) -> None:
         """Print a built TARGET's manifest (files, sizes, digests) and provenance."""
-        from mopt.build import Engine, address_path
+        from mopt.build import Engine
 
         s = Session(recipe)
         node_id = _one(s, target)
-        engine = Engine(s)
+        engine = Engine(s, read_only=True)
         info = engine.explain(node_id)
-        entry = engine.store.ac_entry(info["key"]) if info["key"] else None
+        entry = engine.hit(info["key"], fetch=False) if info["key"] else None
         if entry is None:
             raise MoptError(f"{node_id} is not built", hint=f"run: mopt build {recipe} '{node_id}'")
         files = engine.store.tree_entries(entry.outputs_tree)
         data: dict[str, Any] = {
             "id": node_id,
-            "path": str(address_path(engine.build_dir, node_id)),
+            "path": str(engine.address_path(node_id)),
             "key": entry.key,
             "outputs_tree": entry.outputs_tree,
             "files": [
@@ -363,11 +370,11 @@ def register(app: click.Group) -> None:
     @json_opt
     def ls_(recipe: Path, selectors: tuple[str, ...], as_json: bool) -> None:
         """List built artifacts of RECIPE with their sizes."""
-        from mopt.build import Engine, address_path
+        from mopt.build import Engine
 
         s = Session(recipe)
         ids = s.graph.select(list(selectors))
-        engine = Engine(s)
+        engine = Engine(s, read_only=True)
         status = engine.plan(ids)
         rows: list[dict[str, Any]] = []
         for i in ids:
@@ -383,7 +390,7 @@ def register(app: click.Group) -> None:
                     "kind": s.graph.nodes[i].kind,
                     "files": len(files),
                     "bytes": sum(f.size for f in files),
-                    "path": str(address_path(engine.build_dir, i)),
+                    "path": str(engine.address_path(i)),
                     "built": time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.created)),
                 }
             )
@@ -410,7 +417,7 @@ def register(app: click.Group) -> None:
 
         s = Session(recipe)
         ids = s.graph.select(list(selectors))
-        engine = Engine(s)
+        engine = Engine(s, read_only=True)
         rows = collect(engine, ids)
         if as_json:
             _print_json({"artifacts": rows})
@@ -426,17 +433,22 @@ def register(app: click.Group) -> None:
     @click.option("--max-size", help="shrink the store below this (e.g. 200G)")
     @click.option("--older-than", help="drop entries unused for this long (e.g. 30d)")
     @click.option("--dry-run", is_flag=True, help="say what would go, remove nothing")
+    @click.option("--force", is_flag=True, help="collect even if a lock file cannot be read (it pins nothing)")
     @json_opt
-    def gc(max_size: str | None, older_than: str | None, dry_run: bool, as_json: bool) -> None:
-        """Remove least recently used cache entries; never what lock files reference."""
+    def gc(max_size: str | None, older_than: str | None, dry_run: bool, force: bool, as_json: bool) -> None:
+        """Remove least recently used cache entries; never what lock files reference.
+
+        Roots are the project's mopt.lock files and every lock file registered in the
+        store's roots/ folder by a build of any project sharing the store. Entries a running
+        build uses are kept too."""
         from mopt.config import load_project
         from mopt.store import Store
 
         project = load_project(Path.cwd())
         if not project.store_dir.exists():
             raise MoptError(f"no store at {project.store_dir}", hint="run mopt build first")
-        keep = _lock_roots(project.root)
         with Store(project.store_dir) as store:
+            keep = _lock_roots(project.root, store, force=force, skip=[project.store_dir, project.build_dir])
             rep = store.gc(
                 max_size_bytes=parse_size(max_size) if max_size else None,
                 older_than_s=parse_duration(older_than) if older_than else None,
@@ -454,7 +466,7 @@ def register(app: click.Group) -> None:
         )
 
 
-def _selected(states: dict[str, Any], build_dir: Path) -> list[str]:
+def _selected(states: dict[str, Any], build_dir: Path, recipe: Any = None) -> list[str]:
     """One line per built node whose result names a `winner` (a select-like kind)."""
     from mopt.build import address_path
 
@@ -465,7 +477,7 @@ def _selected(states: dict[str, Any], build_dir: Path) -> list[str]:
             lines.append(
                 f"selected {st.node.section.id}: {res['winner']} ({res.get('objective', 'objective')}; "
                 f"{res.get('eligible', '?')} of {res.get('variants', '?')} variants passed) → "
-                f"{address_path(build_dir, st.node.id)}"
+                f"{address_path(build_dir, st.node.id, recipe)}"
             )
     return lines
 
@@ -498,18 +510,48 @@ def _report_noop(done: dict[str, Any], seconds: float, as_json: bool, quiet: boo
     sys.stderr.write(f"artifacts under {done['build_dir']}\n")
 
 
-def _lock_roots(root: Path) -> set[str]:
-    """Action keys referenced by mopt.lock files under the project."""
+#: folders under a project never holding its lock files (skipped by name below the root only)
+_NOT_LOCK_DIRS = frozenset({".mopt", ".venv", "venv", "build", ".nox", ".git", ".tox", "node_modules", "__pycache__"})
+
+
+def project_lock_files(root: Path, skip: list[Path] | None = None) -> list[Path]:
+    """mopt.lock files under `root`, not descending into virtualenvs, stores, build/ or VCS
+    folders. Only names below `root` count: a project under /home/x/build/ keeps its roots."""
+    skipped = {os.path.realpath(p) for p in skip or []}
+    found: list[Path] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(
+            d
+            for d in dirnames
+            if d not in _NOT_LOCK_DIRS and os.path.realpath(os.path.join(dirpath, d)) not in skipped
+        )
+        if "mopt.lock" in filenames:
+            found.append(Path(dirpath) / "mopt.lock")
+    return found
+
+
+def _lock_roots(root: Path, store: Any, *, force: bool = False, skip: list[Path] | None = None) -> set[str]:
+    """Action keys pinned by the project's lock files and those registered in the store.
+
+    A lock file that exists but cannot be read stops gc (exit 2 naming it): dropping what
+    it pinned is the one thing gc promises not to do. `force` skips it with a warning."""
+    from mopt.build import LockFileError, lock_keys
+    from mopt.cli import err
+
     keys: set[str] = set()
-    for p in root.rglob("mopt.lock"):
-        if any(part in (".mopt", ".venv", "build", ".nox", ".git") for part in p.parts):
-            continue
+    files = {os.path.abspath(p) for p in project_lock_files(root, skip)}
+    files |= {os.path.abspath(p) for p in store.roots()}
+    for p in sorted(files):
         try:
-            data = json.loads(p.read_text())
-        except (OSError, ValueError):
-            continue
-        for entry in data.get("recipes", {}).values():
-            keys.update(v for v in entry.get("artifacts", {}).values() if isinstance(v, str))
+            keys |= lock_keys(Path(p))
+        except LockFileError as exc:
+            if not force:
+                raise MoptError(
+                    f"{exc.message}; gc would drop what it pins",
+                    file=p,
+                    hint="fix or delete the file, or run `mopt gc --force` to collect anyway",
+                ) from None
+            err.print(f"warning: {exc} (--force: ignoring it)")
     return keys
 
 

@@ -18,6 +18,8 @@ from typing import Any
 
 import blake3
 
+from mopt.errors import MoptError
+
 #: files at least this large are hashed through mmap with several threads
 MMAP_THRESHOLD = 4 * 1024 * 1024
 #: the two modes a tree entry can have (git's choice: only the executable bit survives)
@@ -44,8 +46,14 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-class TreeError(ValueError):
-    """A folder cannot be digested or a manifest is malformed (the message says where)."""
+class TreeError(MoptError, ValueError):
+    """A folder cannot be digested or a manifest is malformed (the message says where).
+
+    A MoptError: uncaught (a symlink or a device in a declared input folder), it is one
+    line naming the path and exit 2, not a traceback."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
 
 
 class SymlinkError(TreeError):

@@ -61,8 +61,8 @@ def find_store_dir(recipe: str) -> str | None:
             try:
                 with open(cfg, "rb") as fh:
                     data = tomllib.load(fh)
-            except (OSError, ValueError):
-                return None
+            except (OSError, ValueError, RecursionError):
+                return None  # the full path reports it
             path = data.get("store", {}).get("path", ".mopt")
             return os.path.normpath(os.path.join(d, path)) if isinstance(path, str) else None
         parent = os.path.dirname(d)
@@ -167,11 +167,31 @@ def write(
         "result": result,
     }
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(stamp, fh, separators=(",", ":"))
-    os.replace(tmp, path)
+    replace_durably(path, json.dumps(stamp, separators=(",", ":")).encode())
     _remove(path + ".skipped")
+
+
+def replace_durably(path: str, data: bytes, mode: int = 0o644) -> None:
+    """Put `data` at `path` through a temp file that is fsynced before the rename, and fsync
+    the folder after it: a power cut leaves the old file or the new one, never an empty one
+    (ext4/xfs may otherwise commit the rename before the data)."""
+    folder = os.path.dirname(path) or "."
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fchmod(fh.fileno(), mode)
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        _remove(tmp)
+        raise
+    dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
 
 
 def _host() -> str:

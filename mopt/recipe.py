@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeGuard
@@ -24,6 +25,25 @@ RESERVED_TOP = ("schema", "extends", "models", "defaults")
 SECTION_KEYS = ("hardware", "targets", "description", "sweep")
 DEFAULTS_KEYS = ("targets",)
 TARGET_KEYS = ("kind", "input")
+#: model, section and target names become folder names (build/<model>/<section>/<target>):
+#: one path component each, of characters every filesystem and shell takes as they are
+_NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
+#: a variant label (`name@param=value,...`) is also one folder name
+_MAX_LABEL_BYTES = 255
+
+
+def check_name(name: object) -> str | None:
+    """Why `name` cannot be a model, section or target name (None if it can)."""
+    if not isinstance(name, str) or not name:
+        return "a name must be a non-empty string"
+    if "\0" in name:
+        return f"{name!r} contains a NUL character"
+    if _NAME_RE.fullmatch(name) is None:
+        return (
+            f"{name!r} is not a safe name: it becomes a folder under build/, so use 1-128 letters, "
+            "digits, '.', '_' or '-', not starting with '.' (no '/', spaces or '..')"
+        )
+    return None
 
 
 # --------------------------------------------------------------------------- results
@@ -245,6 +265,9 @@ def _merge_models(chain: list[_File], registry: Registry) -> dict[str, Model]:
     decl: dict[str, _File] = {}
     for f in chain:
         for name, body in f.data.get("models", {}).items():
+            bad = check_name(name)
+            if bad:
+                raise f.error(bad, ["models"], name, hint="rename the model")
             if name in RESERVED_TOP:
                 raise f.error(
                     f"{name!r} is a reserved name and cannot be a model",
@@ -358,6 +381,9 @@ def _collect_sections(chain: list[_File], models: dict[str, Model], registry: Re
         for key, body in f.data.items():
             if key in RESERVED_TOP:
                 continue
+            bad = check_name(key)
+            if bad:
+                raise f.error(bad, [], key, hint="a build section is [<model>.<section>]; rename it")
             if key not in models:
                 raise f.error(
                     f"unknown model {key!r}",
@@ -371,8 +397,24 @@ def _collect_sections(chain: list[_File], models: dict[str, Model], registry: Re
                         [key],
                         hw,
                     )
+                bad = check_name(hw)
+                if bad:
+                    raise f.error(bad, [key], hw, hint="rename the section")
                 if (key, hw) not in order:
                     order.append((key, hw))
+    # Section ids join model and section with a dot, and names may hold dots: two tables
+    # must not make one id (["a.b".c] and [a."b.c"]), or they would silently merge.
+    ids: dict[str, tuple[str, str]] = {}
+    for m, hw in order:
+        other = ids.setdefault(f"{m}.{hw}", (m, hw))
+        if other != (m, hw):
+            f = next(g for g in reversed(chain) if _is_table(g.data.get(m)) and hw in g.data[m])
+            raise f.error(
+                f"section [{_toml_key(m)}.{_toml_key(hw)}] and [{_toml_key(other[0])}.{_toml_key(other[1])}] "
+                f"both have the id {m}.{hw}",
+                [m, hw],
+                hint="rename one of the models or sections",
+            )
     for f in chain:
         for k in f.data.get("defaults", {}):
             if k in SECTION_KEYS and k not in DEFAULTS_KEYS:
@@ -427,6 +469,10 @@ def _section(chain: list[_File], models: dict[str, Model], registry: Registry, m
     assert t_layer is not None
     if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
         raise t_layer.file.error("must be a list of target names", t_layer.table, "targets")
+    for t in targets:
+        bad = check_name(t)
+        if bad:
+            raise t_layer.file.error(bad, t_layer.table, "targets", hint="rename the target")
     dup = {t for t in targets if targets.count(t) > 1}
     if dup:
         raise t_layer.file.error(f"target {sorted(dup)[0]!r} is listed twice", t_layer.table, "targets")
@@ -552,6 +598,15 @@ def _section(chain: list[_File], models: dict[str, Model], registry: Registry, m
                 o[param] = w
                 variant.append((param, value))
             validated = _validate_params(cls, p, o, decl, name)
+            label = Target(name, kind, None, {}, None, tuple(variant)).label
+            if "/" in label or "\0" in label or len(label.encode()) > _MAX_LABEL_BYTES:
+                raise decl.file.error(
+                    f"variant {label[:80]!r} cannot be a folder name (a '/', a NUL or over "
+                    f"{_MAX_LABEL_BYTES} bytes): its sweep values become part of build/.../<target>@...",
+                    decl.table,
+                    "sweep",
+                    hint="sweep over values without '/' (or fewer of them)",
+                )
             out.append(
                 Target(
                     name=name,
@@ -573,6 +628,10 @@ def _section(chain: list[_File], models: dict[str, Model], registry: Registry, m
         description=description or "",
         where=decl.file.where(decl.table),
     )
+
+
+def _toml_key(name: str) -> str:
+    return name if re.fullmatch(r"[A-Za-z0-9_-]+", name) else json.dumps(name)
 
 
 def _set_dotted(d: dict[str, Any], dotted: str, value: Any) -> None:
@@ -607,7 +666,10 @@ def _sweep_axes(
         if not _is_table(sw):
             raise lay.file.error("must be a table of \"<target>.<param>\" = [values]", lay.table, "sweep")
         for dotted, values in _flatten(sw):
-            parts = dotted.split(".", 1)
+            # Target names may hold dots ("v1.5.onnx"): take the longest target the key
+            # starts with, rather than splitting at the first dot.
+            owner = max((t for t in kinds if dotted.startswith(t + ".")), key=len, default=None)
+            parts = [owner, dotted[len(owner) + 1 :]] if owner else dotted.split(".", 1)
             if len(parts) != 2 or not parts[1]:
                 raise lay.file.error(
                     "a sweep key is \"<target>.<param>\"", table, dotted, hint=f'e.g. "trt-engine.{dotted}"'

@@ -47,7 +47,7 @@ def collect(engine: Any, ids: list[str]) -> list[dict[str, Any]]:
             "target": node.label,
             "kind": node.kind,
             "bytes": sum(f.size for f in files),
-            "path": str(address_path(engine.build_dir, i)),
+            "path": str(address_path(engine.build_dir, i, engine.recipe)),
             "key": entry.key,
             "built": time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.created)),
             "seconds": round(entry.duration_s, 2),
@@ -64,7 +64,7 @@ def collect(engine: Any, ids: list[str]) -> list[dict[str, Any]]:
         ]
         for f in own.get("reports") or []:
             if f in by_path:
-                row.setdefault("reports", []).append(str(address_path(engine.build_dir, i) / f))
+                row.setdefault("reports", []).append(str(address_path(engine.build_dir, i, engine.recipe) / f))
         if own.get("winner"):
             row["winner"] = own["winner"]
             for k in ("min_cosine", "p50_ms"):
@@ -84,7 +84,7 @@ def collect(engine: Any, ids: list[str]) -> list[dict[str, Any]]:
                 row["shape"] = last[0]
             if res.get("passed") is not None:
                 row["passed"] = res["passed"]
-            reports = sorted(address_path(engine.build_dir, t).glob("*.html"))
+            reports = sorted(address_path(engine.build_dir, t, engine.recipe).glob("*.html"))
             if reports:
                 row.setdefault("reports", []).append(str(reports[0]))
         rows.append(row)

@@ -8,10 +8,15 @@ content; the kernel always sets ctime itself.
 
 Several processes may share one database (WAL mode and a busy timeout). Opening is lazy:
 constructing a StatCache touches nothing until the first lookup.
+
+It is a cache, so damage is never fatal: a database SQLite calls corrupt or "not a database"
+is moved aside (state.db.broken) with one warning and started afresh; one that cannot be
+opened at all (a read-only store) leaves every lookup a miss.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sqlite3
@@ -21,8 +26,9 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import TracebackType
+from typing import Any
 
-from mopt.digest import StrPath, TreeEntry, hash_file, iter_files, mode_of, tree_digest
+from mopt.digest import StrPath, TreeEntry, TreeError, hash_file, iter_files, mode_of, tree_digest
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +51,16 @@ RACY_WINDOW_S = 0.1
 _COARSE_WINDOW_NS = 2_000_000_000
 
 _StatKey = tuple[int, int, int, int, int]
+# SQLITE_CORRUPT and SQLITE_NOTADB: the file is damaged, not merely busy
+_DAMAGED = (11, 26)
+
+
+def _is_damage(e: sqlite3.Error) -> bool:
+    code = getattr(e, "sqlite_errorcode", None)
+    if code is not None:
+        return (code & 0xFF) in _DAMAGED
+    text = str(e)
+    return "malformed" in text or "not a database" in text or "corrupt" in text
 
 
 def _i64(n: int) -> int:
@@ -60,9 +76,17 @@ class StatCache:
     """Digests of files and folders, remembered by stat in the SQLite file `db_path`."""
 
     def __init__(
-        self, db_path: StrPath, *, timeout_s: float = 60.0, racy_window_s: float = RACY_WINDOW_S
+        self,
+        db_path: StrPath,
+        *,
+        timeout_s: float = 60.0,
+        racy_window_s: float = RACY_WINDOW_S,
+        read_only: bool = False,
     ) -> None:
         self.db_path = os.fspath(db_path)
+        #: never write the database (digests found are kept in memory only)
+        self.read_only = read_only
+        self._unavailable = False  # the database cannot be opened: every lookup misses
         self.timeout_s = timeout_s
         self.racy_window_ns = int(racy_window_s * 1e9)
         #: lookups answered from the cache (no file bytes read)
@@ -83,9 +107,15 @@ class StatCache:
         """Digest of the file at `path` (links followed), read only if its stat changed."""
         abs_ = os.path.abspath(path)
         st = os.stat(abs_)
-        if not stat.S_ISREG(st.st_mode):
+        if stat.S_ISDIR(st.st_mode):
             raise IsADirectoryError(f"{abs_}: not a regular file (use path_digest for folders)")
+        if not stat.S_ISREG(st.st_mode):
+            raise TreeError(f"{abs_}: not a regular file (a device, socket or pipe); give a file or a folder")
         return self._digest(abs_, st, None)
+
+    def digest_of(self, path: str, st: os.stat_result) -> str:
+        """Digest of the regular file at absolute `path` whose stat the caller just took."""
+        return self._digest(path, st, None)
 
     def tree(self, path: StrPath) -> tuple[str, list[TreeEntry]]:
         """(tree digest, entries sorted by path) of the folder `path`; unchanged files are not read."""
@@ -114,16 +144,11 @@ class StatCache:
         with self._lock:
             row = self._pending.get(path) or self._prefetched.get(path)
             if row is None:
-                found = (
-                    self._db()
-                    .execute(
-                        "SELECT dev, inode, size, mtime_ns, ctime_ns, digest FROM stat WHERE path = ?",
-                        (path,),
-                    )
-                    .fetchone()
+                rows = self._query(
+                    "SELECT dev, inode, size, mtime_ns, ctime_ns, digest FROM stat WHERE path = ?", (path,)
                 )
-                if found is not None:
-                    row = (tuple(found[:5]), found[5])
+                if rows:
+                    row = (tuple(rows[0][:5]), rows[0][5])
         if row is not None and row[0] == _stat_key(st):
             return row[1]
         return None
@@ -156,40 +181,56 @@ class StatCache:
     def flush(self) -> None:
         """Commit pending records in one transaction."""
         with self._lock:
-            if not self._pending:
-                return
+            if not self._pending or self.read_only:
+                return  # read-only: what was learnt stays in _pending, for this process
             rows = [(p, *key, d) for p, (key, d) in self._pending.items()]
             self._pending.clear()
-            try:
-                conn = self._db()
-                conn.execute("BEGIN IMMEDIATE")
+            for attempt in (0, 1):
                 try:
-                    conn.executemany("INSERT OR REPLACE INTO stat VALUES (?,?,?,?,?,?,?)", rows)
-                    conn.execute("COMMIT")
-                except BaseException:
-                    conn.execute("ROLLBACK")
-                    raise
-            except sqlite3.Error as e:
-                # Losing cache records only costs a rehash later; a build must not fail on it.
-                log.warning("stat cache %s: could not save %d digests: %s", self.db_path, len(rows), e)
+                    conn = self._db()
+                    if conn is None:
+                        return
+                    conn.execute("BEGIN IMMEDIATE")
+                    try:
+                        conn.executemany("INSERT OR REPLACE INTO stat VALUES (?,?,?,?,?,?,?)", rows)
+                        conn.execute("COMMIT")
+                    except BaseException:
+                        with contextlib.suppress(sqlite3.Error):
+                            conn.execute("ROLLBACK")
+                        raise
+                    return
+                except sqlite3.Error as e:
+                    if attempt == 0 and _is_damage(e):
+                        self._move_aside(e)
+                        continue
+                    # Losing cache records only costs a rehash later; a build must not fail on it.
+                    log.warning("stat cache %s: could not save %d digests: %s", self.db_path, len(rows), e)
+                    return
 
     def prune(self) -> int:
         """Forget records whose file is gone or changed; return how many were removed."""
         self.flush()
+        if self.read_only:
+            return 0
         with self._lock:
-            conn = self._db()
             stale: list[tuple[str]] = []
-            for path, *key in conn.execute("SELECT path, dev, inode, size, mtime_ns, ctime_ns FROM stat"):
+            for path, *key in self._query("SELECT path, dev, inode, size, mtime_ns, ctime_ns FROM stat", ()):
                 try:
                     if _stat_key(os.stat(path)) == tuple(key):
                         continue
                 except OSError:
                     pass
                 stale.append((path,))
-            if stale:
-                conn.execute("BEGIN IMMEDIATE")
-                conn.executemany("DELETE FROM stat WHERE path = ?", stale)
-                conn.execute("COMMIT")
+            conn = self._db()
+            if stale and conn is not None:
+                try:
+                    conn.execute("BEGIN IMMEDIATE")
+                    conn.executemany("DELETE FROM stat WHERE path = ?", stale)
+                    conn.execute("COMMIT")
+                except sqlite3.Error as e:
+                    log.warning("stat cache %s: could not prune: %s", self.db_path, e)
+                    with contextlib.suppress(sqlite3.Error):
+                        conn.execute("ROLLBACK")
         return len(stale)
 
     def close(self) -> None:
@@ -253,27 +294,117 @@ class StatCache:
         # "base/" and "base0" ("0" is the character after "/").
         prefix = base.rstrip("/") + "/"
         with self._lock:
-            rows = self._db().execute(
+            rows = self._query(
                 "SELECT path, dev, inode, size, mtime_ns, ctime_ns, digest FROM stat"
                 " WHERE path >= ? AND path < ?",
                 (prefix, prefix[:-1] + "0"),
             )
             return {r[0]: (tuple(r[1:6]), r[6]) for r in rows}
 
-    def _db(self) -> sqlite3.Connection:
-        if self._conn is not None:
-            return self._conn
-        parent = os.path.dirname(self.db_path)
-        if parent:
-            os.makedirs(parent, exist_ok=True)
-        conn = sqlite3.connect(
-            self.db_path, timeout=self.timeout_s, isolation_level=None, check_same_thread=False
+    def _query(self, sql: str, args: tuple[Any, ...]) -> list[Any]:
+        """Rows of a read; a damaged database is moved aside (once) and reads as empty."""
+        for attempt in (0, 1):
+            try:
+                conn = self._db()
+                if conn is None:
+                    return []
+                return conn.execute(sql, args).fetchall()
+            except sqlite3.Error as e:
+                if attempt == 0 and _is_damage(e) and not self.read_only:
+                    self._move_aside(e)
+                    continue
+                log.warning("stat cache %s unusable, hashing instead: %s", self.db_path, e)
+                self._drop_connection()
+                self._unavailable = True
+                return []
+        return []
+
+    def _move_aside(self, err: sqlite3.Error) -> None:
+        """Rename a damaged database to state.db.broken and start an empty one."""
+        self._drop_connection()
+        aside = self.db_path + ".broken"
+        log.warning(
+            "stat cache %s is damaged (%s); moved it to %s and starting an empty one (it is a cache: "
+            "files are rehashed once)",
+            self.db_path,
+            err,
+            aside,
         )
         try:
-            self._setup(conn)
-        except BaseException:
-            conn.close()
-            raise
+            os.replace(self.db_path, aside)
+        except OSError as e:
+            log.warning("could not move %s aside: %s; not using a stat cache", self.db_path, e)
+            self._unavailable = True
+        for side in ("-wal", "-shm", "-journal"):
+            with contextlib.suppress(OSError):
+                os.unlink(self.db_path + side)
+
+    def _drop_connection(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(sqlite3.Error):
+                self._conn.close()
+            self._conn = None
+
+    def _db(self) -> sqlite3.Connection | None:
+        if self._conn is not None or self._unavailable:
+            return self._conn
+        if self.read_only:
+            return self._open_read_only()
+        parent = os.path.dirname(self.db_path)
+        for attempt in (0, 1):
+            conn = None
+            try:
+                if parent:
+                    os.makedirs(parent, exist_ok=True)
+                conn = sqlite3.connect(
+                    self.db_path, timeout=self.timeout_s, isolation_level=None, check_same_thread=False
+                )
+                self._setup(conn)
+            except sqlite3.Error as e:
+                if conn is not None:
+                    conn.close()
+                if attempt == 0 and _is_damage(e):
+                    self._move_aside(e)
+                    if self._unavailable:
+                        return None
+                    continue
+                log.warning("stat cache %s cannot be opened, hashing instead: %s", self.db_path, e)
+                self._unavailable = True
+                return None
+            except OSError as e:
+                log.warning("stat cache %s cannot be opened, hashing instead: %s", self.db_path, e)
+                self._unavailable = True
+                return None
+            except BaseException:
+                if conn is not None:
+                    conn.close()
+                raise
+            self._conn = conn
+            return conn
+        return None
+
+    def _open_read_only(self) -> sqlite3.Connection | None:
+        # mode=ro never creates or changes the file; a database that is missing, damaged
+        # or in a folder we cannot write (WAL needs its -shm) just means no cache.
+        if not os.path.exists(self.db_path):
+            self._unavailable = True
+            return None
+        try:
+            conn = sqlite3.connect(
+                f"file:{self.db_path}?mode=ro",
+                uri=True,
+                timeout=self.timeout_s,
+                isolation_level=None,
+                check_same_thread=False,
+            )
+            if conn.execute("PRAGMA user_version").fetchone()[0] != _SCHEMA_VERSION:
+                conn.close()
+                self._unavailable = True
+                return None
+        except sqlite3.Error as e:
+            log.debug("stat cache %s not readable: %s", self.db_path, e)
+            self._unavailable = True
+            return None
         self._conn = conn
         return conn
 

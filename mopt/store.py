@@ -6,7 +6,9 @@ Layout under the root::
     ac/<key>.json          one entry per successful action: its outputs tree, log, timings
     tmp/                   temp files; complete ones are renamed into cas/ or ac/
     logs/                  failed-<key>.log: the log of a failed action (failures are not cached)
-    locks/                 <key>.lock: one flock per action key
+    locks/                 <key>.lock: one flock per action key; entries.lock: byte-range
+                           locks saying which entries running builds use (gc skips them)
+    roots/                 symlinks to the lock files of projects using this store (gc roots)
     state.db               the stat cache
 
 Crash safety follows Bazel's disk cache: every file is written to a temp file, fsynced and
@@ -28,6 +30,7 @@ import shutil
 import socket
 import stat
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
@@ -37,7 +40,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mopt.digest import (
     MODE_EXEC,
@@ -54,6 +57,7 @@ from mopt.digest import (
     parse_tree_manifest,
     tree_manifest_bytes,
 )
+from mopt.errors import MoptError
 from mopt.statcache import StatCache
 
 log = logging.getLogger(__name__)
@@ -66,14 +70,111 @@ _FICLONE = 0x40049409  # _IOW(0x94, 9, int) from linux/fs.h
 _TMP_PREFIX = ".mopt-tmp-"
 _OLD_PREFIX = ".mopt-old-"
 _GC_LOCK = "_gc"  # not a valid action key, so it cannot collide with one
+#: files at least this large are hard-linked into build/ (read-only) when no reflink is
+#: possible; smaller ones are copied. A copy makes a build/ file independent of the blob (an
+#: edit after chmod +w cannot reach the store or another target's file) and costs little for
+#: configs, tokenizers and small ONNX files; copying multi-GB checkpoints would double the disk
+#: used and the time of every materialization, so those stay links, checked by inode and
+#: stat on every build (an edit of one changes the blob's stat, so it is rehashed and
+#: rebuilt, see `Store.intact`).
+HARDLINK_MIN_BYTES = 16 * 1024 * 1024
+#: leftovers in tmp/ (and .mopt-tmp-* beside build/ folders) whose writer no longer holds
+#: their flock are removed once this old: the grace covers the moment between creating a
+#: temp file and locking it
+TMP_GRACE_S = 60.0
 
 
-class StoreError(Exception):
-    """The store cannot do what was asked; the message says which blob, entry or path."""
+class StoreError(MoptError):
+    """The store cannot do what was asked; the message says which blob, entry or path.
+
+    A MoptError so that, uncaught, it is one line and exit 1, never a traceback."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, **kw: Any) -> None:
+        super().__init__(message, **kw)
 
 
 class BlobMissingError(StoreError):
     """A blob that should be in the store is not."""
+
+
+class StoreFullError(StoreError):
+    """The store's filesystem is full (ENOSPC / EDQUOT); the message names it and the bytes."""
+
+
+class StoreUnusableError(StoreError):
+    """The store cannot be written here (read-only filesystem, another owner, permissions)."""
+
+
+class OutsideError(StoreError):
+    """A path to write or delete resolves outside the store and the build folders."""
+
+
+def _free_bytes(path: StrPath) -> int | None:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def store_write_error(root: Path, err: OSError, what: str, needed: int | None = None) -> StoreError | None:
+    """The StoreError an OSError raised while writing the store stands for, or None."""
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        free = _free_bytes(root)
+        need = f"{_human(needed)} needed" if needed is not None else "more space needed"
+        have = f", {_human(free)} free" if free is not None else ""
+        return StoreFullError(
+            f"no space left on the disk of the store {root} while writing {what} ({need}{have})",
+            hint="free space (e.g. `mopt gc --max-size ...`) or move [store] path to a bigger disk",
+        )
+    if err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return StoreUnusableError(
+            f"cannot write the store {root} ({err.strerror}) while writing {what}",
+            hint=_unusable_hint(root),
+        )
+    return None
+
+
+def _unusable_hint(root: Path) -> str:
+    try:
+        owner = os.stat(root).st_uid
+    except OSError:
+        owner = None
+    mine = os.geteuid()
+    who = f"it belongs to uid {owner}, you are uid {mine}; " if owner is not None and owner != mine else ""
+    return f"{who}set [store] path in mopt.toml to a folder you can write; read-only commands still work"
+
+
+def guard_path(path: StrPath, roots: Iterable[StrPath]) -> str:
+    """`path` made absolute, if it resolves inside one of `roots`; else OutsideError.
+
+    Every folder mopt writes or deletes under build/ or the store goes through here: a
+    name with `..`, an absolute name, or a symlinked folder on the way (build/m -> /etc)
+    would otherwise let a recipe or a planted link write or delete anywhere. The last
+    component is not followed, so a link itself can be replaced or removed.
+    """
+    p = os.path.abspath(path)
+    parent, name = os.path.split(p)
+    real = os.path.join(os.path.realpath(parent), name)
+    real_roots = [os.path.realpath(r) for r in roots]
+    for r in real_roots:
+        if real != r and (real + "/").startswith(r.rstrip("/") + "/"):
+            return p
+    raise OutsideError(
+        f"refusing to write or delete {p}: it resolves to {real}, outside the store and the "
+        f"build folder ({', '.join(real_roots)})",
+        hint="a name in the recipe or a symbolic link points outside; fix the name or remove the link",
+    )
 
 
 def check_key(key: str) -> str:
@@ -137,32 +238,87 @@ class GcReport:
 
 
 class Store:
-    """A content-addressed store and action cache rooted at `root` (created if missing)."""
+    """A content-addressed store and action cache rooted at `root` (created if missing).
 
-    def __init__(self, root: StrPath) -> None:
+    With `read_only`, nothing is created, touched, repaired or deleted (plan, ls, show,
+    explain, report): damage is reported as a miss, and the stat cache is only read.
+    """
+
+    def __init__(self, root: StrPath, *, read_only: bool = False) -> None:
         self.root = Path(root).absolute()
+        self.read_only = read_only
         self.cas_dir = self.root / "cas"
         self.ac_dir = self.root / "ac"
         self.tmp_dir = self.root / "tmp"
         self.logs_dir = self.root / "logs"
         self.locks_dir = self.root / "locks"
+        self.roots_dir = self.root / "roots"
         self._cas_prefix = f"{self.cas_dir}/"
         self._trees: dict[str, list[TreeEntry]] = {}  # manifests are immutable: parse once
-        for d in (self.cas_dir, self.ac_dir, self.tmp_dir, self.logs_dir, self.locks_dir):
-            d.mkdir(parents=True, exist_ok=True)
+        #: folders besides the store that may be written or deleted (build/), see guard_path
+        self.write_roots: list[Path] = [self.root]
+        self._use_fd: int | None = None
+        self._used: set[str] = set()
+        self._use_lock = threading.Lock()
+        if not read_only:
+            for d in (self.cas_dir, self.ac_dir, self.tmp_dir, self.logs_dir, self.locks_dir):
+                try:
+                    d.mkdir(parents=True, exist_ok=True)
+                except OSError as e:
+                    raise store_write_error(self.root, e, f"the folder {d}") or e from None
         self._state: StatCache | None = None
 
     @property
     def state(self) -> StatCache:
         """The stat cache kept in `root/state.db`."""
         if self._state is None:
-            self._state = StatCache(self.root / "state.db")
+            self._state = StatCache(self.root / "state.db", read_only=self.read_only)
         return self._state
 
     def close(self) -> None:
-        """Flush and close the stat cache."""
+        """Flush and close the stat cache; release the locks on used entries."""
         if self._state is not None:
             self._state.close()
+        with self._use_lock:
+            if self._use_fd is not None:
+                os.close(self._use_fd)  # drops every byte-range lock this process holds on it
+                self._use_fd = None
+                self._used.clear()
+
+    def allow(self, folder: StrPath) -> None:
+        """Let this store write and delete under `folder` too (a build/ folder)."""
+        self.write_roots.append(Path(folder).absolute())
+
+    def guard(self, path: StrPath) -> str:
+        """`path` if it resolves inside the store or an allowed folder, else OutsideError."""
+        return guard_path(path, self.write_roots)
+
+    def _guard_dest(self, dest: StrPath) -> str:
+        # The engine names the build folder (`allow`), so every name a recipe gives is held
+        # inside it; a library caller that allowed none chose the destination itself.
+        if len(self.write_roots) > 1:
+            return self.guard(dest)
+        return os.path.abspath(dest)
+
+    def check_writable(self) -> None:
+        """Raise StoreUnusableError (one line) unless this process can write the store."""
+        try:
+            fd, tmp = tempfile.mkstemp(prefix="probe-", dir=self.tmp_dir)
+        except OSError as e:
+            raise store_write_error(self.root, e, "a probe file") or e from None
+        os.close(fd)
+        os.unlink(tmp)
+        try:
+            owner = os.stat(self.root).st_uid
+        except OSError:
+            return
+        if owner != os.geteuid() and os.geteuid() == 0:
+            # root can write anything, but files it leaves in another user's store are
+            # files that user's mopt can no longer replace or collect
+            raise StoreUnusableError(
+                f"the store {self.root} belongs to uid {owner}; not writing it as root",
+                hint="build as its owner, or set [store] path in mopt.toml to a store of your own",
+            )
 
     def __enter__(self) -> Store:
         return self
@@ -188,15 +344,53 @@ class Store:
         return f"{self._cas_prefix}{digest[:2]}/{digest}"
 
     def has(self, digest: str) -> bool:
-        """Whether the blob `digest` is in the store."""
+        """Whether the blob `digest` is in the store (present; see `intact` for its bytes)."""
         return os.path.exists(self.blob_str(digest))
 
+    def intact(self, digest: str, *, repair: bool = True) -> bool:
+        """Whether blob `digest` is present, read-only and holds its bytes.
+
+        Checked through the stat cache: an untouched blob costs a stat, one whose stat changed
+        (or that someone made writable) is rehashed. With `repair`, a damaged blob is removed
+        (it is then a miss: the action reruns, or the next put writes the bytes again) and a
+        writable but intact one made read-only again.
+        """
+        path = self.blob_str(digest)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return False
+        ok = False
+        if stat.S_ISREG(st.st_mode):
+            try:
+                ok = self.state.digest_of(path, st) == digest
+            except OSError:
+                ok = False
+        if ok and st.st_mode & 0o222 and repair and not self.read_only:
+            with suppress(OSError):
+                os.chmod(path, 0o444)
+        if not ok:
+            log.warning("blob %s is damaged (its bytes no longer match its name)%s", path,
+                        "; removing it" if repair and not self.read_only else "")
+            if repair and not self.read_only:
+                self._remove_blob(digest)
+        return ok
+
+    def _remove_blob(self, digest: str) -> None:
+        path = self.guard(self.blob_str(digest))
+        self._trees.pop(digest, None)
+        with suppress(FileNotFoundError):
+            if os.path.isdir(path) and not os.path.islink(path):
+                _rmtree_ro(path)
+            else:
+                os.unlink(path)
+
     def put_bytes(self, data: bytes) -> str:
-        """Store `data`; return its digest."""
+        """Store `data`; return its digest. A damaged blob of that name is replaced."""
         digest = hash_bytes(data)
-        if self.has(digest):
+        if self.intact(digest):
             return digest
-        with self._temp_file("blob-") as (fd, tmp):
+        with self._writing("a blob", len(data)), self._temp_file("blob-") as (fd, tmp):
             _write_all(fd, data)
             os.fchmod(fd, 0o444)
             os.fsync(fd)
@@ -204,12 +398,14 @@ class Store:
         return digest
 
     def put_file(self, path: StrPath) -> str:
-        """Store a copy of the file at `path`; return its digest."""
+        """Store a copy of the file at `path`; return its digest. A damaged blob of that
+        name is replaced (dedup never trusts a blob whose stat changed)."""
         src = os.fspath(path)
         digest = hash_file(src)
-        if self.has(digest):
+        if self.intact(digest):
             return digest
-        with self._temp_file("blob-") as (fd, tmp):
+        size = os.stat(src).st_size
+        with self._writing(f"a copy of {src}", size), self._temp_file("blob-") as (fd, tmp):
             with open(src, "rb") as f:
                 _copy_fd(f.fileno(), fd)
             os.fchmod(fd, 0o444)
@@ -224,6 +420,19 @@ class Store:
                 )
             self._rename_into_cas(tmp, digest)
         return digest
+
+    @contextmanager
+    def _writing(self, what: str, needed: int | None = None) -> Iterator[None]:
+        """Turn a full disk or an unwritable store into a one-line StoreError."""
+        if self.read_only:
+            raise StoreUnusableError(f"the store {self.root} was opened read-only; not writing {what}")
+        try:
+            yield
+        except OSError as e:
+            err = store_write_error(self.root, e, what, needed)
+            if err is None:
+                raise
+            raise err from None
 
     def put_tree(self, directory: StrPath) -> tuple[str, list[TreeEntry]]:
         """Store every file under `directory` and its manifest; return (tree digest, entries)."""
@@ -254,7 +463,10 @@ class Store:
         known = self._trees.get(tree_digest)
         if known is not None and self.has(tree_digest):
             return list(known)
-        data = self.read_bytes(tree_digest)
+        try:
+            data = self.read_bytes(tree_digest)
+        except IsADirectoryError:
+            data = b""
         if hash_bytes(data) != tree_digest:
             raise StoreError(f"blob {tree_digest} in {self.root} is corrupt (its bytes changed)")
         try:
@@ -282,7 +494,11 @@ class Store:
                 f"action {key}: not recording an entry whose blobs are not stored: "
                 f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"
             )
-        self._write_atomic(self._ac_path(key), canonical_json(e.model_dump(mode="json")))
+        final = self._ac_path(key)
+        if os.path.isdir(final) and not os.path.islink(final):
+            _rmtree_ro(self.guard(final))  # a malformed entry (a folder) cannot be replaced by rename
+        self.use(key)
+        self._write_atomic(final, canonical_json(e.model_dump(mode="json")), what=f"the action entry {key}")
         return e
 
     def ac_entry(self, key: str, *, check_blobs: bool = True) -> ActionEntry | None:
@@ -291,26 +507,75 @@ class Store:
         `check_blobs=False` leaves the blob check to the caller (the engine checks them
         through the stat cache, which also catches changed bytes)."""
         path = self._ac_path(key)
+        if not os.path.lexists(path):
+            return None
+        if not self.read_only:
+            # Say "in use" before reading, so a gc deciding now keeps the entry and its
+            # blobs for as long as this build runs (see `use`).
+            self.use(key)
         try:
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode):
+                raise ValueError("not a regular file")
             data = path.read_bytes()
-        except FileNotFoundError:
-            return None
-        try:
-            # Touch the entry before checking its blobs (as Bazel does), so that a gc
-            # running now sees it as recently used and keeps what it references.
-            os.utime(path)
-        except FileNotFoundError:
-            return None
-        except PermissionError:
-            pass  # another user's entry in a shared store: still a hit, just not touched
-        try:
             e = ActionEntry.model_validate_json(data)
-        except ValidationError as err:
-            log.warning("action cache entry %s is unreadable, treating it as a miss: %s", path, err)
+            if e.key != key:
+                raise ValueError(f"it is the entry of {e.key!r}")
+        except FileNotFoundError:
             return None
-        if e.key != key or (check_blobs and self._missing_blobs(e)):
+        except (OSError, ValueError) as err:  # ValidationError is a ValueError
+            why = " ".join(str(err).split())[:200]
+            if self.read_only:
+                log.warning("action cache entry %s is malformed, treating it as a miss: %s", path, why)
+            else:
+                log.warning("action cache entry %s is malformed; removing it (a miss): %s", path, why)
+                with suppress(OSError):
+                    _rmtree_ro(self.guard(path))
+            return None
+        if not self.read_only:
+            try:
+                # Touch the entry before checking its blobs (as Bazel does), so that a gc
+                # running now sees it as recently used.
+                os.utime(path)
+            except FileNotFoundError:
+                return None
+            except PermissionError:
+                pass  # another user's entry in a shared store: still a hit, just not touched
+        if check_blobs and self._missing_blobs(e):
             return None
         return e
+
+    def use(self, key: str) -> None:
+        """Hold a shared lock on entry `key` until `close`: gc leaves it and its blobs alone.
+
+        One byte per key (POSIX record locks on locks/entries.lock), so a build using a
+        thousand entries holds one descriptor, and the locks die with the process. gc
+        takes the exclusive lock of each entry it would drop, without waiting.
+        """
+        if self.read_only:
+            return
+        with self._use_lock:
+            if key in self._used:
+                return
+            if self._use_fd is None:
+                self._use_fd = self._open_entries_lock()
+                if self._use_fd is None:
+                    return
+            try:
+                fcntl.lockf(self._use_fd, fcntl.LOCK_SH, 1, _lock_offset(key))
+            except OSError as e:
+                log.debug("could not lock entry %s: %s", key, e)
+                return
+            self._used.add(key)
+
+    def _open_entries_lock(self) -> int | None:
+        path = self.locks_dir / "entries.lock"
+        for flags in (os.O_RDWR | os.O_CREAT, os.O_RDONLY):
+            try:
+                return os.open(path, flags | os.O_CLOEXEC, 0o666)
+            except OSError:
+                continue
+        return None
 
     def ac_get(self, key: str) -> dict[str, Any] | None:
         """The entry for `key` as a dict, or None on a miss (see `ac_entry`)."""
@@ -321,12 +586,32 @@ class Store:
         """Where the log of the last failed run of action `key` is kept."""
         return self.logs_dir / f"failed-{check_key(key)}.log"
 
-    def keep_failed_log(self, key: str, log_path: StrPath) -> Path:
-        """Copy a failed action's log to `failed_log_path(key)`; failures never enter ac/."""
-        with open(log_path, "rb") as f:
-            data = f.read()
+    def keep_failed_log(self, key: str, log_path: StrPath) -> Path | None:
+        """Copy a failed action's log to `failed_log_path(key)`; failures never enter ac/.
+
+        Returns None (with a warning) when the store cannot take it, e.g. a full disk: the
+        action's own error must still be what the user sees, not this one."""
         dest = self.failed_log_path(key)
-        self._write_atomic(dest, data, mode=0o644)
+        try:
+            with open(log_path, "rb") as f:
+                data = f.read()
+            self._write_atomic(dest, data, mode=0o644, what=f"the log of failed action {key[:16]}")
+        except (OSError, StoreError) as e:
+            # The log is about to go with the action's scratch folder: show its end now,
+            # so the action's own error (often the cause, e.g. the same full disk) is seen.
+            try:
+                with open(log_path, "rb") as f:
+                    f.seek(max(0, os.fstat(f.fileno()).st_size - 4096))
+                    tail = f.read().decode("utf-8", "replace").splitlines()[-10:]
+            except OSError:
+                tail = []
+            log.warning(
+                "could not keep the log of failed action %s: %s%s",
+                key[:16],
+                e,
+                "".join(f"\n  | {line}" for line in tail),
+            )
+            return None
         return dest
 
     @contextmanager
@@ -336,9 +621,12 @@ class Store:
         `cleanup_tmp` leaves it alone for as long as it is in use, however long that is;
         after a crash it is swept like any other leftover.
         """
-        path = tempfile.mkdtemp(prefix=prefix, dir=self.tmp_dir)
+        with self._writing("a scratch folder"):
+            path = tempfile.mkdtemp(prefix=prefix, dir=self.tmp_dir)
         busy = _mark_being_written(path)
         try:
+            with suppress(OSError):  # who holds it, for whoever looks at a leftover
+                Path(path, ".mopt-owner").write_text(f"{os.getpid()} {socket.gethostname()}\n")
             yield Path(path)
         finally:
             try:
@@ -370,7 +658,7 @@ class Store:
         the blob's 0o444 mode), else copied. Returns the least efficient method any file
         needed, or "unchanged" when `dest` already held exactly this tree.
         """
-        target = Path(dest).absolute()
+        target = Path(self._guard_dest(dest))
         entries = self.tree_entries(tree_digest)
         missing = sorted({e.digest for e in entries if not self.has(e.digest)})
         if missing:
@@ -380,15 +668,18 @@ class Store:
             )
         if self._holds_tree(target, entries):
             return "unchanged"
-        target.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale_siblings(target.parent, max_age_s=3600)
-        tmp = tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{target.name}-", dir=target.parent)
+        with self._writing_build(target):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            self._guard_dest(target)  # again, now that the folders on the way exist
+            _remove_stale_siblings(target.parent, max_age_s=TMP_GRACE_S)
+            tmp = tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{target.name}-", dir=target.parent)
         busy = _mark_being_written(tmp)
         try:
-            method = self._fill(tmp, entries)
-            for dirpath, _dirs, _files in os.walk(tmp, topdown=False):
-                os.chmod(dirpath, 0o555)
-            _swap_into_place(tmp, target)
+            with self._writing_build(target):
+                method = self._fill(tmp, entries)
+                for dirpath, _dirs, _files in os.walk(tmp, topdown=False):
+                    os.chmod(dirpath, 0o555)
+                _swap_into_place(tmp, target)
         except BaseException:
             _rmtree_ro(tmp)
             raise
@@ -396,28 +687,52 @@ class Store:
             os.close(busy)
         return method
 
+    @contextmanager
+    def _writing_build(self, target: Path) -> Iterator[None]:
+        try:
+            yield
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                free = _free_bytes(target.parent)
+                raise StoreFullError(
+                    f"no space left on the disk of {target.parent} while materializing {target.name}"
+                    + (f" ({_human(free)} free)" if free is not None else ""),
+                    hint="free space, or set [store] build_dir to a bigger disk",
+                ) from None
+            if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise StoreUnusableError(
+                    f"cannot write {target} ({e.strerror})", hint="the build folder must be writable"
+                ) from None
+            raise
+
     # -- maintenance --------------------------------------------------------------------
 
-    def cleanup_tmp(self, max_age_s: float = 3600, extra_dirs: Iterable[StrPath] = ()) -> int:
+    def cleanup_tmp(self, max_age_s: float = TMP_GRACE_S, extra_dirs: Iterable[StrPath] = ()) -> int:
         """Remove temp files left by crashed writers; return how many were removed.
 
-        Only entries older than `max_age_s` whose writer no longer holds them are removed.
+        Only entries older than `max_age_s` whose writer no longer holds them are removed:
+        a live writer holds an flock on each (a killed one's dies with it), so the default
+        age is only a grace for the moment between creating a file and locking it.
 
         `extra_dirs` are parents of materialized folders, whose `.mopt-tmp-*` and
         `.mopt-old-*` children are leftovers of an interrupted `materialize`.
         """
+        if self.read_only:
+            return 0
         removed = 0
         now = time.time()
         for d in _scandir_quiet(self.tmp_dir):
             try:
                 if now - d.stat(follow_symlinks=False).st_mtime < max_age_s or _being_written(d.path):
                     continue
-                _rmtree_ro(d.path)
+                _rmtree_ro(self.guard(d.path))
                 removed += 1
             except FileNotFoundError:
                 continue  # another process finished or removed it meanwhile
+            except OSError as e:
+                log.warning("could not remove the leftover %s: %s", d.path, e)
         for parent in extra_dirs:
-            removed += _remove_stale_siblings(Path(parent), max_age_s)
+            removed += _remove_stale_siblings(Path(self._guard_dest(parent)), max_age_s)
         return removed
 
     def usage(self) -> Usage:
@@ -459,8 +774,15 @@ class Store:
         entry ever referenced are kept for `min_blob_age_s`: they may belong to an action
         whose entry is about to be written. Failed logs older than `older_than_s` go too.
         """
+        if self.read_only:
+            raise StoreUnusableError(f"the store {self.root} was opened read-only; gc cannot run")
         with self._flock(_GC_LOCK, shared=False):
-            return self._gc(max_size_bytes, older_than_s, set(keep_keys), dry_run, min_blob_age_s)
+            fd = self._open_entries_lock()
+            try:
+                return self._gc(max_size_bytes, older_than_s, set(keep_keys), dry_run, min_blob_age_s, fd)
+            finally:
+                if fd is not None:
+                    os.close(fd)  # releases the exclusive locks taken on dropped entries
 
     # -- internals ----------------------------------------------------------------------
 
@@ -471,7 +793,19 @@ class Store:
         keep_keys: set[str],
         dry_run: bool,
         min_blob_age_s: float,
+        lock_fd: int | None = None,
     ) -> GcReport:
+        def free(key: str) -> bool:
+            # An entry a running build uses (see `use`) is kept; the exclusive lock taken
+            # here is held until gc is done, so no build starts using it meanwhile.
+            if lock_fd is None:
+                return True
+            try:
+                fcntl.lockf(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, _lock_offset(key))
+            except OSError:
+                return False
+            return True
+
         now = time.time()
         live: list[tuple[float, str, int, set[str]]] = []  # (last use, key, size, blobs)
         drop_entries: list[tuple[str, int]] = []
@@ -479,12 +813,14 @@ class Store:
             if not d.name.endswith(".json"):
                 continue
             try:
-                st = d.stat()
+                st = d.stat(follow_symlinks=False)
+                if not stat.S_ISREG(st.st_mode):
+                    raise StoreError("not a regular file")
                 e = ActionEntry.model_validate_json(Path(d.path).read_bytes())
                 refs = self._entry_refs(e)
             except FileNotFoundError:
                 continue
-            except (ValidationError, StoreError, OSError):
+            except (ValueError, StoreError, OSError):  # ValidationError is a ValueError
                 drop_entries.append((d.path, _size_quiet(d)))
                 continue
             if e.key != d.name[: -len(".json")]:
@@ -495,7 +831,7 @@ class Store:
         # Blobs are listed after entries: an entry is written only once its blobs exist,
         # so every blob of an entry seen above is seen here unless it is really gone.
         blobs = {digest: (size, mtime) for digest, size, mtime in self._iter_blobs()}
-        broken = [x for x in live if any(r not in blobs for r in x[3])]
+        broken = [x for x in live if any(r not in blobs for r in x[3]) and free(x[1])]
         live = [x for x in live if x not in broken]
         drop_entries += [(str(self._ac_path(k)), size) for _t, k, size, _r in broken]
 
@@ -523,7 +859,7 @@ class Store:
         for last_use, key, size, refs in sorted(live):
             too_old = older_than_s is not None and now - last_use > older_than_s
             too_big = max_size_bytes is not None and total > max_size_bytes
-            if key in keep_keys or not (too_old or too_big):
+            if key in keep_keys or not (too_old or too_big) or not free(key):
                 kept_entries += 1
                 continue
             drop_entries.append((str(self._ac_path(key)), size))
@@ -538,11 +874,11 @@ class Store:
             # Entries first: a crash part-way must not leave an entry naming a deleted blob
             # (it would only be a miss, but a miss that gc already decided to drop).
             for path, _size in drop_entries:
-                _unlink_quiet(path)
+                _rmtree_ro(self.guard(path))  # a malformed entry may be a folder
             for digest in drop_blobs:
-                _unlink_quiet(self.blob_path(digest))
+                self._remove_blob(digest)
             for path, _size in drop_logs:
-                _unlink_quiet(path)
+                _unlink_quiet(self.guard(path))
             self.state.prune()
 
         removed_bytes = (
@@ -613,18 +949,61 @@ class Store:
     def _rename_into_cas(self, tmp: str, digest: str) -> None:
         final = self.blob_path(digest)
         final.parent.mkdir(exist_ok=True)
+        if os.path.isdir(final) and not os.path.islink(final):
+            _rmtree_ro(self.guard(final))  # a folder where the blob belongs: damage, not data
         # Another process may have stored the same digest meanwhile; the bytes are equal,
         # so replacing its blob with ours is harmless. Unlike ac/, the cas/ folder is not
         # fsynced: a blob lost to a power cut only turns a later hit into a miss.
         os.replace(tmp, final)
 
-    def _write_atomic(self, final: Path, data: bytes, mode: int = 0o444) -> None:
-        with self._temp_file("write-") as (fd, tmp):
+    def _write_atomic(self, final: Path, data: bytes, mode: int = 0o444, what: str = "a file") -> None:
+        with self._writing(what, len(data)), self._temp_file("write-") as (fd, tmp):
             _write_all(fd, data)
             os.fchmod(fd, mode)
             os.fsync(fd)
-            os.replace(tmp, final)
-        _fsync_dir(final.parent)
+            os.replace(tmp, self.guard(final))
+            _fsync_dir(final.parent)
+
+    def write_file(self, final: StrPath, data: bytes, mode: int = 0o644, what: str = "a file") -> None:
+        """Write `data` at `final` (in the store) through a fsynced temp file and a rename."""
+        self._write_atomic(Path(final), data, mode=mode, what=what)
+
+    # -- gc roots -----------------------------------------------------------------------
+
+    def add_root(self, lock_file: StrPath) -> None:
+        """Register a project's lock file as a gc root of this store (as Nix's gcroots).
+
+        A symlink roots/<hash of the path> → the lock file: every project's `mopt gc` then
+        keeps what any project sharing the store has pinned. Pruned by `roots` once the
+        lock file is gone."""
+        target = os.path.abspath(lock_file)
+        link = self.roots_dir / (hash_bytes(target.encode())[:32] + ".lock")
+        with suppress(OSError):
+            if os.readlink(link) == target:
+                return
+        try:
+            self.roots_dir.mkdir(exist_ok=True)
+            tmp = f"{link}.{os.getpid()}.tmp"
+            _unlink_quiet(tmp)
+            os.symlink(target, tmp)
+            os.replace(tmp, self.guard(link))
+            _fsync_dir(self.roots_dir)  # a link has no data of its own: its folder holds it
+        except OSError as e:
+            log.warning("could not register %s as a gc root in %s: %s", target, self.roots_dir, e)
+
+    def roots(self, *, prune: bool = True) -> list[Path]:
+        """The lock files registered in roots/ that still exist (dangling links are pruned)."""
+        found: list[Path] = []
+        for d in sorted(_scandir_quiet(self.roots_dir), key=lambda d: d.name):
+            try:
+                target = os.readlink(d.path)
+            except OSError:
+                continue  # not a link: not ours
+            if os.path.lexists(target):
+                found.append(Path(target))
+            elif prune and not self.read_only:
+                _unlink_quiet(self.guard(d.path))
+        return found
 
     @contextmanager
     def _flock(self, name: str, *, shared: bool, on_wait: Callable[[], None] | None = None) -> Iterator[None]:
@@ -691,7 +1070,8 @@ class Store:
                     used = 0
                 else:
                     can_reflink = False  # not on this filesystem: do not retry per file
-            if used < 0 and can_hardlink and mode == 0o444:
+            # Small files are copied, large ones linked (see HARDLINK_MIN_BYTES).
+            if used < 0 and can_hardlink and mode == 0o444 and e.size >= HARDLINK_MIN_BYTES:
                 try:
                     os.link(blob, dst)
                     used = 1
@@ -708,6 +1088,11 @@ class Store:
 
 
 # -- file helpers -------------------------------------------------------------------------
+
+
+def _lock_offset(key: str) -> int:
+    """The byte of locks/entries.lock that stands for entry `key` (48 bits of its hash)."""
+    return int(hash_bytes(key.encode())[:12], 16)
 
 
 def _ro_mode(tree_mode: int) -> int:

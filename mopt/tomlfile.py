@@ -29,7 +29,11 @@ def load(path: Path, display: str | None = None) -> tuple[dict[str, Any], str]:
     except (OSError, UnicodeDecodeError) as exc:
         raise MoptError(f"cannot read file: {exc}", file=shown) from None
     try:
-        return tomllib.loads(text), text
+        data = tomllib.loads(text)
+    except RecursionError:
+        raise MoptError(
+            f"nested deeper than Python can parse (over {MAX_DEPTH} levels)", file=shown
+        ) from None
     except tomllib.TOMLDecodeError as exc:
         msg = str(exc)
         m = _AT.search(msg)
@@ -43,6 +47,34 @@ def load(path: Path, display: str | None = None) -> tuple[dict[str, Any], str]:
             ) from None
         body = _AT_EOF.sub("", msg)
         raise MoptError(f"TOML syntax error at end of file: {body}", file=shown) from None
+    where = _too_deep(data, 0, [])
+    if where is not None:
+        raise MoptError(
+            f"nested more than {MAX_DEPTH} levels deep (tables and arrays)",
+            file=shown,
+            table=".".join(where[:8]) + (" ..." if len(where) > 8 else ""),
+            hint="no recipe or config needs that; flatten it",
+        )
+    return data, text
+
+
+#: tables and arrays nested deeper than this are refused: no recipe needs it, and merging,
+#: hashing and JSON-encoding such values would recurse without bound
+MAX_DEPTH = 32
+
+
+def _too_deep(value: Any, depth: int, path: list[str]) -> list[str] | None:
+    """The path to the first value nested deeper than MAX_DEPTH, else None (iterative)."""
+    stack: list[tuple[Any, int, list[str]]] = [(value, depth, path)]
+    while stack:
+        v, d, p = stack.pop()
+        if d > MAX_DEPTH:
+            return p
+        if isinstance(v, dict):
+            stack.extend((sub, d + 1, [*p, str(k)]) for k, sub in v.items())
+        elif isinstance(v, list):
+            stack.extend((sub, d + 1, [*p, str(i)]) for i, sub in enumerate(v))
+    return None
 
 
 def split_key(dotted: str) -> list[str]:
