@@ -149,6 +149,8 @@ class TargetKind:
     static_fingerprint: ClassVar[bool] = False
     #: byte-for-byte reproducible output (engines built by timing tactics are not)
     reproducible: ClassVar[bool] = True
+    #: the action needs the network; with False, a bubblewrap sandbox runs it without any
+    network: ClassVar[bool] = True
 
     def requirements(self, params: Any, hardware: HardwareProfile) -> list[str]:
         """Requirements for these params on this profile (default: `requires`)."""

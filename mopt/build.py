@@ -13,11 +13,9 @@ import json
 import logging
 import os
 import socket
-import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -25,11 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from mopt import procs
-from mopt.api import Artifact, BuildContext, Missing, SourceContext, SourceError, TargetKind
+from mopt.api import Artifact, Missing, SourceContext, SourceError, TargetKind
 from mopt.digest import canonical_json, hash_bytes
 from mopt.errors import MoptError
 from mopt.graph import Node
 from mopt.keys import action_key, diff_parts
+from mopt.runner import InputWatch, ProcessRunner, Spawn, SpawnRunner, action_logger, close_logger
 from mopt.store import ActionEntry, Store, StoreError
 
 LOCK_NAME = "mopt.lock"
@@ -620,6 +619,8 @@ class Engine:
         stop = False
         reporter.start(states)
         pool = ThreadPoolExecutor(max_workers=max(1, jobs + slots["gpu"]), thread_name_prefix="mopt")
+        # workers start on the first miss, so a build of hits starts none
+        self.runner = self._local_runner(max(1, jobs + slots["gpu"]))
         try:
             while pending or running:
                 progressed = False
@@ -698,10 +699,50 @@ class Engine:
                 reporter.tick()
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
+            self.runner.shutdown()
             self.store.state.flush()
             self.flush_index()
             reporter.stop()
         return states
+
+    def _local_runner(self, workers: int) -> SpawnRunner:
+        """The runner of `[executor] sandbox` ("auto": bubblewrap where it works)."""
+        from mopt.runner import resolve_sandbox
+
+        mode = self.sandbox_mode()
+        sandboxed, why = resolve_sandbox(mode)
+        if mode == "bwrap" and not sandboxed:
+            raise MoptError(
+                f'[executor] sandbox = "bwrap", but {why}',
+                file=str(self.project.config_file or "mopt.toml"),
+                table="executor",
+                key="sandbox",
+                hint='install bubblewrap (apt-get install bubblewrap), or set sandbox = "auto"',
+            )
+        cache = self.store.root / "cache"
+        cache.mkdir(exist_ok=True)
+        return ProcessRunner(
+            tmp_dir=self.store.tmp_dir,
+            max_workers=workers,
+            sandbox=sandboxed,
+            writable=(str(cache),),
+            scratch=lambda: self.store.scratch_dir(prefix="worker-"),
+            disabled_plugins=tuple(getattr(self.registry, "disabled", ()) or ()),
+        )
+
+    def sandbox_mode(self) -> str:
+        """`[executor] sandbox` of mopt.toml, checked."""
+        from mopt.runner import SANDBOX_MODES
+
+        mode = self.project.config.executor.get("sandbox", "auto")
+        if mode not in SANDBOX_MODES:
+            raise MoptError(
+                f"sandbox must be one of {', '.join(map(repr, SANDBOX_MODES))}, not {mode!r}",
+                file=str(self.project.config_file or "mopt.toml"),
+                table="executor",
+                key="sandbox",
+            )
+        return str(mode)
 
     def _hash_input_files(self, ids: list[str]) -> None:
         """Digest every declared input file up front, several at a time: after a `touch`
@@ -797,74 +838,69 @@ class Engine:
                 self.store.materialize(tree, self.address_path(address))
 
     def _execute(self, st: NodeState, reporter: Reporter) -> NodeState:
-        """Run one action under its lock (another process may have built it meanwhile)."""
+        """Run one action under its lock (another process may have built it meanwhile).
+
+        The kind runs in a worker process (`self.runner`); this thread prepares its inputs,
+        checks afterwards that it did not change them, and stores what it wrote.
+        """
         node = st.node
         assert st.key is not None and st.parts is not None
         key = st.key
-        with self.store.lock(key, on_wait=lambda: reporter.waiting(st)), ExitStack() as stack:
+        with self.store.lock(key, on_wait=lambda: reporter.waiting(st)) as lock_fd, ExitStack() as stack:
             entry = self.hit(key)
             if entry is not None:
                 self._finish_hit(st, entry, {})
                 return st
-            # removed when the action ends, after its log is closed (the stack unwinds last)
+            # removed when the action ends, after its log is kept (the stack unwinds last)
             scratch = stack.enter_context(self.store.scratch_dir(prefix="action-"))
-            out_dir, tmp_dir, in_dir = scratch / "out", scratch / "tmp", scratch / "in"
-            for folder in (out_dir, tmp_dir, in_dir):
-                folder.mkdir()
-            log_path = scratch / "log.txt"
-            logger = action_logger(key, log_path, lambda line: _set_last(st, line))
+            in_dir = scratch / "in"
+            in_dir.mkdir()
+            log_path = scratch / "log.txt"  # until the runner gives the action its own
             t0 = time.time()
             try:
-                inputs: dict[str, list[Artifact]] = {}
-                for slot, dep_ids in node.inputs.items():
-                    arts = []
-                    gone = {m.label for m in st.missing.get(slot, [])}
-                    present = [d for d in dep_ids if self.graph.nodes[d].label not in gone]
-                    for k, (d, in_tree) in enumerate(zip(present, st.parts["inputs"][slot], strict=True)):
-                        dep = self.graph.nodes[d]
-                        dest = in_dir / f"{slot}-{k}"
-                        with self.store.in_use():
-                            self.store.materialize(in_tree, dest)
-                        arts.append(
-                            Artifact(
-                                dest,
-                                dep.kind,
-                                dep.target.name,
-                                in_tree,
-                                self._meta.get(in_tree, {}),
-                                label=dep.label,
-                                input_labels=self.graph.input_labels(dep),
-                            )
-                        )
-                    inputs[slot] = arts
                 kind = self.kind(node.kind)
-                fam = self.registry.families.get(node.model.spec.family)
-                ctx = BuildContext(
-                    out=out_dir,
-                    tmp=tmp_dir,
-                    params=node.target.params,
+                inputs, digests, names = self._inputs(st, in_dir)
+                source = self.source(node.model.name)[0] if kind.uses_source else None
+                watched = [in_dir, *([source] if source is not None else [])]
+                watched += kind.input_files(node.target.params, self.recipe.project_dir)
+                watch = InputWatch.take(watched, digests)
+                spawn = Spawn(
+                    key=key,
+                    node_id=node.id,
+                    kind=node.kind,
+                    plugin=node.plugin,
+                    params=node.target.params.model_dump(mode="json"),
                     inputs=inputs,
                     model_name=node.model.name,
-                    family=fam() if fam else None,
+                    family=node.model.spec.family,
                     task=node.model.spec.task,
-                    source=self.source(node.model.name)[0] if kind.uses_source else None,
-                    hardware=node.hardware,
+                    source=str(source) if source is not None else None,
+                    hardware=node.hardware.model_dump(mode="json"),
                     section=node.section.id,
                     target=node.label,
-                    project_dir=self.recipe.project_dir,
-                    logger=logger,
-                    offline=self.offline,
-                    cache_dir=self._cache_dir(node.kind),
+                    project_dir=str(self.recipe.project_dir),
                     missing=st.missing,
+                    env=dict(st.parts.get("env") or {}),
+                    offline=self.offline,
+                    cache_dir=str(self._cache_dir(node.kind)),
+                    network=bool(getattr(kind, "network", True)),
+                    disabled_plugins=tuple(getattr(self.registry, "disabled", ()) or ()),
                 )
-                logger.info(f"mopt: building {node.id} ({node.kind}) key {key[:16]}")
-                meta = kind.run(ctx) or {}
-                json.dumps(meta)  # metadata must be JSON: fail here, not in the cache
-                duration = time.time() - t0
-                logger.info(f"mopt: done in {duration:.2f}s")
-                close_logger(logger)
+                res = stack.enter_context(self.runner.exec(spawn, on_line=lambda line: _set_last(st, line),
+                                                           lock_fd=lock_fd))
+                log_path = res.log
+                changed = watch.changes(watched, self.store.state.file_digest)
+                if changed:
+                    raise InputChanged(self._input_damage(node.kind, changed, in_dir, names))
+                if not res.ok:
+                    st.duration = res.duration
+                    st.status = "failed"
+                    st.reason = res.error
+                    st.log_path = self.store.keep_failed_log(key, log_path)
+                    return st
+                meta, duration = res.meta, res.duration
                 with self.store.in_use():
-                    tree, _entries = self.store.put_tree(out_dir)
+                    tree, _entries = self.store.put_tree(res.out)
                     log_digest = self.store.put_log(log_path)
                     entry = self.store.ac_put(
                         key,
@@ -891,26 +927,85 @@ class Engine:
                     try:
                         self.remote.push(key, entry)
                     except Exception as exc:  # the build succeeded; only sharing failed
-                        logger.warning(f"mopt: remote cache not updated: {exc}")
+                        logging.getLogger("mopt").warning(f"mopt: remote cache not updated: {exc}")
                 st.status = "built"
                 st.duration = duration
                 self._materialize(node, tree)
                 self.record(node, key, st.parts)
-            except BaseException as exc:  # a failing kind must not take the build down
+            except BaseException as exc:  # a failing action must not take the build down
                 st.duration = time.time() - t0
                 if isinstance(exc, KeyboardInterrupt | SystemExit):
                     raise
-                logger.error("mopt: FAILED: " + "".join(traceback.format_exception_only(exc)).strip())
-                logger.debug(traceback.format_exc())
                 with open(log_path, "a") as fh:
-                    fh.write(traceback.format_exc())
-                close_logger(logger)
+                    if isinstance(exc, InputChanged):
+                        fh.write(f"mopt: FAILED: {exc}\n")
+                    else:
+                        fh.write("mopt: FAILED: " + "".join(traceback.format_exception_only(exc)).strip() + "\n")
+                        fh.write(traceback.format_exc())
                 st.status = "failed"
-                st.reason = f"{type(exc).__name__}: {exc}"
+                st.reason = str(exc) if isinstance(exc, InputChanged) else f"{type(exc).__name__}: {exc}"
                 st.log_path = self.store.keep_failed_log(key, log_path)
-            finally:
-                close_logger(logger)
         return st
+
+    def _inputs(
+        self, st: NodeState, in_dir: Path
+    ) -> tuple[dict[str, list[Artifact]], dict[str, str], dict[str, str]]:
+        """Materialize the action's inputs under `in_dir`: (slot → artifacts, file → blob
+        digest, input folder → the producing node's id)."""
+        node = st.node
+        assert st.parts is not None
+        inputs: dict[str, list[Artifact]] = {}
+        digests: dict[str, str] = {}
+        names: dict[str, str] = {}
+        for slot, dep_ids in node.inputs.items():
+            arts = []
+            gone = {m.label for m in st.missing.get(slot, [])}
+            present = [d for d in dep_ids if self.graph.nodes[d].label not in gone]
+            for k, (d, in_tree) in enumerate(zip(present, st.parts["inputs"][slot], strict=True)):
+                dep = self.graph.nodes[d]
+                dest = in_dir / f"{slot}-{k}"
+                with self.store.in_use():
+                    self.store.materialize(in_tree, dest)
+                for e in self.store.tree_entries(in_tree):
+                    digests[os.path.join(str(dest), e.path)] = e.digest
+                names[str(dest)] = dep.id
+                arts.append(
+                    Artifact(
+                        dest,
+                        dep.kind,
+                        dep.target.name,
+                        in_tree,
+                        self._meta.get(in_tree, {}),
+                        label=dep.label,
+                        input_labels=self.graph.input_labels(dep),
+                    )
+                )
+            inputs[slot] = arts
+        return inputs, digests, names
+
+    def _input_damage(
+        self, kind: str, changed: list[tuple[str, str | None]], in_dir: Path, names: dict[str, str]
+    ) -> str:
+        """Remove the blobs an action damaged through its inputs; say what it changed."""
+        shown = []
+        removed = 0
+        for path, digest in changed:
+            if digest is not None and not self.store.verify(digest):
+                removed += int(self.store.discard_blob(digest))
+            rel = path
+            if path.startswith(str(in_dir) + os.sep):
+                top, _, rest = os.path.relpath(path, in_dir).partition(os.sep)
+                rel = f"{names.get(os.path.join(str(in_dir), top), top)}: {rest}"
+            shown.append(rel)
+        more = f" (and {len(shown) - 3} more)" if len(shown) > 3 else ""
+        msg = f"kind {kind!r} changed its input {', '.join(shown[:3])}{more}"
+        if removed:
+            msg += f"; {removed} damaged blob(s) removed from the store (a later build rebuilds them)"
+        return msg
+
+
+class InputChanged(Exception):
+    """An action changed a file it was given to read."""
 
 
 class Reporter:
@@ -926,46 +1021,6 @@ class Reporter:
 
 def _set_last(st: NodeState, line: str) -> None:
     st.last_line = line[-200:]
-
-
-class _TailHandler(logging.Handler):
-    def __init__(self, cb: Callable[[str], None]) -> None:
-        super().__init__()
-        self.cb = cb
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.cb(record.getMessage())
-
-
-_logger_seq = 0
-_logger_lock = threading.Lock()
-
-
-def action_logger(
-    key: str, path: Path, on_line: Callable[[str], None] | None = None, prefix: str = "mopt.action"
-) -> logging.Logger:
-    """A logger of its own for one action: INFO and up into `path` (the action's log),
-    every message to `on_line` (the live last line); close it with `close_logger`."""
-    global _logger_seq
-    with _logger_lock:
-        _logger_seq += 1
-        name = f"{prefix}.{key[:16]}.{_logger_seq}"
-    logger = logging.getLogger(name)
-    logger.setLevel(logging.DEBUG)
-    logger.propagate = False
-    fh = logging.FileHandler(path, encoding="utf-8")
-    fh.setFormatter(logging.Formatter("%(message)s"))
-    fh.setLevel(logging.INFO)
-    logger.addHandler(fh)
-    if on_line is not None:
-        logger.addHandler(_TailHandler(on_line))
-    return logger
-
-
-def close_logger(logger: logging.Logger) -> None:
-    for h in list(logger.handlers):
-        h.close()
-        logger.removeHandler(h)
 
 
 # ---------------------------------------------------------------------- lock file
@@ -1122,7 +1177,7 @@ def _write_lock(recipe_path: Path, now: LockData, artifacts: dict[str, str]) -> 
         return True
 
 
-__all__ = ["Engine", "NodeState", "Reporter", "address_path", "procs"]
+__all__ = ["Engine", "NodeState", "Reporter", "action_logger", "address_path", "close_logger", "procs"]
 
 
 def noop_stamp_inputs(engine: Engine, states: dict[str, NodeState]) -> dict[str, Any] | None:

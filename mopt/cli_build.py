@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -199,15 +200,24 @@ def register(app: click.Group) -> None:
             reporter = LineReporter(sys.stderr, quiet=quiet or as_json)
         else:
             reporter = LiveReporter()
+        # a service manager's stop (SIGTERM) or a closed terminal (SIGHUP) stops the actions
+        # like Ctrl-C does, instead of leaving them running
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, procs.raise_terminated)
         try:
             states = engine.build(
                 ids, jobs=jobs, keep_going=keep_going, reporter=reporter, materialize=set(wanted)
             )
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
+            from mopt import runner
+
+            signum = exc.signum if isinstance(exc, procs.Terminated) else int(signal.SIGINT)
+            runner.kill_all()
             procs.kill_all()
-            err.print("interrupted: running actions stopped; nothing partial was stored")
+            what = {int(signal.SIGTERM): "terminated (SIGTERM)", int(signal.SIGHUP): "hung up (SIGHUP)"}
+            err.print(f"{what.get(signum, 'interrupted')}: running actions stopped; nothing partial was stored")
             sys.stderr.flush()
-            os._exit(130)  # worker threads may be inside a library call; outputs are in tmp only
+            os._exit(128 + signum)  # worker threads may be inside a library call; outputs are in tmp only
         finally:
             engine.store.close()
         artifacts = {

@@ -13,6 +13,43 @@ from typing import Any
 _running: set[subprocess.Popen[str]] = set()
 _lock = threading.Lock()
 
+#: descriptors an action's commands inherit (in a worker: the action's lock, so the lock
+#: stays held while any process of the action lives, orphans included)
+ACTION_FDS: tuple[int, ...] = ()
+
+
+def _child_setup() -> None:
+    # between fork and exec: die with the worker that started us (PR_SET_PDEATHSIG);
+    # the prctl function is looked up before forking
+    if _prctl is not None:
+        _prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
+
+
+def _load_prctl() -> Any:
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_prctl = _load_prctl()
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, handled like Ctrl-C (a KeyboardInterrupt, so every handler of
+    one stops the build the same way); `signum` says which."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def raise_terminated(signum: int, _frame: Any) -> None:
+    """A signal handler for SIGTERM / SIGHUP."""
+    raise Terminated(signum)
+
 
 def run(
     argv: Sequence[str],
@@ -32,6 +69,8 @@ def run(
         text=True,
         errors="replace",
         start_new_session=True,
+        pass_fds=ACTION_FDS,
+        preexec_fn=_child_setup if os.environ.get("MOPT_WORKER") else None,
     )
     with _lock:
         _running.add(proc)

@@ -458,6 +458,17 @@ class Store:
         except FileNotFoundError:
             return False
 
+    def discard_blob(self, digest: str) -> bool:
+        """Remove blob `digest` (found damaged: a later hit that needs it is a miss and
+        rebuilds it); whether it was there."""
+        path = self.blob_path(digest)
+        try:
+            os.chmod(path, 0o644)
+            os.unlink(path)
+        except FileNotFoundError:
+            return False
+        return True
+
     def tree_entries(self, tree_digest: str) -> list[TreeEntry]:
         """The entries of the stored tree `tree_digest`."""
         known = self._trees.get(tree_digest)
@@ -637,10 +648,15 @@ class Store:
     # -- locks --------------------------------------------------------------------------
 
     @contextmanager
-    def lock(self, key: str, *, on_wait: Callable[[], None] | None = None) -> Iterator[None]:
-        """Hold the exclusive lock of action `key` (blocking); `on_wait` runs if it is taken."""
-        with self._flock(check_key(key), shared=False, on_wait=on_wait):
-            yield
+    def lock(self, key: str, *, on_wait: Callable[[], None] | None = None) -> Iterator[int]:
+        """Hold the exclusive lock of action `key` (blocking); `on_wait` runs if it is taken.
+
+        Yields the locked descriptor: a process that inherits a copy of it (the action's
+        worker and its children) keeps the lock held until the last copy is closed, so a
+        waiting build never runs the action beside an orphan of a killed one.
+        """
+        with self._flock(check_key(key), shared=False, on_wait=on_wait) as fd:
+            yield fd
 
     @contextmanager
     def in_use(self) -> Iterator[None]:
@@ -1006,7 +1022,7 @@ class Store:
         return found
 
     @contextmanager
-    def _flock(self, name: str, *, shared: bool, on_wait: Callable[[], None] | None = None) -> Iterator[None]:
+    def _flock(self, name: str, *, shared: bool, on_wait: Callable[[], None] | None = None) -> Iterator[int]:
         # Lock files are never deleted: unlinking one while another process waits on it
         # would let a third process lock a new file of the same name at the same time.
         fd = os.open(self.locks_dir / f"{name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -1018,7 +1034,7 @@ class Store:
                 if on_wait is not None:
                     on_wait()
                 fcntl.flock(fd, op)
-            yield
+            yield fd
         finally:
             os.close(fd)  # closing the descriptor releases the lock
 

@@ -183,7 +183,7 @@ def test_unbuildable_target_is_reported_not_attempted(toy: Path) -> None:
 def test_two_concurrent_builds_run_each_action_once(toy: Path) -> None:
     with open(toy / "r.toml", "a") as fh:
         fh.write("[toy.cpu.toy-export]\nsleep = 1.5\n")
-    counter = toy / "counter.txt"
+    counter = toy / ".mopt" / "cache" / "counter.txt"  # writable in the sandbox (the project is not)
     env = dict(os.environ, MOPT_FIXTURE_COUNTER=str(counter))
     cmd = [sys.executable, "-m", "mopt", "build", "r.toml", "--no-check", "--json", "toy.cpu"]
     procs = [subprocess.Popen(cmd, cwd=toy, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -200,7 +200,7 @@ def test_two_concurrent_builds_run_each_action_once(toy: Path) -> None:
 def test_sigkill_mid_action_recovers_on_next_build(toy: Path) -> None:
     with open(toy / "r.toml", "a") as fh:
         fh.write("[toy.cpu.toy-export]\nsleep = 30\n")
-    counter = toy / "counter.txt"
+    counter = toy / ".mopt" / "cache" / "counter.txt"  # writable in the sandbox (the project is not)
     env = dict(os.environ, MOPT_FIXTURE_COUNTER=str(counter))
     p = subprocess.Popen([sys.executable, "-m", "mopt", "build", "r.toml", "--no-check", "toy.cpu"],
                          cwd=toy, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -294,7 +294,7 @@ def test_show_and_ls_and_explain(toy: Path) -> None:
 def test_sigint_mid_action_stops_cleanly_and_next_build_recovers(toy: Path) -> None:
     with open(toy / "r.toml", "a") as fh:
         fh.write("[toy.cpu.toy-export]\nsleep = 30\n")
-    counter = toy / "counter.txt"
+    counter = toy / ".mopt" / "cache" / "counter.txt"  # writable in the sandbox (the project is not)
     env = dict(os.environ, MOPT_FIXTURE_COUNTER=str(counter))
     p = subprocess.Popen([sys.executable, "-m", "mopt", "build", "r.toml", "--no-check", "toy.cpu"],
                          cwd=toy, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -325,7 +325,7 @@ def test_an_exclusive_kind_runs_alone(project: Path, tmp_path: Path) -> None:
         '[defaults]\ntargets = ["toy-weights", "toy-export", "toy-timed"]\n'
         '[defaults.toy-export]\nsleep = 0.4\n',
     ).replace("[toy.gpu]\nhardware = \"toy-gpu\"\n", '[toy.cpu.sweep]\n"toy-export.opset" = [15, 16, 17]\n'))
-    times = tmp_path / "times.txt"
+    times = project / ".mopt" / "cache" / "times.txt"  # writable in the sandbox (the project is not)
     data = build(project, "-j", "2", env={**os.environ, "MOPT_FIXTURE_TIMES": str(times)})
     assert data["returncode"] == 0, data["stderr"]
     spans = [(float(a), float(b), label) for a, b, label in (ln.split(" ", 2) for ln in times.read_text().splitlines())]

@@ -3,31 +3,29 @@
 The driver turns a graph node whose key is known into an `ActionSpec` (plain JSON: the
 kind's name and params, the input trees by digest, the hardware profile, the key's parts).
 `run_action` re-creates the kind from the registry, materializes the inputs from the
-local store (after `fetch_tree` brought them in from the remote cache), builds the same
-`BuildContext` that `Engine._execute` builds, runs the kind in a scratch folder and
-stores the result (blobs, then the entry). Nothing in this module imports Ray: the
-Engine could call `run_action` for its local misses too.
+local store (after `fetch_tree` brought them in from the remote cache), runs the kind
+in a scratch folder through `mopt.runner.execute_spawn` (the function the local
+executor's worker processes run: one `BuildContext`, one way to run a kind) and stores
+the result (blobs, then the entry). Nothing in this module imports Ray.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import socket
-import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from mopt.api import Artifact, BuildContext, HardwareProfile, Missing
-from mopt.build import action_logger, close_logger
+from mopt.api import Artifact, HardwareProfile, Missing
+from mopt.runner import Spawn, execute_spawn
 from mopt.store import ActionEntry, Store
 
 LOG_TAIL_BYTES = 64 * 1024
@@ -116,32 +114,6 @@ class ActionResult:
 FetchTree = Callable[[str], Any]
 FetchBlob = Callable[[str], Any]
 
-_env_lock = threading.Lock()
-
-
-@contextmanager
-def _env_overlay(values: dict[str, str | None]) -> Iterator[None]:
-    """Set the allow-listed env values the key was made with (the `command` kind's `env`)."""
-    if not values:
-        yield
-        return
-    with _env_lock:
-        old = {k: os.environ.get(k) for k in values}
-        try:
-            for k, v in values.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-            yield
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-
-
 def fingerprint_diff(want: dict[str, Any], have: dict[str, Any]) -> list[str]:
     """`name a → b` for each tool whose version differs between the key and this machine."""
     names = sorted(set(want) | set(have))
@@ -204,7 +176,7 @@ def run_action(
         for d in (out_dir, tmp_dir, in_dir):
             d.mkdir()
         log_path = scratch / "log.txt"
-        logger = action_logger(spec.key, log_path, on_line, prefix="mopt.ray.action")
+        log_path.touch()
         t0 = time.time()
         try:
             inputs: dict[str, list[Artifact]] = {}
@@ -241,31 +213,42 @@ def run_action(
                     dest.parent.mkdir(parents=True, exist_ok=True)
                     shutil.copyfile(store.blob_path(f.digest), dest)
                     os.chmod(dest, 0o444)
-            fam = registry.families.get(spec.family) if spec.family else None
-            ctx = BuildContext(
-                out=out_dir,
-                tmp=tmp_dir,
-                params=params,
-                inputs=inputs,
-                model_name=spec.model_name,
-                family=fam() if fam else None,
-                task=spec.task,
-                source=source if kind.uses_source else None,
-                hardware=hardware,
-                section=spec.section,
-                target=spec.label,
-                project_dir=project_dir,
-                logger=logger,
-                offline=spec.offline,
-                missing={s: [Missing(**m) for m in ms] for s, ms in spec.missing.items()},
+            # the one action-running function of mopt (the local executor's workers call it
+            # too); a Ray task is a process of its own, so it runs here
+            res = execute_spawn(
+                Spawn(
+                    key=spec.key,
+                    node_id=spec.node_id,
+                    kind=spec.kind,
+                    plugin=kind_cls.__module__,
+                    params=spec.params,
+                    inputs=inputs,
+                    model_name=spec.model_name,
+                    family=spec.family,
+                    task=spec.task,
+                    source=str(source) if source is not None and kind.uses_source else None,
+                    hardware=spec.hardware,
+                    section=spec.section,
+                    target=spec.label,
+                    project_dir=str(project_dir),
+                    missing={s: [Missing(**m) for m in ms] for s, ms in spec.missing.items()},
+                    env=dict(spec.parts.get("env") or {}),
+                    offline=spec.offline,
+                    out=str(out_dir),
+                    tmp=str(tmp_dir),
+                    log=str(log_path),
+                    logger_prefix="mopt.ray.action",
+                    host=host,
+                ),
+                registry,
+                on_line,
             )
-            logger.info(f"mopt: building {spec.node_id} ({spec.kind}) key {spec.key[:16]} on {host}")
-            with _env_overlay(dict(spec.parts.get("env") or {})):
-                meta = kind.run(ctx) or {}
-            json.dumps(meta)  # metadata must be JSON: fail here, not in the cache
-            duration = time.time() - t0
-            logger.info(f"mopt: done in {duration:.2f}s")
-            close_logger(logger)
+            if not res.ok:
+                store.keep_failed_log(spec.key, log_path)
+                return ActionResult(
+                    "failed", reason=res.error, duration=res.duration, log_tail=_tail(log_path), host=host
+                )
+            meta, duration = res.meta, res.duration
             with store.in_use():
                 tree, _entries = store.put_tree(out_dir)
                 log_digest = store.put_log(log_path)
@@ -290,12 +273,11 @@ def run_action(
                     ),
                 )
             return ActionResult("built", entry=entry, duration=duration, host=host)
-        except BaseException as exc:  # a failing kind must not take the worker down
+        except BaseException as exc:  # fetching or storing failed: the action fails, not the worker
             if isinstance(exc, KeyboardInterrupt | SystemExit):
                 raise
-            logger.error("mopt: FAILED: " + "".join(traceback.format_exception_only(exc)).strip())
-            close_logger(logger)
             with open(log_path, "a") as fh:
+                fh.write("mopt: FAILED: " + "".join(traceback.format_exception_only(exc)).strip() + "\n")
                 fh.write(traceback.format_exc())
             store.keep_failed_log(spec.key, log_path)
             return ActionResult(
@@ -305,8 +287,6 @@ def run_action(
                 log_tail=_tail(log_path),
                 host=host,
             )
-        finally:
-            close_logger(logger)
 
 
 def _tree_into(store: Store, tree: str, dest: Path, fetch_tree: FetchTree | None) -> None:

@@ -1,0 +1,832 @@
+"""Running one action: a `Spawn` in, a `SpawnResult` out (after Bazel's Spawn / SpawnRunner).
+
+A `Spawn` is a plain, picklable description of one action: the kind's name and plugin, its
+params as JSON, the input artifacts (read-only folders and their metadata), the model,
+family, section and hardware, the env overlay the key was made with, and the folders it
+may write (`out`, `tmp`, `log`, filled in by the runner). `execute_spawn` is the one
+function that turns a spawn into a `BuildContext` and runs the kind; every runner ends
+there, in a process of its own:
+
+* `ProcessRunner`: a pool of warm worker processes (`python -m mopt.runner`) on this
+  machine, so heavy imports (torch) are paid once per worker, not once per action;
+* the same pool with `sandbox=True`: each worker runs inside bubblewrap with the whole
+  filesystem read-only except its own scratch folder and the store's `cache/` (the GPU
+  devices bound in; no network for kinds with `network = False`);
+* Ray (plugins/mopt-ray): a Ray task is already a process of its own; it calls
+  `execute_spawn` directly (`InProcessRunner` does the same here, for the benchmark).
+
+A worker that crashes, calls `os._exit`, segfaults or is OOM-killed fails that action (its
+log and the signal are kept) and is replaced; the environment, the working folder and
+torch's thread count are restored after every action, so nothing leaks into the next one.
+Workers die with the mopt process that started them (PR_SET_PDEATHSIG; bubblewrap's
+--die-with-parent and its own pid namespace), and hold the action's lock descriptor while
+they run, so a waiting build never runs an action beside an orphan of a killed one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import faulthandler
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import recvfds, sendfds
+from pathlib import Path
+from typing import Any
+
+from mopt.api import Artifact, BuildContext, HardwareProfile, Missing
+
+#: values of `[executor] sandbox`
+SANDBOX_MODES = ("auto", "bwrap", "none")
+
+_PR_SET_PDEATHSIG = 1
+
+
+# ---------------------------------------------------------------------- spawn and result
+
+
+@dataclass(frozen=True)
+class Spawn:
+    """One action, as any process can run it (picklable; paths are strings)."""
+
+    key: str
+    node_id: str
+    kind: str
+    #: the plugin that registered the kind (for messages; the worker loads the same registry)
+    plugin: str
+    params: dict[str, Any]
+    inputs: dict[str, list[Artifact]]
+    model_name: str
+    family: str | None
+    task: str
+    source: str | None
+    hardware: dict[str, Any]
+    section: str
+    target: str
+    project_dir: str
+    missing: dict[str, list[Missing]] = field(default_factory=dict)
+    #: env values set for the action (None: unset), e.g. the `command` kind's keyed `env`
+    env: dict[str, str | None] = field(default_factory=dict)
+    offline: bool = False
+    cache_dir: str | None = None
+    #: the kind needs the network (`TargetKind.network`); without it a sandbox unshares it
+    network: bool = True
+    disabled_plugins: tuple[str, ...] = ()
+    #: written by the runner: where the action writes its output, scratch and log
+    out: str = ""
+    tmp: str = ""
+    log: str = ""
+    #: prefix of the action's logger name (the Ray executor's differs)
+    logger_prefix: str = "mopt.action"
+    host: str = ""
+
+
+@dataclass
+class SpawnResult:
+    """What came of a spawn. `status`: ok | failed (the kind raised) | crashed (its process died)."""
+
+    status: str
+    meta: dict[str, Any] = field(default_factory=dict)
+    duration: float = 0.0
+    #: one line: the exception, or how the process ended
+    error: str = ""
+    #: the signal that ended the worker (crashed), else None
+    signal: int | None = None
+    exit_code: int | None = None
+    out: Path = Path()
+    log: Path = Path()
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+# ---------------------------------------------------------------------- the action logger
+
+
+_logger_seq = 0
+_logger_lock = threading.Lock()
+
+
+class _TailHandler(logging.Handler):
+    def __init__(self, cb: Callable[[str], None]) -> None:
+        super().__init__()
+        self.cb = cb
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.cb(record.getMessage())
+
+
+def action_logger(
+    key: str, path: Path, on_line: Callable[[str], None] | None = None, prefix: str = "mopt.action"
+) -> logging.Logger:
+    """A logger of its own for one action: INFO and up into `path` (the action's log),
+    every message to `on_line` (the live last line); close it with `close_logger`."""
+    global _logger_seq
+    with _logger_lock:
+        _logger_seq += 1
+        name = f"{prefix}.{key[:16]}.{_logger_seq}"
+    logger = logging.getLogger(name)
+    logger.setLevel(logging.DEBUG)
+    logger.propagate = False
+    fh = logging.FileHandler(path, encoding="utf-8")
+    fh.setFormatter(logging.Formatter("%(message)s"))
+    fh.setLevel(logging.INFO)
+    logger.addHandler(fh)
+    if on_line is not None:
+        logger.addHandler(_TailHandler(on_line))
+    return logger
+
+
+def close_logger(logger: logging.Logger) -> None:
+    for h in list(logger.handlers):
+        h.close()
+        logger.removeHandler(h)
+
+
+# ---------------------------------------------------------------------- the one action-running function
+
+
+def execute_spawn(spawn: Spawn, registry: Any, on_line: Callable[[str], None] | None = None) -> SpawnResult:
+    """Run `spawn`'s kind in this process; never raises for a failing kind.
+
+    Builds the `BuildContext` (its logger writes `spawn.log`, each message also goes to
+    `on_line`), sets `spawn.env` for the duration of the run and restores the environment,
+    the working folder and torch's thread count afterwards.
+    """
+    out, log = Path(spawn.out), Path(spawn.log)
+    logger = action_logger(spawn.key, log, on_line, prefix=spawn.logger_prefix)
+    t0 = time.time()
+    restore = _Restore()
+    try:
+        kind_cls = registry.targets.get(spawn.kind)
+        if kind_cls is None:
+            raise RuntimeError(f"target kind {spawn.kind!r} (plugin {spawn.plugin}) is not installed here")
+        kind = kind_cls()
+        fam = registry.families.get(spawn.family) if spawn.family else None
+        ctx = BuildContext(
+            out=out,
+            tmp=Path(spawn.tmp),
+            params=kind.Params.model_validate(spawn.params),
+            inputs=spawn.inputs,
+            model_name=spawn.model_name,
+            family=fam() if fam else None,
+            task=spawn.task,
+            source=Path(spawn.source) if spawn.source is not None else None,
+            hardware=HardwareProfile.model_validate(spawn.hardware),
+            section=spawn.section,
+            target=spawn.target,
+            project_dir=Path(spawn.project_dir),
+            logger=logger,
+            offline=spawn.offline,
+            cache_dir=Path(spawn.cache_dir) if spawn.cache_dir else None,
+            missing=spawn.missing,
+        )
+        where = f" on {spawn.host}" if spawn.host else ""
+        logger.info(f"mopt: building {spawn.node_id} ({spawn.kind}) key {spawn.key[:16]}{where}")
+        restore.set_env(spawn.env)
+        meta = kind.run(ctx) or {}
+        json.dumps(meta)  # metadata must be JSON: fail here, not in the cache
+        duration = time.time() - t0
+        logger.info(f"mopt: done in {duration:.2f}s")
+        return SpawnResult("ok", meta=meta, duration=duration, out=out, log=log)
+    except BaseException as exc:  # a failing kind must not take the worker down
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        if isinstance(exc, SystemExit):  # sys.exit() inside a kind fails that action only
+            exc = RuntimeError(f"the kind called sys.exit({exc.code!r})")
+        logger.error("mopt: FAILED: " + "".join(traceback.format_exception_only(exc)).strip())
+        close_logger(logger)
+        with open(log, "a") as fh:
+            fh.write(traceback.format_exc())
+        return SpawnResult(
+            "failed", duration=time.time() - t0, error=f"{type(exc).__name__}: {exc}", out=out, log=log
+        )
+    finally:
+        restore.restore()
+        close_logger(logger)
+
+
+def _default_torch_threads() -> int:
+    """The intra-op thread count torch starts with: OMP_NUM_THREADS / MKL_NUM_THREADS if set,
+    else one per physical core this process may run on (torch's own rule)."""
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        try:
+            n = int(os.environ.get(var, ""))
+            if n > 0:
+                return n
+        except ValueError:
+            pass
+    cores = set()
+    for cpu in os.sched_getaffinity(0):
+        try:
+            cores.add(Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/core_cpus_list").read_text().strip())
+        except OSError:
+            cores.add(str(cpu))
+    return max(1, len(cores))
+
+
+class _Restore:
+    """What an action may change in its process, put back afterwards."""
+
+    def __init__(self) -> None:
+        self.env = dict(os.environ)
+        self.cwd = os.getcwd()
+        self.umask = os.umask(0o022)
+        os.umask(self.umask)
+        torch = sys.modules.get("torch")
+        self.torch_threads = torch.get_num_threads() if torch is not None else None
+
+    def set_env(self, values: dict[str, str | None]) -> None:
+        for k, v in values.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+    def restore(self) -> None:
+        if dict(os.environ) != self.env:
+            os.environ.clear()
+            os.environ.update(self.env)
+        with contextlib.suppress(OSError):
+            os.chdir(self.cwd)
+        os.umask(self.umask)
+        torch = sys.modules.get("torch")
+        if torch is not None:  # imported by this action or an earlier one
+            want = self.torch_threads or _default_torch_threads()
+            with contextlib.suppress(Exception):
+                if torch.get_num_threads() != want:
+                    torch.set_num_threads(want)
+
+
+# ---------------------------------------------------------------------- runners
+
+
+class SpawnRunner:
+    """Runs spawns (Bazel's SpawnRunner): `exec` is a context manager that yields the
+    result; the caller stores `result.out` / `result.log` before it exits, then the
+    runner removes them."""
+
+    name = "?"
+
+    @contextlib.contextmanager
+    def exec(
+        self, spawn: Spawn, *, on_line: Callable[[str], None] | None = None, lock_fd: int | None = None
+    ) -> Iterator[SpawnResult]:
+        raise NotImplementedError
+        yield  # pragma: no cover
+
+    def shutdown(self) -> None:
+        """Stop the runner's processes (idle ones are asked to exit, busy ones killed)."""
+
+
+def _workdir(parent: Path) -> tuple[Path, Path, Path]:
+    d = Path(tempfile.mkdtemp(prefix="a-", dir=parent))
+    (d / "out").mkdir()
+    (d / "tmp").mkdir()
+    return d / "out", d / "tmp", d / "log.txt"
+
+
+class InProcessRunner(SpawnRunner):
+    """Runs the kind in the calling process (a Ray task, which is a process of its own;
+    the benchmark's reference point). Not isolated: the local executor never uses it."""
+
+    name = "in-process"
+
+    def __init__(self, scratch: Path, registry: Any) -> None:
+        self.scratch = scratch
+        self.registry = registry
+
+    @contextlib.contextmanager
+    def exec(
+        self, spawn: Spawn, *, on_line: Callable[[str], None] | None = None, lock_fd: int | None = None
+    ) -> Iterator[SpawnResult]:
+        out, tmp, log = _workdir(self.scratch)
+        try:
+            yield execute_spawn(
+                replace(spawn, out=str(out), tmp=str(tmp), log=str(log)), self.registry, on_line
+            )
+        finally:
+            _rmtree(out.parent)
+
+
+def bwrap_path() -> str | None:
+    """The bubblewrap binary, if installed and able to make a sandbox here (it needs user
+    namespaces, or root)."""
+    global _BWRAP
+    if _BWRAP is None:
+        path = shutil.which("bwrap")
+        ok = False
+        if path:
+            try:
+                ok = (
+                    subprocess.run(
+                        [path, "--ro-bind", "/", "/", "--dev", "/dev", "--unshare-pid", "--", "true"],
+                        capture_output=True,
+                        timeout=20,
+                    ).returncode
+                    == 0
+                )
+            except (OSError, subprocess.TimeoutExpired):
+                ok = False
+        _BWRAP = path if ok else ""
+    return _BWRAP or None
+
+
+_BWRAP: str | None = None
+
+
+def resolve_sandbox(mode: str) -> tuple[bool, str]:
+    """(whether actions run in bubblewrap, why) for `[executor] sandbox = mode`."""
+    if mode == "none":
+        return False, 'off ([executor] sandbox = "none")'
+    path = bwrap_path()
+    if path:
+        return True, f"bubblewrap ({path})"
+    if mode == "bwrap":
+        return False, "bubblewrap is not usable here"
+    return False, "bubblewrap not found (apt-get install bubblewrap): actions run unsandboxed"
+
+
+class _Worker:
+    """One warm worker process and our end of its socket."""
+
+    def __init__(self, argv: list[str], child_fd: int, sock: socket.socket, scratch: Path, ctx: Any) -> None:
+        self.sock = sock
+        self.conn = Connection(os.dup(sock.fileno()))
+        self.scratch = scratch
+        self._scratch_ctx = ctx
+        self.errlog = open(scratch / "worker.log", "ab")  # noqa: SIM115 (lives as long as the worker)
+        self.proc = subprocess.Popen(
+            argv,
+            pass_fds=(child_fd,),
+            stdin=subprocess.DEVNULL,
+            stdout=self.errlog,
+            stderr=self.errlog,
+            start_new_session=True,  # Ctrl-C reaches mopt only; mopt stops the workers
+            env={**os.environ, "MOPT_WORKER": "1"},
+        )
+        os.close(child_fd)
+        self.alive = True
+        self.sandboxed = os.path.basename(argv[0]) == "bwrap"
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                self.proc.kill()
+        self.proc.wait()
+        self.alive = False
+
+    def close(self) -> None:
+        """Ask an idle worker to exit (EOF on its socket), kill it if it does not."""
+        with contextlib.suppress(OSError):
+            self.conn.close()
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        try:
+            self.proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            self.kill()
+        self.alive = False
+        self.errlog.close()
+        with contextlib.suppress(Exception):
+            self._scratch_ctx.__exit__(None, None, None)
+
+    def run(self, spawn: Spawn, on_line: Callable[[str], None] | None, lock_fd: int | None) -> SpawnResult:
+        t0 = time.time()
+        try:
+            self.conn.send(("run", spawn, lock_fd is not None))
+            if lock_fd is not None:
+                sendfds(self.sock, [lock_fd])
+            while True:
+                if not self.conn.poll(0.5):
+                    if self.proc.poll() is not None:
+                        raise EOFError
+                    continue
+                msg = self.conn.recv()
+                if msg[0] == "line":
+                    if on_line is not None:
+                        on_line(msg[1])
+                elif msg[0] == "done":
+                    res: SpawnResult = msg[1]
+                    return res
+        except (EOFError, OSError):
+            return self._crashed(spawn, time.time() - t0)
+
+    def _crashed(self, spawn: Spawn, duration: float) -> SpawnResult:
+        try:
+            code = self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            code = None
+        self.kill()  # its process group too: children that outlived it
+        sig = -code if code is not None and code < 0 else None
+        if sig is None and code is not None and code > 128 and self.sandboxed:
+            sig = code - 128  # bubblewrap reports its child's death by a signal as 128 + signal
+        if sig is not None:
+            name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
+            why = f"the action's process was killed by {name}"
+            if sig == signal.SIGKILL:
+                why += " (out of memory, or killed from outside)"
+        elif code is None:
+            why = "the action's process stopped answering"
+        else:
+            why = f"the action's process exited with code {code} (os._exit?) before the action finished"
+        with contextlib.suppress(OSError), open(spawn.log, "a") as fh:
+            fh.write(f"mopt: FAILED: {why}\n")
+        return SpawnResult(
+            "crashed",
+            duration=duration,
+            error=why,
+            signal=sig,
+            exit_code=code,
+            out=Path(spawn.out),
+            log=Path(spawn.log),
+        )
+
+
+class ProcessRunner(SpawnRunner):
+    """A pool of warm worker processes, optionally each in a bubblewrap sandbox.
+
+    Workers are started on first use (a no-op build starts none), reused across actions
+    of any kind, and at most `max_workers` live at once. Sandboxed workers differ by
+    whether they have the network, so a pool may hold both sorts.
+    """
+
+    def __init__(
+        self,
+        *,
+        tmp_dir: Path,
+        max_workers: int,
+        sandbox: bool = False,
+        writable: tuple[str, ...] = (),
+        scratch: Callable[[], Any] | None = None,
+        disabled_plugins: tuple[str, ...] = (),
+    ) -> None:
+        self.name = "bwrap" if sandbox else "process"
+        self.tmp_dir = Path(tmp_dir)
+        self.max_workers = max(1, max_workers)
+        self.sandbox = sandbox
+        self.writable = tuple(writable)
+        self._scratch = scratch
+        self.disabled_plugins = tuple(disabled_plugins)
+        self._idle: list[tuple[bool, _Worker]] = []
+        self._busy: set[_Worker] = set()
+        self._starting = 0
+        self._cond = threading.Condition()
+        self._closed = False
+        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mopt-spawner")
+        _RUNNERS.add(self)
+
+    # -- workers
+
+    def _argv(self, child_fd: int, scratch: Path, network: bool) -> list[str]:
+        py = [sys.executable, "-m", "mopt.runner", str(child_fd), str(os.getpid())]
+        if not self.sandbox:
+            return py
+        bwrap = bwrap_path()
+        assert bwrap is not None
+        argv = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
+        # the GPUs: /dev above is a fresh, minimal one
+        for dev in sorted(Path("/dev").glob("nvidia*")) + [Path("/dev/dri")]:
+            if dev.exists():
+                argv += ["--dev-bind", str(dev), str(dev)]
+        for rw in (str(scratch), *self.writable):
+            argv += ["--bind", rw, rw]
+        if not network:
+            argv.append("--unshare-net")
+        # its own pid namespace: when bubblewrap dies (with mopt: --die-with-parent) every
+        # process of the action dies with it, however deep
+        argv += ["--unshare-pid", "--die-with-parent", "--new-session", "--chdir", str(scratch), "--"]
+        return argv + py[:-1] + ["0"]  # the parent is bubblewrap's init: no pid check
+
+    def _start(self, network: bool) -> _Worker:
+        ctx = self._scratch() if self._scratch is not None else _TmpScratch(self.tmp_dir)
+        scratch = Path(ctx.__enter__())
+        parent, child = socket.socketpair()
+        try:
+            fd = os.dup(child.fileno())
+            argv = self._argv(fd, scratch, network) + list(self.disabled_plugins)
+            w = _Worker(argv, fd, parent, scratch, ctx)
+        except BaseException:
+            parent.close()
+            ctx.__exit__(None, None, None)
+            raise
+        finally:
+            child.close()
+        return w
+
+    def _spawn(self, key: bool, spare: bool) -> Future[_Worker]:
+        """Start a worker on the spawner thread (counted as starting until it is up).
+
+        One long-lived thread forks every worker: PR_SET_PDEATHSIG fires when the *thread*
+        that forked a process ends, so a worker must not be forked by a short-lived one.
+        """
+        self._starting += 1
+
+        def start() -> _Worker:
+            try:
+                w = self._start(key)
+            finally:
+                with self._cond:
+                    self._starting -= 1
+                    self._cond.notify_all()
+            if spare:
+                self._release(w, key)
+            return w
+
+        return self._spawner.submit(start)
+
+    def _acquire(self, network: bool) -> _Worker:
+        key = network if self.sandbox else True
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise RuntimeError("the action runner was shut down")
+                for i, (k, w) in enumerate(self._idle):
+                    if k == key and w.proc.poll() is None:
+                        del self._idle[i]
+                        self._busy.add(w)
+                        self._keep_spare(key)
+                        return w
+                total = len(self._idle) + len(self._busy) + self._starting
+                if total < self.max_workers:
+                    fut = self._spawn(key, spare=False)
+                    break
+                if self._idle:  # only workers of the other sort are idle: make room
+                    _k, old = self._idle.pop(0)
+                    old.close()
+                    continue
+                self._cond.wait()
+        w = fut.result()
+        with self._cond:
+            self._busy.add(w)
+            self._keep_spare(key)
+        return w
+
+    def _keep_spare(self, key: bool) -> None:
+        """Start one more worker in the background while there is room, so that the next
+        action that can run beside this one finds a warm worker (called with the lock)."""
+        total = len(self._idle) + len(self._busy) + self._starting
+        if total < self.max_workers and not self._starting and not any(k == key for k, _ in self._idle):
+            self._spawn(key, spare=True)
+
+    def _release(self, w: _Worker, network: bool) -> None:
+        with self._cond:
+            self._busy.discard(w)
+            keep = w.alive and w.proc.poll() is None and not self._closed
+            if keep:
+                self._idle.append((network if self.sandbox else True, w))
+            self._cond.notify_all()
+        if not keep:
+            w.close()
+
+    @contextlib.contextmanager
+    def exec(
+        self, spawn: Spawn, *, on_line: Callable[[str], None] | None = None, lock_fd: int | None = None
+    ) -> Iterator[SpawnResult]:
+        w = self._acquire(spawn.network)
+        out, tmp, log = _workdir(w.scratch)
+        spawn = replace(spawn, out=str(out), tmp=str(tmp), log=str(log))
+        try:
+            res = w.run(spawn, on_line, lock_fd)
+            # the result's bytes stay in the worker's scratch until stored: the worker
+            # (which could write there) is not given another action meanwhile
+            yield res
+        finally:
+            _rmtree(out.parent)
+            self._release(w, spawn.network)
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._spawner.shutdown(wait=True)  # a worker being started joins the idle list
+        with self._cond:
+            idle = [w for _k, w in self._idle]
+            busy = list(self._busy)
+            self._idle.clear()
+        for w in busy:
+            w.kill()
+        for w in idle:
+            w.close()
+        _RUNNERS.discard(self)
+
+    def kill(self) -> None:
+        """Kill every worker now (signals: the build is being stopped)."""
+        with self._cond:
+            self._closed = True
+            workers = [w for _k, w in self._idle] + list(self._busy)
+        for w in workers:
+            with contextlib.suppress(Exception):
+                w.kill()
+
+
+class _TmpScratch:
+    """A worker's scratch folder when no store provides one (tests, the benchmark)."""
+
+    def __init__(self, parent: Path) -> None:
+        self.parent = parent
+        self.path: Path | None = None
+
+    def __enter__(self) -> Path:
+        self.path = Path(tempfile.mkdtemp(prefix="worker-", dir=self.parent))
+        return self.path
+
+    def __exit__(self, *exc: object) -> None:
+        if self.path is not None:
+            _rmtree(self.path)
+
+
+_RUNNERS: set[ProcessRunner] = set()
+
+
+def kill_all() -> None:
+    """Kill every worker of every runner of this process (SIGINT / SIGTERM / SIGHUP)."""
+    for r in list(_RUNNERS):
+        r.kill()
+
+
+def _rmtree(path: Path) -> None:
+    def onerror(func: Any, p: str, _exc: Any) -> None:
+        with contextlib.suppress(OSError):
+            os.chmod(os.path.dirname(p), 0o755)
+            os.chmod(p, 0o755)
+            func(p)
+
+    shutil.rmtree(path, onerror=onerror)
+
+
+# ---------------------------------------------------------------------- inputs must not change
+
+
+@dataclass
+class InputWatch:
+    """The stats (inode, size, mtime_ns, ctime_ns) of every file an action reads, taken
+    before it runs, to compare with after. `digests`: path → blob digest for files that
+    are store blobs (materialized inputs), so a stat change can be told from a benign one
+    (another link to the same blob changes its ctime) by rehashing."""
+
+    stats: dict[str, tuple[int, int, int, int]]
+    digests: dict[str, str]
+
+    @classmethod
+    def take(cls, roots: list[Path], digests: dict[str, str]) -> InputWatch:
+        return cls(_stat_tree(roots), digests)
+
+    def changes(self, roots: list[Path], rehash: Callable[[str], str]) -> list[tuple[str, str | None]]:
+        """(file, its blob digest or None) for every file that changed, appeared or went."""
+        now = _stat_tree(roots)
+        bad: list[tuple[str, str | None]] = []
+        for path in sorted(set(self.stats) | set(now)):
+            old, new = self.stats.get(path), now.get(path)
+            if old == new:
+                continue
+            digest = self.digests.get(path)
+            if old is not None and new is not None and old[:3] == new[:3] and digest is not None:
+                try:
+                    if rehash(path) == digest:
+                        continue  # only the ctime moved (a new link to the blob): same bytes
+                except OSError:
+                    pass
+            bad.append((path, digest))
+        return bad
+
+
+def _stat_tree(roots: list[Path]) -> dict[str, tuple[int, int, int, int]]:
+    out: dict[str, tuple[int, int, int, int]] = {}
+
+    def add(p: str) -> None:
+        try:
+            st = os.stat(p)
+        except OSError:
+            return
+        out[p] = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    for root in roots:
+        r = str(root)
+        if os.path.isdir(r):
+            for dirpath, _dirs, files in os.walk(r, followlinks=True):
+                for f in files:
+                    add(os.path.join(dirpath, f))
+        else:
+            add(r)
+    return out
+
+
+# ---------------------------------------------------------------------- orphans
+
+
+def set_pdeathsig(sig: int = signal.SIGKILL) -> None:
+    """Ask the kernel to send `sig` to this process when its parent (thread) dies."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+
+
+# ---------------------------------------------------------------------- the worker process
+
+
+class _Worker_:
+    """The worker side: receive spawns, run them with `execute_spawn`, answer."""
+
+    def __init__(self, fd: int) -> None:
+        self.sock = socket.socket(fileno=fd)
+        self.conn = Connection(os.dup(fd))
+        self.send_lock = threading.Lock()
+        self.registries: dict[tuple[str, ...], Any] = {}
+
+    def send(self, msg: Any) -> None:
+        with self.send_lock:
+            self.conn.send(msg)
+
+    def registry(self, disabled: tuple[str, ...]) -> Any:
+        from mopt.plugins import get_registry
+
+        if disabled not in self.registries:
+            self.registries[disabled] = get_registry(disabled)
+        return self.registries[disabled]
+
+    def serve(self) -> None:
+        from mopt import procs
+
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                return
+            if msg[0] != "run":
+                return
+            spawn: Spawn = msg[1]
+            lock = recvfds(self.sock, 1)[0] if msg[2] else None
+            registry = self.registry(spawn.disabled_plugins)
+            procs.ACTION_FDS = (lock,) if lock is not None else ()
+            saved = _redirect_output(spawn.log)
+            try:
+                res = execute_spawn(spawn, registry, lambda line: self.send(("line", line)))
+            finally:
+                _restore_output(saved)
+                procs.ACTION_FDS = ()
+                if lock is not None:
+                    os.close(lock)
+            self.send(("done", res))
+
+
+def _redirect_output(log: str) -> tuple[int, int]:
+    """Point fds 1 and 2 at the action's log (native libraries' output, faulthandler's
+    trace of a segfault) until `_restore_output`."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = (os.dup(1), os.dup(2))
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    return saved
+
+
+def _restore_output(saved: tuple[int, int]) -> None:
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os.dup2(saved[0], 1)
+    os.dup2(saved[1], 2)
+    os.close(saved[0])
+    os.close(saved[1])
+
+
+def worker_main(argv: list[str]) -> int:
+    fd, ppid = int(argv[0]), int(argv[1])
+    set_pdeathsig(signal.SIGKILL)
+    if ppid and os.getppid() != ppid:
+        return 0  # mopt died before the line above took effect
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # mopt decides when an action stops
+    faulthandler.enable()  # a segfault's Python trace goes to fd 2: the action's log
+    worker = _Worker_(fd)
+    # load the plugins now, while mopt is still busy elsewhere: the first action then
+    # finds a warm worker
+    worker.registry(tuple(argv[2:]))
+    worker.serve()
+    return 0
+
+
+if __name__ == "__main__":
+    # run the module's importable copy: what the worker pickles must name mopt.runner's
+    # classes, not __main__'s
+    from mopt import runner as _runner
+
+    sys.exit(_runner.worker_main(sys.argv[1:]))
