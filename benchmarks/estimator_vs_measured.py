@@ -35,7 +35,15 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from mopt.api import Family  # noqa: E402
 from mopt.estimate import ModelDims, Workload, estimate  # noqa: E402
+
+
+class Qwen3Shape(Family):
+    """The shape mopt-ml's qwen3 family gives the estimator (gated MLP, q/k norms)."""
+
+    name = "qwen3"
+    qk_norm = True
 
 QWEN3_0_6B = json.loads((HERE.parent / "recipes" / "configs" / "qwen3-embedding-0.6b.json").read_text())
 
@@ -164,7 +172,7 @@ def run_case(name: str, batch: int, seq: int, device: str, dtype: str, attn: str
         live = _child(arg, {"MALLOC_MMAP_THRESHOLD_": "65536"}) if device == "cpu" else measured
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
         return {"failed": str(exc)}
-    dims = ModelDims.from_config(cfg)
+    dims = ModelDims.from_config(cfg, Qwen3Shape)
     precision = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
     w = Workload(
         precision=precision,

@@ -6,15 +6,77 @@ Nothing in this module imports a heavy library; kinds import theirs inside `run`
 
 from __future__ import annotations
 
+import enum
+import importlib.metadata as md
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 import pluggy
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+
+from mopt import plugin_env
+from mopt.digest import MODE_EXEC, MODE_FILE, TreeEntry, hash_tree, iter_files, mode_of
+from mopt.errors import BuildFailed, MoptError, PluginError
+from mopt.estimate import ConfigError, ModelDims
+from mopt.family import (
+    DTYPES,
+    EMBEDDING,
+    ExportSpec,
+    Family,
+    TransformersFamily,
+    quiet_transformers,
+    tokenize,
+    torch_dtype,
+)
 
 hookimpl = pluggy.HookimplMarker("mopt")
+
+__all__ = [
+    "DTYPES",
+    "EMBEDDING",
+    "FORMATS",
+    "MODE_EXEC",
+    "MODE_FILE",
+    "Artifact",
+    "BuildContext",
+    "BuildFailed",
+    "BuiltTarget",
+    "CheckContext",
+    "ConfigError",
+    "Executor",
+    "ExportSpec",
+    "Family",
+    "Finding",
+    "HardwareProfile",
+    "Input",
+    "Missing",
+    "ModelDims",
+    "MoptError",
+    "NoParams",
+    "Params",
+    "PluginError",
+    "Role",
+    "Source",
+    "SourceContext",
+    "SourceError",
+    "TargetKind",
+    "TransformersFamily",
+    "TreeEntry",
+    "built_target",
+    "hash_tree",
+    "hookimpl",
+    "iter_files",
+    "mode_of",
+    "package_versions",
+    "param_roles",
+    "plugin_env",
+    "quiet_transformers",
+    "run_process",
+    "tokenize",
+    "torch_dtype",
+]
 
 #: keys every target table may hold besides its kind's params
 RESERVED_TARGET_KEYS = frozenset({"kind", "input"})
@@ -30,19 +92,93 @@ class NoParams(Params):
     """Params of a kind that takes none."""
 
 
+class Role(str, enum.Enum):
+    """What a param means to `mopt check`'s generic rules: mark a field with
+    `Annotated[str, Role.precision]`. Only marked fields are checked; the name of a field
+    means nothing to `check` (a storage-only `dtype` is left alone unless marked).
+
+    precision          compute / weight precision ("fp16", "bfloat16", "fp8", "auto"):
+                       refused when the profile's compute capability lacks it
+    kv_cache_precision the KV cache's dtype
+    quantization       a quantization method that names a precision ("fp8", "awq")
+    batch_size         the most sequences at once (TensorRT max_batch_size, vLLM max_num_seqs)
+    seq_len            the longest sequence in tokens: ≤ the model's max positions; memory
+    num_tokens         tokens one forward pass takes (max_num_tokens, max_num_batched_tokens)
+    shapes             [batch, seq] shapes (lists, tables of lists, "NxM" strings): their
+                       sequence lengths are checked like seq_len
+    memory_fraction    share of the GPU's memory the runtime takes, in (0, 1] (vLLM)
+    kv_cache_fraction  share of the memory left after the model given to the KV cache (TRT-LLM)
+    tensor_parallel    GPUs one model is split over: divides heads, ≤ the profile's GPUs
+    pipeline_parallel  pipeline stages
+    kv_block_tokens    tokens per paged-KV block: a power of two
+    workspace_gb       a runtime workspace in GiB, added to the memory estimate
+    """
+
+    precision = "precision"
+    kv_cache_precision = "kv_cache_precision"
+    quantization = "quantization"
+    batch_size = "batch_size"
+    seq_len = "seq_len"
+    num_tokens = "num_tokens"
+    shapes = "shapes"
+    memory_fraction = "memory_fraction"
+    kv_cache_fraction = "kv_cache_fraction"
+    tensor_parallel = "tensor_parallel"
+    pipeline_parallel = "pipeline_parallel"
+    kv_block_tokens = "kv_block_tokens"
+    workspace_gb = "workspace_gb"
+
+
+def param_roles(params_model: type[BaseModel]) -> dict[str, Role]:
+    """Field name → its `Role`, for the fields of `params_model` that carry one (through
+    `Annotated[..., Role.x]` or `Field(json_schema_extra={"mopt_role": "x"})`)."""
+    out: dict[str, Role] = {}
+    for name, info in params_model.model_fields.items():
+        for meta in info.metadata:
+            if isinstance(meta, Role):
+                out[name] = meta
+        extra = info.json_schema_extra
+        if isinstance(extra, dict) and isinstance(extra.get("mopt_role"), str):
+            out[name] = Role(extra["mopt_role"])
+    return out
+
+
+#: artifact formats: what a kind's output folder holds, so that any kind producing a format
+#: can feed any slot that accepts it (docs/plugins.md describes each layout)
+FORMATS: dict[str, str] = {
+    "hf-checkpoint": "a Hugging Face model folder: config.json, *.safetensors, tokenizer files",
+    "modelopt-checkpoint": "an HF folder quantized by NVIDIA ModelOpt (hf_quant_config.json)",
+    "onnx": "model.onnx (+ model.onnx.data), mopt_ml.json, tokenizer and config files",
+    "openvino-ir": "OpenVINO IR (model.xml + model.bin) with tokenizer files",
+    "tensorrt-plan": "a serialized TensorRT engine (model.plan) and its metadata",
+    "torch-compile-cache": "a torch.compile cache (megacache) for the family's model",
+    "aoti-package": "an AOTInductor package (model.pt2)",
+    "vllm-config": "a vLLM serving config: args.json, serve.sh",
+    "trtllm-config": "a TensorRT-LLM serving config: extra_llm_api_options.yaml, args.json",
+    "triton-repo": "a Triton model repository",
+    "oci-image": "an OCI image archive (image.tar) and image.json",
+    "report": "a JSON report (report.json / bench.json), maybe with report.html",
+    "selection": "the winner's files (its own format), selection.json, selection.html, pareto.svg",
+    "files": "any files (the `command` kind's output)",
+}
+
+
 @dataclass(frozen=True)
 class Input:
     """One input slot of a target kind.
 
-    `kinds` are the target kinds that can feed it, most preferred first. When a section
-    has several candidates of the preferred kind, the recipe must say which with
-    `input = "<target>"`. With `fanout`, the node is repeated once per candidate instead
-    (e.g. `validate` runs once for every artifact under test). With `gather`, one node
-    gets all candidates' nodes in the slot (e.g. `select` over every variant of a sweep).
+    `formats` are the artifact formats that can feed it (`TargetKind.produces`), most
+    preferred first: any kind producing one of them is a candidate, a third party's as
+    much as mopt's. `kinds` narrows it to those kinds (most preferred first; `("*",)`: any
+    kind, only when the recipe names the input). When a section has several candidates of
+    the preferred format (or kind), the recipe must say which with `input = "<target>"`.
+    With `fanout`, the node is repeated once per candidate instead (e.g. `validate` runs
+    once for every artifact under test). With `gather`, one node gets all candidates'
+    nodes in the slot (e.g. `select` over every variant of a sweep).
     """
 
     name: str
-    kinds: tuple[str, ...]
+    kinds: tuple[str, ...] = ()
     required: bool = True
     fanout: bool = False
     #: one node takes every candidate's nodes at once (e.g. `select` over a whole sweep)
@@ -50,11 +186,32 @@ class Input:
     #: (with `gather`) run even when some of them failed or cannot build here; they are
     #: listed in `BuildContext.missing` and their status is part of the action key
     partial: bool = False
+    #: artifact formats accepted, most preferred first (see FORMATS)
+    formats: tuple[str, ...] = ()
+
+    def accepts(self, kind: str, produces: str) -> bool:
+        """Whether an artifact of `kind` in format `produces` may fill this slot."""
+        if self.formats and produces not in self.formats:
+            return False
+        return not self.kinds or kind in self.kinds or "*" in self.kinds
+
+    def describe(self) -> str:
+        """What it takes, for messages: `format onnx or openvino-ir`, `kind weights`."""
+        parts = []
+        if self.formats:
+            parts.append("format " + " or ".join(self.formats))
+        if self.kinds and "*" not in self.kinds:
+            parts.append("kind " + " or ".join(self.kinds))
+        return ", ".join(parts) or "any kind"
 
 
 @dataclass(frozen=True)
 class Artifact:
-    """A built input as a kind's `run` sees it: a read-only folder and its metadata."""
+    """A built input as a kind's `run` sees it: a read-only folder and its metadata.
+
+    `meta` is what the producing kind's `run()` returned (its JSON result, as recorded in the
+    action entry), e.g. `{"opset": 17, "check": {...}}` for `onnx`; `{}` when it returned None.
+    """
 
     path: Path
     kind: str
@@ -130,6 +287,9 @@ class TargetKind:
     description: ClassVar[str] = ""
     Params: ClassVar[type[BaseModel]] = NoParams
     consumes: ClassVar[tuple[Input, ...]] = ()
+    #: the artifact format its output folder holds (a FORMATS name; "" says nothing, and
+    #: then only slots that name this kind in `Input.kinds` take it)
+    produces: ClassVar[str] = ""
     #: the kind reads the model's source checkpoint (e.g. `weights`)
     uses_source: ClassVar[bool] = False
     #: the output depends on the hardware profile (engines, serving configs)
@@ -144,13 +304,29 @@ class TargetKind:
     #: runs alone: the local scheduler starts it when nothing else runs and starts nothing
     #: beside it (benchmarks: a timing shared with other work is not a timing)
     exclusive: ClassVar[bool] = False
+    #: distributions whose versions shape the output: the default `fingerprint()` returns
+    #: their versions (`package_versions`), and the kind is then `static_fingerprint`
+    fingerprint_packages: ClassVar[tuple[str, ...]] = ()
     #: `fingerprint()` depends only on installed packages and env variables (not on the
-    #: GPU, driver or other machine state), so a no-op build may skip calling it
-    static_fingerprint: ClassVar[bool] = False
+    #: GPU, driver or other machine state), so a no-op build may skip calling it. When a
+    #: class does not set it, it is True unless the class overrides `fingerprint()`: a kind
+    #: that reads machine state there says `static_fingerprint = False` … and one that only
+    #: reads versions should use `fingerprint_packages` (or say True)
+    static_fingerprint: ClassVar[bool] = True
     #: byte-for-byte reproducible output (engines built by timing tactics are not)
     reproducible: ClassVar[bool] = True
     #: the action needs the network; with False, a bubblewrap sandbox runs it without any
     network: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # a class that says static_fingerprint decides for its subclasses; otherwise an own
+        # fingerprint() (which may read anything: nvidia-smi, a driver) makes it not static
+        own = [c for c in cls.__mro__[: cls.__mro__.index(TargetKind)]]
+        if any("static_fingerprint" in c.__dict__ for c in own):
+            return
+        if any("fingerprint" in c.__dict__ for c in own):
+            cls.static_fingerprint = False
 
     def requirements(self, params: Any, hardware: HardwareProfile) -> list[str]:
         """Requirements for these params on this profile (default: `requires`)."""
@@ -166,8 +342,11 @@ class TargetKind:
         return []
 
     def fingerprint(self) -> dict[str, str]:
-        """Versions of the tools that shape the output (library versions, GPU, driver)."""
-        return {}
+        """Versions of the tools that shape the output (library versions, GPU, driver).
+
+        Default: the versions of `fingerprint_packages`. Override it for machine state
+        (a GPU's compute capability, the driver), and set `static_fingerprint = False`."""
+        return package_versions(*self.fingerprint_packages)
 
     def platform(self, hardware: HardwareProfile) -> dict[str, Any]:
         """Output-relevant properties of the platform (goes into the action key)."""
@@ -178,8 +357,32 @@ class TargetKind:
         return []
 
     def run(self, ctx: BuildContext) -> dict[str, Any] | None:
-        """Build the artifact into `ctx.out`; return metadata (JSON-serialisable)."""
+        """Build the artifact into `ctx.out`; return metadata (JSON-serialisable): it is
+        recorded in the action entry and is what consumers see as `Artifact.meta`."""
         raise NotImplementedError(f"target kind {self.name!r} does not implement run()")
+
+
+def run_process(
+    argv: list[str], *, cwd: str | Path | None = None, env: dict[str, str] | None = None,
+    on_line: Any = None,
+) -> int:  # fmt: skip
+    """Run a tool from a kind's `run()`: in its own process group (killed with the build on
+    Ctrl-C), its output lines streamed to `on_line` (e.g. `ctx.log`); the exit status."""
+    from mopt import procs
+
+    return procs.run(argv, cwd=cwd, env=env, on_line=on_line)
+
+
+def package_versions(*dists: str) -> dict[str, str]:
+    """Installed versions of distributions, read from package metadata without importing
+    them ("missing" for one that is not installed): the usual `fingerprint()`."""
+    out: dict[str, str] = {}
+    for dist in dists:
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            out[dist] = "missing"
+    return out
 
 
 @dataclass(frozen=True)
@@ -204,20 +407,6 @@ class CheckContext:
     family: Family | None
     section: str
     target: str
-
-
-class Family:
-    """A model family (qwen3, bert, ...): what the graph needs to know about a model.
-
-    Heavy work (loading, pooling, exporting) is done by the plugin's methods, which import
-    their libraries lazily. `pooling` is one of "last-token", "mean", "cls".
-    """
-
-    name: ClassVar[str]
-    description: ClassVar[str] = ""
-    architectures: ClassVar[tuple[str, ...]] = ()
-    pooling: ClassVar[str] = "mean"
-    tasks: ClassVar[tuple[str, ...]] = ("embedding",)
 
 
 class Source:
@@ -254,20 +443,32 @@ class SourceContext:
     offline: bool
     family: Family | None
     model_name: str
+    #: every registered family by name (e.g. for a source that builds a named architecture)
+    families: dict[str, type[Family]] = field(default_factory=dict)
 
 
 class SourceError(Exception):
     """A source could not be resolved; the message says which and what to do."""
 
 
+#: what `HardwareProfile.device` may be
+DEVICES = ("gpu", "cpu", "accelerator")
+
+
 class HardwareProfile(BaseModel):
-    """A deployment target: one machine type. `cpu` profiles have no GPU fields."""
+    """A deployment target: one machine type.
+
+    `device` is "gpu" (an NVIDIA GPU: `compute_capability` and `memory_gb` required), "cpu"
+    (no accelerator fields), or "accelerator" (anything else: an NPU, a TPU, an Intel or AMD
+    GPU: `accelerator` names its kind, `memory_gb` its memory, `supported_precisions` what it
+    computes natively). Only "gpu" profiles get the CUDA rules of `mopt check`.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str
     description: str
-    device: str = "gpu"  # "gpu" or "cpu"
+    device: str = "gpu"
     gpu_name: str | None = None
     compute_capability: tuple[int, int] | None = None
     memory_gb: float | None = None
@@ -275,15 +476,45 @@ class HardwareProfile(BaseModel):
     sm_count: int | None = None
     gpu_count: int = 1
     fp16_tflops: float | None = None
+    #: device="accelerator": its kind ("npu", "tpu", "intel-gpu", ...)
+    accelerator: str | None = None
+    #: precisions with native support, when the compute capability cannot tell (accelerators)
+    supported_precisions: tuple[str, ...] | None = None
     source: str = ""
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if v not in DEVICES:
+            hint = " (an NPU, TPU, ...: device = \"accelerator\", accelerator = \"npu\")" if v != "" else ""
+            raise ValueError(f"device {v!r} is not one of {', '.join(DEVICES)}{hint}")
+        return v
+
+    @model_validator(mode="after")
+    def _fields(self) -> HardwareProfile:
+        if self.device == "accelerator" and not self.accelerator:
+            raise ValueError('device "accelerator" needs accelerator = "<its kind, e.g. npu>"')
+        if self.device != "accelerator" and self.accelerator:
+            raise ValueError(f'accelerator is only for device "accelerator" (this one is {self.device!r})')
+        if self.device != "gpu" and self.compute_capability is not None:
+            raise ValueError(f"compute_capability is a CUDA GPU property; device is {self.device!r}")
+        return self
 
     @property
     def is_gpu(self) -> bool:
+        """An NVIDIA (CUDA) GPU profile."""
         return self.device == "gpu"
+
+    @property
+    def kind_label(self) -> str:
+        """What it is, for listings: "gpu", "cpu", or the accelerator's kind."""
+        return self.accelerator or self.device
 
     @property
     def precisions(self) -> tuple[str, ...]:
         """Precisions with hardware support on this profile."""
+        if self.supported_precisions is not None:
+            return tuple(self.supported_precisions)
         if not self.is_gpu or self.compute_capability is None:
             return ("fp32", "int8")
         cc = self.compute_capability
@@ -312,3 +543,50 @@ class Executor:
     name: ClassVar[str]
     description: ClassVar[str] = ""
     Settings: ClassVar[type[BaseModel]] = NoParams
+
+
+@dataclass(frozen=True)
+class BuiltTarget:
+    """A built target as the store holds it for its current action key (see `built_target`)."""
+
+    node_id: str
+    kind: str
+    key: str
+    #: relative path in the output folder → the read-only blob holding its bytes
+    files: dict[str, Path]
+    #: what the kind's run() returned (`Artifact.meta`)
+    meta: dict[str, Any]
+
+
+def built_target(recipe: Path, selector: str, *, kind: str | None = None) -> BuiltTarget:
+    """The one built target of RECIPE that `selector` (model.hardware:target) names, of
+    `kind` when given, for plugin commands that hand an artifact on (`mopt image load`).
+
+    Raises `MoptError` when the selector names no or several such targets, or the target
+    is not built for its current key (a stale build is never returned)."""
+    from mopt.build import Engine
+    from mopt.cli import Session
+
+    s = Session(recipe)
+    ids = [i for i in s.graph.select([selector]) if kind is None or s.graph.nodes[i].kind == kind]
+    if selector.partition(":")[2]:
+        named = set(s.graph.match([selector]))
+        ids = [i for i in ids if i in named]
+    if len(ids) != 1:
+        what = f"{kind} targets" if kind else "targets"
+        raise MoptError(
+            f"{selector!r} names {len(ids)} {what}" + (f": {', '.join(ids[:5])}" if ids else ""),
+            hint="give one model.hardware:target" + (f" of kind {kind}" if kind else ""),
+        )
+    node_id = ids[0]
+    engine = Engine(s)
+    try:
+        info = engine.explain(node_id)
+        entry = engine.store.ac_entry(info["key"]) if info["key"] else None
+        if entry is None:
+            raise MoptError(f"{node_id} is not built", hint=f"run: mopt build {recipe} '{node_id}'")
+        files = {e.path: engine.store.blob_path(e.digest) for e in engine.store.tree_entries(entry.outputs_tree)}
+        meta = dict(entry.meta)
+    finally:
+        engine.store.close()
+    return BuiltTarget(node_id, s.graph.nodes[node_id].kind, info["key"], files, meta)

@@ -233,6 +233,7 @@ class Engine:
                 offline=self.offline or self.planning,
                 family=fam() if fam else None,
                 model_name=model_name,
+                families=dict(self.registry.families),
             )
             try:
                 path = src.resolve(model.source_params, ctx)

@@ -1,16 +1,17 @@
 """`mopt check`: a recipe against its hardware profiles, before any build, in well under a second.
 
-Generic rules read the params every engine / serving kind uses (precision, dtype,
-max_batch_size, max_seq_len, max_num_seqs, max_model_len, gpu_memory_utilization,
-tensor_parallel_size / tp_size, tokens_per_block, kv_cache_dtype, quantization, ...), so a
-kind written later is checked without doing anything; each kind's own `check()` adds its
-specific findings. The model's shape comes from its config.json (`[models.X] config`, the
-local `path` / `package` / cached `hf` checkpoint, or a synthetic source's `config`).
+Generic rules read the params a kind marks with a `mopt.api.Role` (precision, sequence length,
+batch size, memory fraction, tensor-parallel size, ...): a param's name means nothing here,
+so a storage-only `dtype` is never read as a compute precision, and a kind written later is
+checked by marking its fields. Each kind's own `check()` adds its specific findings. The
+model's shape comes from its family's `dims()` over its config.json (`[models.X] config`,
+the local `path` / `package` / cached `hf` checkpoint, or a synthetic source's `config` over
+the family's `synthetic_defaults`).
 
 A kind may steer the memory rules with a class attribute `memory_model` = "engine" (batch ×
-sequence through one forward pass, no KV cache), "vllm" (gpu_memory_utilization pool with a
-KV cache), "trtllm" (KV cache from the free-memory fraction) or "none"; without one it is
-inferred from the param names.
+sequence through one forward pass, no KV cache), "vllm" (memory_fraction pool with a KV
+cache), "trtllm" (KV cache from the kv_cache_fraction of free memory) or "none"; without one
+it is inferred from the roles present.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from mopt.api import CheckContext, Finding, HardwareProfile, SourceContext, TargetKind
+from mopt.api import CheckContext, Finding, HardwareProfile, Role, SourceContext, TargetKind, param_roles
 from mopt.estimate import (
     BYTES,
     GIB,
@@ -48,27 +49,39 @@ MIN_CC: dict[str, tuple[int, int]] = {
     "fp8": (8, 9),
     "nvfp4": (10, 0),
 }
-PRECISION_KEYS = ("precision", "dtype")
-TP_KEYS = ("tensor_parallel_size", "tp_size")
-PP_KEYS = ("pipeline_parallel_size", "pp_size")
-FRACTION_KEYS = ("gpu_memory_utilization", "kv_cache_free_gpu_memory_fraction", "free_gpu_memory_fraction")
-KV_FRACTION_KEYS = ("kv_cache_free_gpu_memory_fraction", "free_gpu_memory_fraction")
-_SEQ_KEY = re.compile(r"(^|_)(seq_len|seq_length|sequence_length|model_len|input_len|max_length)$")
-_MEMORY_KEYS = frozenset(
+#: roles that describe a memory workload (a kind with none of them gets no estimate)
+MEMORY_ROLES = frozenset(
     {
-        "max_batch_size",
-        "max_seq_len",
-        "max_input_len",
-        "max_num_tokens",
-        "max_num_seqs",
-        "max_model_len",
-        "max_num_batched_tokens",
-        "gpu_memory_utilization",
-        "kv_cache_free_gpu_memory_fraction",
-        "free_gpu_memory_fraction",
-        "workspace_gb",
+        Role.batch_size,
+        Role.seq_len,
+        Role.num_tokens,
+        Role.memory_fraction,
+        Role.kv_cache_fraction,
+        Role.workspace_gb,
+        Role.kv_block_tokens,
     }
 )
+#: role → [(param name, value)] of one target's params, in field order
+RoleValues = dict[Role, list[tuple[str, Any]]]
+
+
+def role_values(kind: type[TargetKind], params: dict[str, Any]) -> RoleValues:
+    """The params of `kind` that carry a role, by role (unmarked params are not there)."""
+    out: RoleValues = {}
+    for name, role in param_roles(kind.Params).items():
+        if name in params:
+            out.setdefault(role, []).append((name, params[name]))
+    return out
+
+
+def _first(rv: RoleValues, *roles: Role) -> tuple[str | None, Any]:
+    for role in roles:
+        for k, v in rv.get(role, ()):
+            if v is not None:
+                return k, v
+    return None, None
+
+
 #: defaults the runtimes use when the recipe leaves a setting out (assumed for estimates)
 VLLM_DEFAULT_UTILIZATION = 0.9
 VLLM_DEFAULT_MAX_NUM_SEQS = 256
@@ -180,19 +193,17 @@ def load_model_config(model: Model, recipe: Recipe, registry: Any) -> tuple[dict
     overrides = getattr(params, "config", None)
     if isinstance(overrides, dict) or "synthetic" in kind:
         # a synthetic source: the family's small defaults under the recipe's overrides. Only
-        # plain dicts are read (no plugin code runs: families build configs with transformers)
-        fam = registry.families.get(model.spec.family)
-        defaults: Any = None
-        for attr in ("synthetic_defaults", "synthetic_config"):
-            value = getattr(fam, attr, None)
-            if isinstance(value, dict):
-                defaults = value
-                break
-        merged = {**(defaults or {}), **(overrides if isinstance(overrides, dict) else {})}
+        # the plain dict is read (no plugin code runs: families build configs with transformers)
+        named = getattr(params, kind, None)
+        fam = registry.families.get(named) if isinstance(named, str) else None
+        fam = fam or registry.families.get(model.spec.family)
+        value = getattr(fam, "synthetic_defaults", None)
+        defaults: dict[str, Any] = value if isinstance(value, dict) else {}
+        merged = {**defaults, **(overrides if isinstance(overrides, dict) else {})}
         if not merged:
             return None, f"{kind} source gives no config"
         origin = f"{kind} source config" + (" over the family's synthetic defaults" if defaults else "")
-        if "vocab_size" not in merged and "hidden_size" in merged:
+        if "vocab_size" not in merged:
             # the synthetic tokenizer's vocabulary is only known once built; it is small
             merged["vocab_size"] = SYNTHETIC_VOCAB_GUESS
             origin += f"; vocab_size assumed {SYNTHETIC_VOCAB_GUESS}"
@@ -235,9 +246,11 @@ def _model_info(model: Model, recipe: Recipe, registry: Any) -> _ModelInfo:
     if cfg is None:
         return _ModelInfo(None, origin)
     try:
-        dims = ModelDims.from_config(cfg, model.spec.family)
+        dims = ModelDims.from_config(cfg, registry.families.get(model.spec.family))
     except ConfigError as exc:
         return _ModelInfo(cfg, f"{origin} (lacks {', '.join(exc.missing)})")
+    except Exception as exc:  # a family plugin's bug must not stop the check
+        return _ModelInfo(cfg, f"{origin} (family {model.spec.family!r}'s dims() failed: {_short(exc)})")
     return _ModelInfo(cfg, origin, dims)
 
 
@@ -250,13 +263,6 @@ def _num(v: Any) -> float | None:
 
 def _int(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
-
-
-def _first(params: dict[str, Any], keys: tuple[str, ...]) -> tuple[str | None, Any]:
-    for k in keys:
-        if params.get(k) is not None:
-            return k, params[k]
-    return None, None
 
 
 def _cc(hw: HardwareProfile) -> str:
@@ -300,7 +306,7 @@ class _Checker:
         hw = self.registry.hardware[section.hardware]
         cls: type[TargetKind] = self.registry.targets[node.kind]
         kind = cls()
-        params = node.params_json()
+        params = role_values(cls, node.params_json())
         sec = section.id
         info = self.model(section.model)
         dims = info.dims
@@ -383,9 +389,8 @@ class _Checker:
         except Exception:
             return None
 
-    def _precision(self, params: dict[str, Any], hw: HardwareProfile, sec: str, label: str) -> None:
-        for key in PRECISION_KEYS:
-            value = params.get(key)
+    def _precision(self, params: RoleValues, hw: HardwareProfile, sec: str, label: str) -> None:
+        for key, value in params.get(Role.precision, ()):
             p = normalize_precision(value)
             if p is None or p in hw.precisions:
                 continue
@@ -416,17 +421,17 @@ class _Checker:
                 f"{hw.name} ({hw.gpu_name}) has {_cc(hw)} (supports {', '.join(hw.precisions)})",
                 f"use {alt} on {hw.name}, or build for a profile with {p}: {', '.join(others[:6])}",
             )
-        q = params.get("quantization")
+        qkey, q = _first(params, Role.quantization)
         qp = normalize_precision(q)
-        if hw.is_gpu and qp is not None and qp not in hw.precisions:
+        if hw.is_gpu and qkey and qp is not None and qp not in hw.precisions:
             if qp == "fp8":
                 self.add(
                     "warning",
                     "precision-unsupported",
                     sec,
                     label,
-                    "quantization",
-                    f"quantization = {q!r} on {hw.name} (CC {_cc(hw)}): FP8 compute needs CC ≥ 8.9; "
+                    qkey,
+                    f"{qkey} = {q!r} on {hw.name} (CC {_cc(hw)}): FP8 compute needs CC ≥ 8.9; "
                     "vLLM runs it as weight-only W8A16 (FP8 Marlin): memory saved, no FP8 math",
                     "keep it for the memory saving, or use int8 (W8A8) for faster math on this GPU",
                 )
@@ -437,31 +442,31 @@ class _Checker:
                     "precision-unsupported",
                     sec,
                     label,
-                    "quantization",
-                    f"quantization = {q!r} ({qp}) needs compute capability ≥ {need[0]}.{need[1]}; "
+                    qkey,
+                    f"{qkey} = {q!r} ({qp}) needs compute capability ≥ {need[0]}.{need[1]}; "
                     f"{hw.name} has {_cc(hw)}",
                     f"use awq / gptq (int4) or fp8 on {hw.name}, or a profile with {qp}: "
                     + ", ".join(_profiles_with(self.registry, qp)[:6]),
                 )
-        kv = params.get("kv_cache_dtype")
+        kvkey, kv = _first(params, Role.kv_cache_precision)
         kp = normalize_precision(kv)
-        if hw.is_gpu and kp is not None and kp not in hw.precisions:
+        if hw.is_gpu and kvkey and kp is not None and kp not in hw.precisions:
             self.add(
                 "warning" if kp == "fp8" else "error",
                 "precision-unsupported",
                 sec,
                 label,
-                "kv_cache_dtype",
-                f"kv_cache_dtype = {kv!r} on {hw.name} (CC {_cc(hw)}): no hardware {kp} "
+                kvkey,
+                f"{kvkey} = {kv!r} on {hw.name} (CC {_cc(hw)}): no hardware {kp} "
                 f"(needs CC ≥ {MIN_CC[kp][0]}.{MIN_CC[kp][1]}); only some attention backends can "
                 "store the cache in it and compute in fp16",
-                'use kv_cache_dtype = "auto" on this GPU, or check that your runtime version '
+                f'use {kvkey} = "auto" on this GPU, or check that your runtime version '
                 "supports an fp8 KV cache on it",
             )
 
-    def _fractions(self, params: dict[str, Any], sec: str, label: str) -> None:
-        for key in FRACTION_KEYS:
-            v = _num(params.get(key))
+    def _fractions(self, params: RoleValues, sec: str, label: str) -> None:
+        for key, value in [*params.get(Role.memory_fraction, ()), *params.get(Role.kv_cache_fraction, ())]:
+            v = _num(value)
             if v is not None and not 0 < v <= 1:
                 self.add(
                     "error",
@@ -473,9 +478,10 @@ class _Checker:
                     f"set {key} between 0.5 and 0.95 (0.9 is the usual default)",
                 )
 
-    def _tokens_per_block(self, params: dict[str, Any], sec: str, label: str) -> None:
-        v = _int(params.get("tokens_per_block"))
-        if v is None or (v > 0 and v & (v - 1) == 0):
+    def _tokens_per_block(self, params: RoleValues, sec: str, label: str) -> None:
+        key, value = _first(params, Role.kv_block_tokens)
+        v = _int(value)
+        if key is None or v is None or (v > 0 and v & (v - 1) == 0):
             return
         lower = 1 << (max(v, 1).bit_length() - 1)
         upper = lower * 2
@@ -484,24 +490,22 @@ class _Checker:
             "tokens-per-block-not-pow2",
             sec,
             label,
-            "tokens_per_block",
-            f"tokens_per_block = {v} is not a power of two (TensorRT-LLM's paged KV cache requires one)",
-            f"use tokens_per_block = {lower} or {upper} (32 and 64 are common)"
-            if v > 0
-            else "use tokens_per_block = 32 or 64",
+            key,
+            f"{key} = {v} is not a power of two (a paged KV cache's block size must be one)",
+            f"use {key} = {lower} or {upper} (32 and 64 are common)" if v > 0 else f"use {key} = 32 or 64",
         )
 
     def _parallel(
         self,
-        params: dict[str, Any],
+        params: RoleValues,
         hw: HardwareProfile,
         dims: ModelDims | None,
         sec: str,
         label: str,
         model: str,
     ) -> None:
-        tp_key, tp_v = _first(params, TP_KEYS)
-        pp_key, pp_v = _first(params, PP_KEYS)
+        tp_key, tp_v = _first(params, Role.tensor_parallel)
+        pp_key, pp_v = _first(params, Role.pipeline_parallel)
         tp, pp = _int(tp_v) or 1, _int(pp_v) or 1
         if tp_key is None and pp_key is None:
             return
@@ -559,7 +563,7 @@ class _Checker:
             )
 
     def _seq_lengths(
-        self, params: dict[str, Any], dims: ModelDims, sec: str, label: str, model: str, origin: str
+        self, params: RoleValues, dims: ModelDims, sec: str, label: str, model: str, origin: str
     ) -> None:
         limit = dims.max_sequence
         if limit is None:
@@ -593,7 +597,7 @@ class _Checker:
     def _memory(
         self,
         cls: type[TargetKind],
-        params: dict[str, Any],
+        params: RoleValues,
         hw: HardwareProfile,
         dims: ModelDims,
         sec: str,
@@ -760,19 +764,16 @@ def _tp_ok(dims: ModelDims, tp: int) -> bool:
     )
 
 
-def _seq_values(params: dict[str, Any], prefix: str = "") -> list[tuple[str, int, str]]:
-    """(dotted key, sequence length, how it was written) for every sequence-length param and
-    every [batch, seq] shape in a param whose name mentions 'shape' (lists of shapes, tables
-    of them per input, 'NxM' strings)."""
+def _seq_values(params: RoleValues) -> list[tuple[str, int, str]]:
+    """(dotted key, sequence length, how it was written) for every `seq_len` param and
+    every [batch, seq] shape in a `shapes` param (lists of shapes, tables of them per input,
+    'NxM' strings)."""
     out: list[tuple[str, int, str]] = []
-    for k, v in params.items():
-        dotted = f"{prefix}{k}"
-        if _SEQ_KEY.search(k) and _int(v) is not None:
-            out.append((dotted, v, str(v)))
-        elif "shape" in k.lower():
-            out += _shape_seqs(v, dotted)
-        elif isinstance(v, dict):
-            out += _seq_values(v, dotted + ".")
+    for k, v in params.get(Role.seq_len, ()):
+        if _int(v) is not None:
+            out.append((k, v, str(v)))
+    for k, v in params.get(Role.shapes, ()):
+        out += _shape_seqs(v, k)
     return out
 
 
@@ -832,24 +833,19 @@ def _smaller_precisions(dims: ModelDims, w: Workload, hw: HardwareProfile, key: 
 
 
 def workload_for(
-    params: dict[str, Any], dims: ModelDims, hw: HardwareProfile, memory_model: str | None = None
+    params: RoleValues, dims: ModelDims, hw: HardwareProfile, memory_model: str | None = None
 ) -> tuple[Workload, dict[str, str]] | None:
-    """The workload a target's params describe, and which param gave each number
-    (`batch`, `seq`, `precision`, `fraction` → param name; `assumed` → defaults used).
-    None when the params say nothing about memory (or `memory_model` is "none")."""
-    present = _MEMORY_KEYS & {k for k, v in params.items() if v is not None}
+    """The workload a target's role-marked params (`role_values`) describe, and which param
+    gave each number (`batch`, `seq`, `precision`, `fraction` → param name; `assumed` →
+    defaults used). None when they say nothing about memory (or `memory_model` is "none")."""
+    present = {r for r, kvs in params.items() if any(v is not None for _, v in kvs)}
     mode = memory_model
     if mode is None:
-        if not present and not any(params.get(k) is not None for k in TP_KEYS):
-            return None
-        if present & {"gpu_memory_utilization", "max_num_seqs", "max_model_len", "max_num_batched_tokens"}:
+        if Role.memory_fraction in present:
             mode = "vllm"
-        elif (
-            present & {"kv_cache_free_gpu_memory_fraction", "free_gpu_memory_fraction", "max_num_tokens"}
-            or params.get("tokens_per_block") is not None
-        ):
+        elif present & {Role.kv_cache_fraction, Role.kv_block_tokens}:
             mode = "trtllm"
-        elif present & {"max_batch_size", "max_seq_len", "max_input_len", "workspace_gb"}:
+        elif present & {Role.batch_size, Role.seq_len, Role.num_tokens, Role.workspace_gb}:
             mode = "engine"
         else:
             return None
@@ -858,7 +854,7 @@ def workload_for(
     keys: dict[str, str] = {}
     assumed: list[str] = []
 
-    pkey, pval = _first(params, PRECISION_KEYS)
+    pkey, pval = _first(params, Role.precision)
     prec = normalize_precision(pval)
     if prec is None:
         prec = dims.config_dtype if dims.config_dtype in ("fp16", "bf16") else "fp16"
@@ -866,35 +862,37 @@ def workload_for(
             prec = "fp16"
     if pkey:
         keys["precision"] = pkey
-    q = normalize_precision(params.get("quantization"))
-    if q is not None and BYTES[q] < BYTES[prec]:
+    qkey, qval = _first(params, Role.quantization)
+    q = normalize_precision(qval)
+    if q is not None and qkey and BYTES[q] < BYTES[prec]:
         prec = q
-        keys["precision"] = "quantization"
-    kv_dtype = normalize_precision(params.get("kv_cache_dtype"))
+        keys["precision"] = qkey
+    kv_dtype = normalize_precision(_first(params, Role.kv_cache_precision)[1])
 
-    _, tp_v = _first(params, TP_KEYS)
-    _, pp_v = _first(params, PP_KEYS)
+    _, tp_v = _first(params, Role.tensor_parallel)
+    _, pp_v = _first(params, Role.pipeline_parallel)
     tp, pp = max(1, _int(tp_v) or 1), max(1, _int(pp_v) or 1)
     max_pos = dims.max_sequence or 2048
 
-    def pick(names: tuple[str, ...], default: int, what: str) -> tuple[int, str | None]:
-        for n in names:
-            v = _int(params.get(n))
+    def pick(role: Role, default: int, what: str) -> tuple[int, str | None]:
+        for n, value in params.get(role, ()):
+            v = _int(value)
             if v is not None and v > 0:
                 return v, n
         assumed.append(f"{what} {default:,}")
         return default, None
 
+    nt = _int(_first(params, Role.num_tokens)[1])
     if mode == "vllm":
-        batch, bk = pick(("max_num_seqs", "max_batch_size"), VLLM_DEFAULT_MAX_NUM_SEQS, "max_num_seqs")
-        seq, sk = pick(("max_model_len", "max_seq_len"), max_pos, "max_model_len")
-        nt = _int(params.get("max_num_batched_tokens"))
+        batch, bk = pick(Role.batch_size, VLLM_DEFAULT_MAX_NUM_SEQS, "max_num_seqs")
+        seq, sk = pick(Role.seq_len, max_pos, "max_model_len")
         tokens = nt if nt else min(max(seq, VLLM_DEFAULT_BATCHED_TOKENS), batch * seq)
-        frac_v = _num(params.get("gpu_memory_utilization"))
-        if frac_v is None:
+        fk, fv = _first(params, Role.memory_fraction)
+        frac_v = _num(fv)
+        if frac_v is None or fk is None:
             assumed.append(f"gpu_memory_utilization {VLLM_DEFAULT_UTILIZATION}")
         else:
-            keys["fraction"] = "gpu_memory_utilization"
+            keys["fraction"] = fk
         frac = frac_v if frac_v is not None and 0 < frac_v <= 1 else VLLM_DEFAULT_UTILIZATION
         w = Workload(
             precision=prec,
@@ -909,11 +907,10 @@ def workload_for(
             runtime="vllm",
         )
     elif mode == "trtllm":
-        batch, bk = pick(("max_batch_size", "max_num_seqs"), TRTLLM_DEFAULT_MAX_BATCH, "max_batch_size")
-        seq, sk = pick(("max_seq_len", "max_model_len"), max_pos, "max_seq_len")
-        nt = _int(params.get("max_num_tokens"))
+        batch, bk = pick(Role.batch_size, TRTLLM_DEFAULT_MAX_BATCH, "max_batch_size")
+        seq, sk = pick(Role.seq_len, max_pos, "max_seq_len")
         tokens = nt if nt else min(TRTLLM_DEFAULT_MAX_NUM_TOKENS, batch * seq)
-        fk, fv = _first(params, KV_FRACTION_KEYS)
+        fk, fv = _first(params, Role.kv_cache_fraction)
         frac_v = _num(fv)
         if frac_v is not None and fk:
             keys["fraction"] = fk
@@ -931,9 +928,9 @@ def workload_for(
             runtime="trtllm",
         )
     else:
-        batch, bk = pick(("max_batch_size",), 1, "batch")
-        seq, sk = pick(("max_seq_len", "max_input_len"), min(ENGINE_DEFAULT_SEQ, max_pos), "seq")
-        ws = _num(params.get("workspace_gb")) or 0.0
+        batch, bk = pick(Role.batch_size, 1, "batch")
+        seq, sk = pick(Role.seq_len, min(ENGINE_DEFAULT_SEQ, max_pos), "seq")
+        ws = _num(_first(params, Role.workspace_gb)[1]) or 0.0
         w = Workload(
             precision=prec, batch=batch, seq_len=seq, tp=tp, pp=pp, workspace_gb=ws, runtime="engine"
         )
@@ -968,8 +965,8 @@ def run_checks(graph: Graph, ids: list[str] | None = None) -> CheckReport:
             if sec_id not in wanted:
                 continue
             section = by_id[sec_id]
-            params = node.params_json()
-            if (_MEMORY_KEYS | set(TP_KEYS)) & set(params) or any(True for _ in _seq_values(params)):
+            rv = role_values(graph.registry.targets[node.kind], node.params_json())
+            if (MEMORY_ROLES | {Role.tensor_parallel, Role.shapes}) & set(rv):
                 relevant.add(sec_id)
             if c.check_node(node, section, label):
                 with_workload.add(sec_id)

@@ -249,7 +249,7 @@ def hardware(as_json: bool) -> None:
         rows.append(
             [
                 p.name,
-                p.gpu_name or p.device,
+                p.gpu_name or p.kind_label,
                 cc,
                 f"{p.memory_gb:g} GB" if p.memory_gb else "-",
                 f"{p.bandwidth_gbps:g} GB/s" if p.bandwidth_gbps else "-",

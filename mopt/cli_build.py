@@ -235,9 +235,14 @@ def register(app: click.Group) -> None:
             counts[st.status] = counts.get(st.status, 0) + 1
         failed = [st for st in states.values() if st.status in ("failed", "unbuildable", "blocked")]
         selected = _selected(states, engine.build_dir, s.recipe)
+        no_fast_path = _fast_path_off(engine, states)
+        if no_fast_path and not failed and not as_json:
+            err.print(f"note: {no_fast_path}")
         if stamp is not None:
             watch = None if failed else noop_stamp_inputs(engine, states)
-            if watch is None:
+            if watch is None and no_fast_path and not failed:
+                noop.skip(stamp, no_fast_path)
+            elif watch is None:
                 noop.invalidate(stamp)
             else:
                 nodes = [dict(st.as_json(), status="cached") for st in states.values()]
@@ -417,7 +422,8 @@ def register(app: click.Group) -> None:
     @recipe_arg
     @selectors_arg
     @click.option(
-        "--output", "-o", type=click.Path(path_type=Path), help="HTML file (default build/report.html)"
+        "--output", "-o", type=click.Path(path_type=Path),
+        help="HTML file (default: report-<recipe name>.html in the build folder, [store] build_dir)",
     )
     @json_opt
     def report(recipe: Path, selectors: tuple[str, ...], output: Path | None, as_json: bool) -> None:
@@ -490,6 +496,25 @@ def _selected(states: dict[str, Any], build_dir: Path, recipe: Any = None) -> li
                 f"{address_path(build_dir, st.node.id, recipe)}"
             )
     return lines
+
+
+def _fast_path_off(engine: Any, states: dict[str, Any]) -> str:
+    """Which kinds of this build turn the no-op fast path off (their fingerprint may read
+    machine state), as one line; "" when none does."""
+    off: dict[str, str] = {}
+    for st in states.values():
+        kind = engine.kind(st.node.kind)
+        if not kind.static_fingerprint:
+            off.setdefault(st.node.kind, engine.registry.plugin_of("targets", st.node.kind).name)
+    if not off:
+        return ""
+    names = ", ".join(f"{k!r} (plugin {p!r})" for k, p in sorted(off.items()))
+    return (
+        f"no-op fast path off: {'kind' if len(off) == 1 else 'kinds'} {names} may read machine state in "
+        "fingerprint() "
+        "(static_fingerprint = False); a kind whose fingerprint is package versions says "
+        "fingerprint_packages = (...)"
+    )
 
 
 def _report_noop(done: dict[str, Any], seconds: float, as_json: bool, quiet: bool) -> None:

@@ -139,13 +139,6 @@ _ALIASES: dict[str, str] = {
     "mxfp4": "nvfp4",
 }
 
-#: model types whose MLP is gated (gate, up, down); others get two matrices
-GATED_MODEL_TYPES = frozenset(
-    {"qwen2", "qwen3", "llama", "mistral", "gemma", "gemma2", "gemma3", "phi3", "qwen2_moe", "olmo2"}
-)
-ENCODER_MODEL_TYPES = frozenset({"bert", "roberta", "xlm-roberta", "electra", "mpnet", "nomic_bert"})
-
-
 def normalize_precision(value: Any) -> str | None:
     """Canonical precision name (fp32, fp16, bf16, fp8, int8, int4, nvfp4), or None when
     the value does not name one ("auto", "mixed", a quantization method we cannot size)."""
@@ -200,68 +193,20 @@ class ModelDims:
     original_max_position: int | None = None
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any], family: str | None = None) -> ModelDims:
-        """Read the dims; raise `ConfigError` naming the missing keys."""
-        cfg = dict(config)
-        if isinstance(cfg.get("text_config"), Mapping):  # multimodal wrappers
-            cfg = {**cfg, **cfg["text_config"]}
-        model_type = str(cfg.get("model_type") or family or "").lower()
-        get = cfg.get
-        hidden = get("hidden_size", get("d_model", get("n_embd")))
-        layers = get("num_hidden_layers", get("n_layer", get("num_layers")))
-        heads = get("num_attention_heads", get("n_head"))
-        vocab = get("vocab_size")
-        missing = [
-            k
-            for k, v in (
-                ("hidden_size", hidden),
-                ("num_hidden_layers", layers),
-                ("num_attention_heads", heads),
-                ("vocab_size", vocab),
-            )
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0
-        ]
-        if missing:
-            raise ConfigError(missing)
-        assert isinstance(hidden, int) and isinstance(layers, int) and isinstance(heads, int)
-        assert isinstance(vocab, int)
-        intermediate = get("intermediate_size", get("n_inner")) or 4 * hidden
-        kv_heads = get("num_key_value_heads") or heads
-        head_dim = get("head_dim") or hidden // heads
-        encoder = model_type in ENCODER_MODEL_TYPES or (
-            family is not None and family.lower() in ENCODER_MODEL_TYPES
-        )
-        gated = (
-            model_type in GATED_MODEL_TYPES or (family or "").lower() in GATED_MODEL_TYPES
-        ) and not encoder
-        if not encoder and not gated and model_type == "":
-            gated = True  # unknown decoder: assume the modern gated MLP (the larger estimate)
-        max_pos = get("max_position_embeddings", get("n_positions"))
-        rope = get("rope_scaling") or {}
-        factor = rope.get("factor") if isinstance(rope, Mapping) else None
-        orig = rope.get("original_max_position_embeddings") if isinstance(rope, Mapping) else None
-        archs = get("architectures") or []
-        return cls(
-            model_type=model_type or "unknown",
-            layers=layers,
-            hidden=hidden,
-            intermediate=int(intermediate),
-            heads=heads,
-            kv_heads=int(kv_heads),
-            head_dim=int(head_dim),
-            vocab=vocab,
-            max_position=int(max_pos) if isinstance(max_pos, int) else None,
-            tied=bool(get("tie_word_embeddings", encoder or model_type == "")),
-            gated_mlp=gated,
-            encoder=encoder,
-            attention_bias=bool(get("attention_bias", model_type == "qwen2" or encoder)),
-            qk_norm=model_type == "qwen3",
-            type_vocab=int(get("type_vocab_size") or 0) if encoder else 0,
-            pooler=encoder and any(a in ("BertModel", "RobertaModel", "XLMRobertaModel") for a in archs),
-            config_dtype=normalize_precision(get("torch_dtype") or get("dtype")),
-            rope_factor=float(factor) if isinstance(factor, (int, float)) else None,
-            original_max_position=int(orig) if isinstance(orig, int) else None,
-        )
+    def from_config(cls, config: Mapping[str, Any], family: Any = None) -> ModelDims:
+        """The dims of a config.json dict, as `family` (a `mopt.api.Family` class or
+        instance) reads them; raise `ConfigError` naming the missing keys. The estimator has
+        no knowledge of model types of its own: without a family, the config is read as
+        `Family`'s defaults do (a decoder with a gated MLP, the larger of the usual cases)."""
+        from mopt.family import Family
+
+        if family is None or isinstance(family, str):
+            family = Family
+        fam = family() if isinstance(family, type) else family
+        dims = fam.dims(config)
+        if not isinstance(dims, ModelDims):
+            raise TypeError(f"{type(fam).__name__}.dims() returned {type(dims).__name__}, not ModelDims")
+        return dims
 
     @property
     def q_dim(self) -> int:

@@ -123,12 +123,21 @@ class Graph:
         return [i for i in self.nodes if i in picked]
 
 
-def _candidates(slot: Input, section: Section, me: Target) -> list[str]:
-    """Target names in `section` that can feed `slot`, most preferred kind first."""
+def _candidates(slot: Input, section: Section, me: Target, registry: Registry) -> list[str]:
+    """Target names in `section` that can feed `slot`, most preferred first: by the slot's
+    kinds when it names kinds, else by its formats; section order within one preference."""
+    def produces(t: Target) -> str:
+        return registry.targets[t.kind].produces
+
+    usable = [t for t in section.targets if t.name != me.name and slot.accepts(t.kind, produces(t))]
+    if slot.kinds:
+        tiers = [[t for t in usable if t.kind == k] for k in slot.kinds]
+    else:
+        tiers = [[t for t in usable if produces(t) == f] for f in slot.formats]
     names: list[str] = []
-    for kind in slot.kinds:
-        for t in section.targets:
-            if t.kind == kind and t.name != me.name and t.name not in names:
+    for tier in tiers:
+        for t in tier:
+            if t.name not in names:
                 names.append(t.name)
         if names and not (slot.fanout or slot.gather):
             break
@@ -148,18 +157,21 @@ def _wire(section: Section, registry: Registry) -> dict[str, dict[str, list[str]
         if t.inputs is not None:
             for inp in t.inputs:
                 kind = first[inp].kind
-                slot = next(
-                    (s for s in cls.consumes if kind in s.kinds or "*" in s.kinds), None
-                )
+                fmt = registry.targets[kind].produces
+                slot = next((s for s in cls.consumes if s.accepts(kind, fmt)), None)
                 if slot is None:
-                    accepted = sorted({k for s in cls.consumes for k in s.kinds})
+                    accepted = "; ".join(
+                        s.describe() if len(cls.consumes) == 1 else f"{s.name}: {s.describe()}"
+                        for s in cls.consumes
+                    )
                     raise MoptError(
-                        f"input {inp!r} is a {kind!r}, which kind {t.kind!r} does not take",
+                        f"input {inp!r} is a {kind!r}" + (f" (format {fmt!r})" if fmt else "")
+                        + f", which kind {t.kind!r} does not take",
                         file=where.file if where else None,
                         table=where.table if where else None,
                         key="input",
                         line=where.line if where else None,
-                        hint=f"it takes: {', '.join(accepted) or 'no inputs'}",
+                        hint=f"it takes: {accepted or 'no inputs'}",
                     )
                 slots[slot.name].append(inp)
         for slot in cls.consumes:
@@ -167,17 +179,18 @@ def _wire(section: Section, registry: Registry) -> dict[str, dict[str, list[str]
                 continue
             if "*" in slot.kinds:
                 continue  # wildcard slots are only ever explicit
-            cands = _candidates(slot, section, t)
+            cands = _candidates(slot, section, t, registry)
             if not cands:
                 if slot.required:
+                    first_kind = _producer_of(registry, slot)
                     raise MoptError(
-                        f"target {name!r} ({t.kind}) needs an input of kind "
-                        f"{' or '.join(slot.kinds)}, and the section has none",
+                        f"target {name!r} ({t.kind}) needs an input of {slot.describe()}, "
+                        "and the section has none",
                         file=section.where.file,
                         table=section.id,
                         key="targets",
                         line=section.where.line,
-                        hint=f"add {slot.kinds[0]!r} to targets",
+                        hint=f"add {first_kind!r} to targets" if first_kind else "add a target that makes one",
                     )
                 continue
             if len(cands) > 1 and not (slot.fanout or slot.gather):
@@ -194,6 +207,18 @@ def _wire(section: Section, registry: Registry) -> dict[str, dict[str, list[str]
         wiring[name] = slots
     _check_cycles(section, wiring)
     return wiring
+
+
+def _producer_of(registry: Registry, slot: Input) -> str | None:
+    """A kind that can fill `slot`, for hints (the first named kind, else the first
+    registered kind producing its preferred format)."""
+    if slot.kinds:
+        return slot.kinds[0]
+    for fmt in slot.formats:
+        for name, cls in registry.targets.items():
+            if cls.produces == fmt:
+                return name
+    return None
 
 
 def _check_cycles(section: Section, wiring: dict[str, dict[str, list[str]]]) -> None:

@@ -202,6 +202,14 @@ def invalidate(path: str) -> None:
     _remove(path, path + ".skipped")
 
 
+def skip(path: str, why: str) -> None:
+    """No stamp for this build, and a note of why (the next build's `noop_miss` says it)."""
+    invalidate(path)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".skipped", "w") as fh:
+        fh.write(f"the last build did not write one: {why}\n")
+
+
 def _remove(*paths: str) -> None:
     """Remove what exists of `paths` (a stamp, or its note, may never have been written)."""
     for p in paths:

@@ -6,11 +6,13 @@ hooks as third parties (pytest's model). Entry points are loaded lazily, on firs
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata as md
 import inspect
 import os
 import re
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +30,7 @@ from mopt.api import (
     Source,
     TargetKind,
 )
-from mopt.errors import PluginError
+from mopt.errors import PluginError, closest, did_you_mean
 
 ENTRY_POINT_GROUP = "mopt"
 
@@ -68,6 +70,11 @@ class Registry:
     origin: dict[tuple[str, str], str] = field(default_factory=dict)
     plugins: dict[str, PluginInfo] = field(default_factory=dict)
     disabled: list[str] = field(default_factory=list)
+    #: disabled plugin name → what disabled it ("MOPT_DISABLE_PLUGINS" or "[plugins] disable")
+    disabled_by: dict[str, str] = field(default_factory=dict)
+    #: problems that do not stop mopt (undecorated hook functions, unknown disabled names)
+    warnings: list[str] = field(default_factory=list)
+    _disabled_offer: dict[tuple[str, str], str] | None = None
 
     def plugin_of(self, category: str, name: str) -> PluginInfo:
         """The plugin that registered `name` in `category`."""
@@ -76,11 +83,59 @@ class Registry:
     def kind(self, name: str) -> type[TargetKind]:
         return self.targets[name]
 
+    def disabled_provider(self, category: str, name: str) -> str | None:
+        """The disabled plugin that would register `name` in `category`, or None.
+
+        Only asked when a recipe names something unknown: the disabled plugins are then
+        imported and their hooks called into a throwaway registry (a plugin that fails to
+        load is taken to offer nothing)."""
+        if not self.disabled:
+            return None
+        if self._disabled_offer is None:
+            self._disabled_offer = _offers_of(self.disabled)
+        return self._disabled_offer.get((category, name))
+
+    def disabled_message(self, category: str, name: str) -> str | None:
+        """`model family 'toyfam' is disabled by MOPT_DISABLE_PLUGINS (plugin 'fixture')`, or None."""
+        plugin = self.disabled_provider(category, name)
+        if plugin is None:
+            return None
+        return f"{SINGULAR[category]} {name!r} is disabled by {self.disabled_by.get(plugin, 'MOPT_DISABLE_PLUGINS')} (plugin {plugin!r})"
+
+
+#: a category's name in messages
+SINGULAR = {
+    "targets": "target kind",
+    "families": "model family",
+    "hardware": "hardware profile",
+    "sources": "source",
+    "executors": "executor",
+}
+
 
 def disabled_from_env() -> list[str]:
     """Plugin names listed in MOPT_DISABLE_PLUGINS (comma separated)."""
     raw = os.environ.get("MOPT_DISABLE_PLUGINS", "")
     return [p.strip() for p in raw.split(",") if p.strip()]
+
+
+def _entry_points() -> list[md.EntryPoint]:
+    """The `mopt` entry points in registration order: mopt's own plugin distributions
+    (mopt-*, modules mopt_*) first, then the others, each by name; so a third party that
+    registers a name mopt's plugins already have is the one blamed, however pip ordered them."""
+
+    def third_party(ep: md.EntryPoint) -> bool:
+        dist = getattr(ep, "dist", None)
+        dist_name = (dist.name if dist is not None else "") or ""
+        return not (dist_name.startswith("mopt-") and ep.value.startswith("mopt_"))
+
+    eps = list(md.entry_points(group=ENTRY_POINT_GROUP))
+    return sorted(eps, key=lambda ep: (third_party(ep), ep.name))
+
+
+def installed_plugin_names() -> list[str]:
+    """Every plugin name that could load: the built-ins and the entry points."""
+    return [*BUILTIN_PLUGINS, *(ep.name for ep in _entry_points())]
 
 
 def make_plugin_manager(disable: Iterable[str] = ()) -> pluggy.PluginManager:
@@ -94,29 +149,74 @@ def make_plugin_manager(disable: Iterable[str] = ()) -> pluggy.PluginManager:
         if modname in blocked:
             continue
         pm.register(importlib.import_module(modname), name=modname)
-    for ep in md.entry_points(group=ENTRY_POINT_GROUP):
+    for ep in _entry_points():
         if ep.name in blocked or pm.get_plugin(ep.name) is not None:
             continue
         try:
             plugin = ep.load()
         except Exception as exc:  # a broken plugin must not look like a mopt crash
             raise PluginError(
-                f"plugin {ep.name!r} ({ep.value}) failed to import: {type(exc).__name__}: {exc}",
+                f"plugin {ep.name!r} ({ep.value}) failed to import: {_one_line(exc)}",
                 hint=f"fix or uninstall it, or disable it with MOPT_DISABLE_PLUGINS={ep.name}",
             ) from exc
+        check_hook_names(plugin, ep.name)
         pm.register(plugin, name=ep.name)
         dist = getattr(ep, "dist", None)
         if dist is not None:
             pm._mopt_dists = getattr(pm, "_mopt_dists", {})  # type: ignore[attr-defined]
             pm._mopt_dists[ep.name] = (dist.name, dist.version)  # type: ignore[attr-defined]
-    try:
-        pm.check_pending()
-    except pluggy.PluginValidationError as exc:
-        raise PluginError(
-            f"plugin {exc.plugin!r} implements an unknown hook: {exc}",
-            hint="hooks are listed in mopt/hookspecs.py",
-        ) from exc
     return pm
+
+
+HOOK_NAMES = tuple(sorted(n for n in dir(hookspecs) if n.startswith("mopt_")))
+
+
+def check_hook_names(plugin: Any, name: str) -> None:
+    """Refuse a plugin whose @hookimpl function names no hook (with the closest hook name).
+
+    pluggy's own check_pending says the same with the module's repr twice and no hint."""
+    for attr in dir(plugin):
+        fn = getattr(plugin, attr, None)
+        if not callable(fn) or getattr(fn, "mopt_impl", None) is None:
+            continue
+        if attr not in HOOK_NAMES:
+            best = closest(attr, HOOK_NAMES)
+            raise PluginError(
+                f"plugin {name!r} implements an unknown hook {attr!r}",
+                hint=(f"did you mean {best!r}? " if best else "")
+                + "the hooks are listed in mopt/hookspecs.py",
+            )
+
+
+def undecorated_hooks(plugin: Any, name: str) -> list[str]:
+    """Warnings for hook-like functions (`mopt_register_*`, or a hook's name) without
+    @hookimpl: mopt never calls them, which is never what their author meant."""
+    out = []
+    for attr in dir(plugin):
+        fn = getattr(plugin, attr, None)
+        if not callable(fn) or getattr(fn, "mopt_impl", None) is not None:
+            continue
+        if attr.startswith("mopt_register_") or attr in HOOK_NAMES:
+            out.append(
+                f"plugin {name!r}: function {attr} is not decorated with @hookimpl, so mopt never "
+                "calls it (from mopt.api import hookimpl)"
+            )
+    return out
+
+
+def _one_line(exc: BaseException) -> str:
+    """`Type: first line of the message` (pydantic errors: the first error's message)."""
+    from pydantic import ValidationError
+
+    if isinstance(exc, ValidationError) and exc.errors():
+        e = exc.errors()[0]
+        loc = ".".join(str(x) for x in e.get("loc", ()))
+        msg = str(e.get("msg", "")).removeprefix("Value error, ")
+        text = f"invalid {exc.title}: {loc + ': ' if loc else ''}{msg}"
+    else:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        text = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def _version_of(pm: pluggy.PluginManager, name: str) -> tuple[str | None, str]:
@@ -136,6 +236,8 @@ def build_registry(pm: pluggy.PluginManager, disabled: Iterable[str] = ()) -> Re
     for name, plugin in pm.list_name_plugin():
         if name is None or plugin is None:  # blocked (disabled) names stay listed with None
             continue
+        check_hook_names(plugin, name)
+        reg.warnings += undecorated_hooks(plugin, name)
         dist, version = _version_of(pm, name)
         reg.plugins[name] = PluginInfo(
             name=name,
@@ -148,8 +250,44 @@ def build_registry(pm: pluggy.PluginManager, disabled: Iterable[str] = ()) -> Re
         hook = getattr(pm.hook, f"mopt_register_{category}")
         for impl in hook.get_hookimpls():  # registration order: the core first
             plugin_name = impl.plugin_name
-            impl.function(register=_registrar(reg, category, plugin_name))
+            try:
+                impl.function(register=_registrar(reg, category, plugin_name))
+            except PluginError:
+                raise
+            except Exception as exc:  # the plugin's own bug: one line, not a traceback
+                raise PluginError(
+                    f"plugin {plugin_name!r} failed in hook mopt_register_{category}: {_one_line(exc)}",
+                    hint=f"fix the plugin, or disable it with MOPT_DISABLE_PLUGINS={plugin_name}",
+                ) from exc
     return reg
+
+
+def _offers_of(names: Iterable[str]) -> dict[tuple[str, str], str]:
+    """(category, name) → plugin, for what the plugins `names` would register."""
+    wanted = set(names)
+    offers: dict[tuple[str, str], str] = {}
+    modules: list[tuple[str, Any]] = []
+    for modname in BUILTIN_PLUGINS:
+        if modname in wanted:
+            with contextlib.suppress(Exception):
+                modules.append((modname, importlib.import_module(modname)))
+    for ep in _entry_points():
+        if ep.name in wanted:
+            with contextlib.suppress(Exception):
+                modules.append((ep.name, ep.load()))
+    for plugin_name, mod in modules:
+        for category in CATEGORIES:
+            fn = getattr(mod, f"mopt_register_{category}", None)
+            if not callable(fn):
+                continue
+            names_of: list[Any] = []
+            with contextlib.suppress(Exception):
+                fn(register=names_of.append)
+            for obj in names_of:
+                n = getattr(obj, "name", None)
+                if isinstance(n, str):
+                    offers.setdefault((category, n), plugin_name)
+    return offers
 
 
 def _registrar(reg: Registry, category: str, plugin: str) -> Callable[[Any], None]:
@@ -167,15 +305,23 @@ def _registrar(reg: Registry, category: str, plugin: str) -> Callable[[Any], Non
         if name in table:
             other = reg.origin[(category, name)]
             raise PluginError(
-                f"plugin {plugin!r} registers {category[:-1] if category != 'hardware' else 'hardware profile'} "
-                f"{name!r}, already registered by plugin {other!r}",
-                hint=f"rename one, or disable one with MOPT_DISABLE_PLUGINS={plugin}",
+                f"plugin {_described(reg, plugin)} registers {SINGULAR[category]} {name!r}, already "
+                f"registered by plugin {_described(reg, other)}",
+                hint=f"rename it in {plugin!r}, or disable {plugin!r} with MOPT_DISABLE_PLUGINS={plugin}",
             )
         table[name] = obj
         reg.origin[(category, name)] = plugin
         reg.plugins[plugin].registered[category].append(name)
 
     return register
+
+
+def _described(reg: Registry, plugin: str) -> str:
+    """`'ml' (mopt-ml 0.2.0)`: the plugin and its distribution."""
+    info = reg.plugins.get(plugin)
+    if info is None or info.dist is None:
+        return repr(plugin)
+    return f"{plugin!r} ({info.dist} {info.version})"
 
 
 def _bad(plugin: str, what: str, hint: str | None = None) -> PluginError:
@@ -262,10 +408,28 @@ _REGISTRY: dict[tuple[str, ...], Registry] = {}
 
 
 def get_registry(disable: Iterable[str] = ()) -> Registry:
-    """The registry for this process, loaded on first use (idempotent per disable list)."""
-    blocked = tuple(sorted(set(disable) | set(disabled_from_env())))
+    """The registry for this process, loaded on first use (idempotent per disable list).
+
+    `disable` is the project's `[plugins] disable`; MOPT_DISABLE_PLUGINS adds to it. Its
+    warnings (undecorated hooks, disabled names that are no plugin) go to stderr once."""
+    from_env = disabled_from_env()
+    blocked = tuple(sorted(set(disable) | set(from_env)))
     if blocked not in _REGISTRY:
-        _REGISTRY[blocked] = build_registry(make_plugin_manager(blocked), blocked)
+        reg = build_registry(make_plugin_manager(blocked), blocked)
+        for name in blocked:
+            reg.disabled_by[name] = "MOPT_DISABLE_PLUGINS" if name in from_env else "[plugins] disable"
+        known = installed_plugin_names()
+        for name in blocked:
+            if name not in known:
+                source = reg.disabled_by[name]
+                reg.warnings.append(
+                    f"{source} names {name!r}, which is no installed plugin ("
+                    + did_you_mean(name, known, "plugins")
+                    + ")"
+                )
+        for w in reg.warnings:
+            sys.stderr.write(f"warning: {w}\n")
+        _REGISTRY[blocked] = reg
     return _REGISTRY[blocked]
 
 

@@ -287,11 +287,13 @@ def _merge_models(chain: list[_File], registry: Registry) -> dict[str, Model]:
         except ValidationError as exc:
             raise _pydantic_error(exc, f, table, ModelSpec) from None
         if spec.family not in registry.families:
+            off = registry.disabled_message("families", spec.family)
             raise f.error(
-                f"unknown model family {spec.family!r}",
+                off or f"unknown model family {spec.family!r}",
                 table,
                 "family",
-                hint=did_you_mean(spec.family, registry.families, "families")
+                hint=_enable_hint(registry, "families", spec.family)
+                or did_you_mean(spec.family, registry.families, "families")
                 + "; families come from plugins (`mopt plugins`)",
             )
         kind, params = _validate_source(spec.source, f, table, registry) if spec.source is not None else ("", None)
@@ -301,6 +303,15 @@ def _merge_models(chain: list[_File], registry: Registry) -> dict[str, Model]:
         src_file = next((g for g in reversed(chain) if "source" in g.data.get("models", {}).get(name, {})), f)
         models[name] = Model(name, spec, kind, params, cfg, f.where(table), src_file.path.parent)
     return models
+
+
+def _enable_hint(registry: Registry, category: str, name: str) -> str | None:
+    """How to get back what a disabled plugin registers, or None when none does."""
+    plugin = registry.disabled_provider(category, name)
+    if plugin is None:
+        return None
+    where = registry.disabled_by.get(plugin, "MOPT_DISABLE_PLUGINS")
+    return f"remove {plugin!r} from {where} to use it"
 
 
 def _validate_source(src: dict[str, Any], f: _File, table: list[str], registry: Registry) -> tuple[str, Any]:
@@ -449,14 +460,15 @@ def _section(chain: list[_File], models: dict[str, Model], registry: Registry, m
         raise hw_layer.file.error("must be a string (a hardware profile name)", hw_layer.table, "hardware")
     if hardware not in registry.hardware:
         lay = hw_layer or decl
-        msg = f"unknown hardware profile {hardware!r}"
+        msg = registry.disabled_message("hardware", hardware) or f"unknown hardware profile {hardware!r}"
         if hw_layer is None:
             msg += ", taken from the section key as `hardware` is not set"
         raise lay.file.error(
             msg,
             lay.table,
             "hardware" if hw_layer else None,
-            hint=did_you_mean(hardware, registry.hardware, "profiles") + "; see `mopt hardware`",
+            hint=_enable_hint(registry, "hardware", hardware)
+            or did_you_mean(hardware, registry.hardware, "profiles") + "; see `mopt hardware`",
         )
     description, _ = lookup("description", sec_layers)
     targets, t_layer = lookup("targets", layers)
@@ -489,20 +501,23 @@ def _section(chain: list[_File], models: dict[str, Model], registry: Registry, m
         if kind is None:
             if name not in registry.targets:
                 raise t_layer.file.error(
-                    f"unknown target kind {name!r}",
+                    registry.disabled_message("targets", name) or f"unknown target kind {name!r}",
                     t_layer.table,
                     "targets",
-                    hint=did_you_mean(name, registry.targets, "target kinds")
+                    hint=_enable_hint(registry, "targets", name)
+                    or did_you_mean(name, registry.targets, "target kinds")
                     + f"; a named target needs a table [{model}.{hw}.{name}] with `kind`",
                 )
             kind = name
         elif not isinstance(kind, str) or kind not in registry.targets:
             assert k_layer is not None
             raise k_layer.file.error(
-                f"unknown target kind {kind!r}",
+                (registry.disabled_message("targets", kind) if isinstance(kind, str) else None)
+                or f"unknown target kind {kind!r}",
                 k_layer.table + [name],
                 "kind",
-                hint=did_you_mean(str(kind), registry.targets, "target kinds") + "; see `mopt plugins`",
+                hint=(_enable_hint(registry, "targets", kind) if isinstance(kind, str) else None)
+                or did_you_mean(str(kind), registry.targets, "target kinds") + "; see `mopt plugins`",
             )
         kinds[name] = kind
 

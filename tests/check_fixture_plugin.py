@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import Field
 
@@ -19,6 +19,7 @@ from mopt.api import (
     Finding,
     HardwareProfile,
     Params,
+    Role,
     Source,
     SourceContext,
     TargetKind,
@@ -47,6 +48,7 @@ class ToyQwen3(Family):
     description = "qwen3-like decoder (tests)"
     architectures = ("Qwen3ForCausalLM",)
     pooling = "last-token"
+    qk_norm = True  # the shape the estimator counts: gated MLP (the default) and q/k norms
     synthetic_defaults = TOY_QWEN3_DEFAULTS
 
 
@@ -55,6 +57,8 @@ class ToyBert(Family):
     description = "bert-like encoder (tests)"
     architectures = ("BertModel",)
     pooling = "mean"
+    encoder = True
+    pooler_architectures = ("BertModel",)
 
 
 class ToySynth(Source):
@@ -82,7 +86,7 @@ class ToyOnnx(_Kind):
     uses_source = True
 
     class Params(Params):
-        dtype: str = "fp32"
+        dtype: Annotated[str, Role.precision] = "fp32"
         opset: int = 17
 
 
@@ -92,12 +96,12 @@ class ToyTrt(_Kind):
     requires = ("gpu", "hardware")
 
     class Params(Params):
-        precision: str = "fp16"
-        max_batch_size: int = 1
-        max_seq_len: int = 512
+        precision: Annotated[str, Role.precision] = "fp16"
+        max_batch_size: Annotated[int, Role.batch_size] = 1
+        max_seq_len: Annotated[int, Role.seq_len] = 512
         opt_level: int = 3
-        workspace_gb: float | None = None
-        shapes: dict[str, list[list[int]]] | None = None
+        workspace_gb: Annotated[float | None, Role.workspace_gb] = None
+        shapes: Annotated[dict[str, list[list[int]]] | None, Role.shapes] = None
 
     def check(self, params: Any, ctx: CheckContext) -> list[Finding]:
         if params.opt_level > 5:
@@ -119,14 +123,14 @@ class ToyVllm(_Kind):
     requires = ("gpu",)
 
     class Params(Params):
-        dtype: str = "auto"
-        max_num_seqs: int = 256
-        max_model_len: int | None = None
-        gpu_memory_utilization: float = 0.9
-        tensor_parallel_size: int = 1
+        dtype: Annotated[str, Role.precision] = "auto"
+        max_num_seqs: Annotated[int, Role.batch_size] = 256
+        max_model_len: Annotated[int | None, Role.seq_len] = None
+        gpu_memory_utilization: Annotated[float, Role.memory_fraction] = 0.9
+        tensor_parallel_size: Annotated[int, Role.tensor_parallel] = 1
         block_size: int = 16
-        kv_cache_dtype: str = "auto"
-        quantization: str | None = None
+        kv_cache_dtype: Annotated[str, Role.kv_cache_precision] = "auto"
+        quantization: Annotated[str | None, Role.quantization] = None
 
 
 class ToyTrtllm(_Kind):
@@ -135,12 +139,12 @@ class ToyTrtllm(_Kind):
     requires = ("gpu", "python:tensorrt_llm")
 
     class Params(Params):
-        tokens_per_block: int = 32
-        tp_size: int = 1
-        max_batch_size: int = 8
-        max_seq_len: int | None = None
-        max_num_tokens: int | None = None
-        kv_cache_free_gpu_memory_fraction: float = 0.9
+        tokens_per_block: Annotated[int, Role.kv_block_tokens] = 32
+        tp_size: Annotated[int, Role.tensor_parallel] = 1
+        max_batch_size: Annotated[int, Role.batch_size] = 8
+        max_seq_len: Annotated[int | None, Role.seq_len] = None
+        max_num_tokens: Annotated[int | None, Role.num_tokens] = None
+        kv_cache_free_gpu_memory_fraction: Annotated[float, Role.kv_cache_fraction] = 0.9
 
     def check(self, params: Any, ctx: CheckContext) -> list[Finding]:
         # a kind that checks a key itself: its finding replaces the generic rule's

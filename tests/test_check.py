@@ -171,14 +171,14 @@ def test_kv_fix_values_actually_fit(registry: Any) -> None:
     (est,) = report.estimates
     proposed = est.largest["max_model_len"]
     assert proposed is not None and f"max_model_len ≤ {proposed}" in report.findings[0].fix
-    from mopt.check import workload_for
+    from mopt.check import role_values, workload_for
     from mopt.estimate import ModelDims, estimate
 
-    dims = ModelDims.from_config(json.loads((RECIPES / "configs" / "qwen3-embedding-0.6b.json").read_text()))
+    cfg = json.loads((RECIPES / "configs" / "qwen3-embedding-0.6b.json").read_text())
+    dims = ModelDims.from_config(cfg, fx.ToyQwen3)
     hw = registry.hardware["rtx4060-laptop"]
-    spec = workload_for(
-        {"max_model_len": proposed, "max_num_seqs": 4, "gpu_memory_utilization": 0.5}, dims, hw
-    )
+    params = {"max_model_len": proposed, "max_num_seqs": 4, "gpu_memory_utilization": 0.5}
+    spec = workload_for(role_values(fx.ToyVllm, params), dims, hw)
     assert spec is not None
     e = estimate(dims, spec[0], hw.memory_gb)
     assert (e.kv_tokens_available or 0) >= proposed

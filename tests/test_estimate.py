@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from mopt.api import Family
 from mopt.estimate import (
     GIB,
     ConfigError,
@@ -24,6 +25,30 @@ from mopt.estimate import (
     weight_bytes,
 )
 
+
+class Qwen3Shape(Family):
+    """What a qwen3 family tells the estimator (mopt-ml's Qwen3Family says the same)."""
+
+    name = "qwen3-shape"
+    qk_norm = True
+
+
+class BertShape(Family):
+    """A BERT encoder with its pooler (mopt-ml's BertFamily)."""
+
+    name = "bert-shape"
+    encoder = True
+    pooler_architectures = ("BertModel",)
+
+
+def qwen3(cfg: dict) -> ModelDims:
+    return ModelDims.from_config(cfg, Qwen3Shape)
+
+
+def bert(cfg: dict) -> ModelDims:
+    return ModelDims.from_config(cfg, BertShape)
+
+
 ROOT = Path(__file__).resolve().parent.parent
 QWEN3 = json.loads((ROOT / "recipes" / "configs" / "qwen3-embedding-0.6b.json").read_text())
 MINILM = json.loads(
@@ -32,7 +57,7 @@ MINILM = json.loads(
 
 
 def test_qwen3_embedding_config_is_the_published_shape() -> None:
-    d = ModelDims.from_config(QWEN3)
+    d = qwen3(QWEN3)
     assert (d.layers, d.hidden, d.intermediate, d.heads, d.kv_heads, d.head_dim) == (
         28,
         1024,
@@ -49,11 +74,11 @@ def test_qwen3_embedding_config_is_the_published_shape() -> None:
 def test_qwen3_embedding_param_count_matches_transformers_exactly() -> None:
     # transformers counts 595,776,512 for Qwen3Model with this config (checked with torch's
     # meta device; the test below repeats it where transformers is installed)
-    assert ModelDims.from_config(QWEN3).param_counts().total == 595_776_512
+    assert qwen3(QWEN3).param_counts().total == 595_776_512
 
 
 def test_minilm_param_count_is_22_7m() -> None:
-    d = ModelDims.from_config(MINILM)
+    d = bert(MINILM)
     assert d.encoder and not d.gated_mlp and d.pooler
     assert d.param_counts().total == 22_713_216
 
@@ -104,18 +129,18 @@ def transformers_counts() -> dict[str, int]:
 def test_param_count_equals_transformers_for_qwen3_shapes(
     name: str, transformers_counts: dict[str, int]
 ) -> None:
-    d = ModelDims.from_config({**QWEN3, **SHAPES[name]})
+    d = qwen3({**QWEN3, **SHAPES[name]})
     # Qwen3Model has no lm_head: the estimator counts an untied one for serving
     assert d.param_counts().total - d.param_counts().lm_head == transformers_counts[name]
 
 
 def test_bert_param_count_equals_transformers(transformers_counts: dict[str, int]) -> None:
-    assert ModelDims.from_config(MINILM).param_counts().total == transformers_counts["minilm"]
+    assert bert(MINILM).param_counts().total == transformers_counts["minilm"]
 
 
 def test_missing_keys_are_named() -> None:
     with pytest.raises(ConfigError) as exc:
-        ModelDims.from_config({"hidden_size": 64, "model_type": "qwen3"})
+        qwen3({"hidden_size": 64, "model_type": "qwen3"})
     assert exc.value.missing == ["num_hidden_layers", "num_attention_heads", "vocab_size"]
 
 
@@ -145,7 +170,7 @@ def test_bytes_per_value_include_scales() -> None:
 
 
 def test_weights_by_precision() -> None:
-    d = ModelDims.from_config(QWEN3)
+    d = qwen3(QWEN3)
     pc = d.param_counts()
     assert weight_bytes(d, "fp32") == pc.total * 4
     assert weight_bytes(d, "bf16") == pc.total * 2
@@ -155,7 +180,7 @@ def test_weights_by_precision() -> None:
 
 
 def test_kv_cache_formula() -> None:
-    d = ModelDims.from_config(QWEN3)
+    d = qwen3(QWEN3)
     # 2 × 28 layers × 8 kv heads × 128 × 2 bytes = 114,688 bytes per token
     assert kv_bytes_per_token(d, "fp16") == 2 * 28 * 8 * 128 * 2 == 114_688
     assert kv_bytes_per_token(d, "fp8") == 57_344
@@ -166,7 +191,7 @@ def test_kv_cache_formula() -> None:
 
 
 def test_activations_grow_with_tokens_and_eager_attention() -> None:
-    d = ModelDims.from_config(QWEN3)
+    d = qwen3(QWEN3)
     a1 = activation_bytes(d, 1024, "fp16")
     assert activation_bytes(d, 2048, "fp16") == pytest.approx(2 * a1)
     eager = activation_bytes(d, 4096, "fp16", batch=1, seq_len=4096, attention="eager")
@@ -174,7 +199,7 @@ def test_activations_grow_with_tokens_and_eager_attention() -> None:
 
 
 def test_engine_estimate_breakdown_sums_up() -> None:
-    d = ModelDims.from_config(QWEN3)
+    d = qwen3(QWEN3)
     e = estimate(d, Workload(precision="fp16", batch=8, seq_len=512, workspace_gb=1.0), capacity_gb=8)
     assert e.total == e.weights + e.activations + e.workspace + e.runtime
     assert e.workspace == GIB and e.runtime == GIB // 2 and e.kv_cache == 0
@@ -185,7 +210,7 @@ def test_engine_estimate_breakdown_sums_up() -> None:
 
 
 def test_vllm_pool_leaves_the_rest_for_kv_cache() -> None:
-    d = ModelDims.from_config(QWEN3)
+    d = qwen3(QWEN3)
     w = Workload(
         precision="bf16", batch=16, seq_len=32768, num_tokens=32768, kv_cache=True, memory_fraction=0.9
     )
@@ -199,21 +224,21 @@ def test_vllm_pool_leaves_the_rest_for_kv_cache() -> None:
 
 
 def test_trtllm_kv_fraction_of_free_memory() -> None:
-    d = ModelDims.from_config(QWEN3)
+    d = qwen3(QWEN3)
     w = Workload(precision="bf16", batch=8, seq_len=8192, num_tokens=8192, kv_cache=True, kv_fraction=0.5)
     e = estimate(d, w, capacity_gb=80)
     assert e.kv_available == pytest.approx(0.5 * (80 * GIB - e.fixed))
 
 
 def test_tensor_parallel_shards_weights() -> None:
-    d = ModelDims.from_config(QWEN3)
+    d = qwen3(QWEN3)
     one = estimate(d, Workload(precision="bf16"))
     four = estimate(d, Workload(precision="bf16", tp=4))
     assert four.weights == pytest.approx(one.weights / 4)
 
 
 def test_largest_fitting_is_the_boundary() -> None:
-    d = ModelDims.from_config(QWEN3)
+    d = qwen3(QWEN3)
     w = Workload(precision="fp16", batch=512, seq_len=2048)
     b = largest_fitting(d, w, 8, "batch", 4096)
     assert b is not None and 1 < b < 512
@@ -228,8 +253,8 @@ def test_rope_scaling_extends_the_max_sequence() -> None:
         **QWEN3,
         "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
     }
-    assert ModelDims.from_config(cfg).max_sequence == 131072
-    assert ModelDims.from_config(QWEN3).max_sequence == 32768
+    assert qwen3(cfg).max_sequence == 131072
+    assert qwen3(QWEN3).max_sequence == 32768
 
 
 def test_estimator_imports_no_torch() -> None:

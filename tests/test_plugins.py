@@ -113,13 +113,35 @@ def test_hook_mopt_register_executors() -> None:
     assert reg.executors["extra-ex"] is Ex and "local" in reg.executors
 
 
-def test_duplicate_registration_names_both_plugins() -> None:
+def test_duplicate_registration_blames_the_later_plugin_and_names_both() -> None:
     class Dup(_Kind):
         name = "command"
 
     with pytest.raises(PluginError) as exc:
         _registry_with(_module(mopt_register_targets=lambda register: register(Dup)), name="dupper")
-    assert "plugin 'dupper' registers target 'command', already registered by plugin 'mopt.builtin.targets'" in str(exc.value)
+    assert str(exc.value) == (
+        "plugin 'dupper' registers target kind 'command', already registered by plugin "
+        "'mopt.builtin.targets' (mopt 0.1.0) (rename it in 'dupper', or disable 'dupper' with "
+        "MOPT_DISABLE_PLUGINS=dupper)"
+    )
+
+
+def test_duplicate_family_is_spelled_family() -> None:
+    class Fam(Family):
+        name = "generic"
+
+    with pytest.raises(PluginError, match=r"^plugin 'dupfam' registers model family 'generic', already"):
+        _registry_with(_module(mopt_register_families=lambda register: register(Fam)), name="dupfam")
+
+
+def test_third_party_entry_points_register_after_mopts_own() -> None:
+    """A third party named 'acme' sorts before 'ml', yet registers after it: a clash with
+    mopt's own plugins is blamed on the third party, however pip ordered the entry points."""
+    from mopt.plugins import _entry_points
+
+    names = [ep.name for ep in _entry_points()]
+    assert "acme" in names and "ml" in names
+    assert names.index("ml") < names.index("acme")
 
 
 def test_bad_params_model_is_refused_naming_the_plugin() -> None:
@@ -144,12 +166,156 @@ def test_bad_params_model_is_refused_naming_the_plugin() -> None:
         _registry_with(_module(mopt_register_targets=lambda register: register(Open)))
 
 
-def test_misspelled_hook_is_rejected_by_check_pending() -> None:
+def test_misspelled_hook_is_rejected_with_did_you_mean() -> None:
     pm = make_plugin_manager()
     mod = _module(mopt_register_tragets=lambda register: None)
     pm.register(mod, name="typo")
     with pytest.raises(pluggy.PluginValidationError):
-        pm.check_pending()
+        pm.check_pending()  # pluggy agrees; mopt says it in one line, with the fix
+    with pytest.raises(PluginError) as exc:
+        build_registry(pm)
+    assert str(exc.value) == (
+        "plugin 'typo' implements an unknown hook 'mopt_register_tragets' (did you mean "
+        "'mopt_register_targets'? the hooks are listed in mopt/hookspecs.py)"
+    )
+
+
+def test_undecorated_hook_function_is_a_warning() -> None:
+    mod = types.ModuleType("p")
+    mod.mopt_register_targets = lambda register: register(_Kind)  # type: ignore[attr-defined]
+    reg = _registry_with(mod, name="forgot")
+    assert "extra-kind" not in reg.targets
+    assert reg.warnings == [
+        "plugin 'forgot': function mopt_register_targets is not decorated with @hookimpl, so mopt "
+        "never calls it (from mopt.api import hookimpl)"
+    ]
+
+
+def test_exception_in_a_hook_names_plugin_hook_and_error() -> None:
+    def boom(register: Any) -> None:
+        raise RuntimeError("no GPU table found")
+
+    with pytest.raises(PluginError) as exc:
+        _registry_with(_module(mopt_register_hardware=boom), name="boomer")
+    assert str(exc.value) == (
+        "plugin 'boomer' failed in hook mopt_register_hardware: RuntimeError: no GPU table found "
+        "(fix the plugin, or disable it with MOPT_DISABLE_PLUGINS=boomer)"
+    )
+
+
+def _install(site: Path, name: str, code: str) -> dict[str, str]:
+    """A real installed distribution (a module and its .dist-info with a `mopt` entry point)
+    on a PYTHONPATH folder: how pip would leave it, without pip."""
+    site.mkdir(parents=True, exist_ok=True)
+    (site / f"{name}.py").write_text(code)
+    info = site / f"{name}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[mopt]\n{name} = {name}\n")
+    return {"PYTHONPATH": str(site)}
+
+
+def test_cli_exception_in_a_hook_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    env = _install(tmp_path / "site", "brokenplug", (
+        "from mopt.api import hookimpl\n"
+        "@hookimpl\n"
+        "def mopt_register_targets(register):\n"
+        "    raise KeyError('weights')\n"
+    ))  # fmt: skip
+    proc = run_mopt("plugins", cwd=tmp_path, env=env)
+    assert proc.returncode == 2
+    assert proc.stderr == (
+        "error: plugin 'brokenplug' failed in hook mopt_register_targets: KeyError: 'weights' "
+        "(fix the plugin, or disable it with MOPT_DISABLE_PLUGINS=brokenplug)\n"
+    )
+    assert run_mopt("plugins", cwd=tmp_path, env={**env, "MOPT_DISABLE_PLUGINS": "brokenplug"}).returncode == 0
+
+
+def test_cli_npu_profile_is_refused_in_one_line(tmp_path: Path) -> None:
+    env = _install(tmp_path / "site", "npuplug", (
+        "from mopt.api import HardwareProfile, hookimpl\n"
+        "@hookimpl\n"
+        "def mopt_register_hardware(register):\n"
+        "    register(HardwareProfile(name='npu1', description='an NPU', device='npu', memory_gb=32))\n"
+    ))  # fmt: skip
+    proc = run_mopt("hardware", cwd=tmp_path, env=env)
+    assert proc.returncode == 2
+    assert proc.stderr == (
+        "error: plugin 'npuplug' failed in hook mopt_register_hardware: invalid HardwareProfile: device: "
+        "device 'npu' is not one of gpu, cpu, accelerator (an "
+        'NPU, TPU, ...: device = "accelerator", accelerator = "npu") (fix the plugin, or disable it '
+        "with MOPT_DISABLE_PLUGINS=npuplug)\n"
+    )
+
+
+def test_cli_misspelled_hook_is_printed_once(tmp_path: Path) -> None:
+    env = _install(tmp_path / "site", "typoplug", (
+        "from mopt.api import hookimpl\n"
+        "@hookimpl\n"
+        "def mopt_register_familes(register):\n"
+        "    pass\n"
+    ))  # fmt: skip
+    proc = run_mopt("plugins", cwd=tmp_path, env=env)
+    assert proc.returncode == 2
+    assert proc.stderr == (
+        "error: plugin 'typoplug' implements an unknown hook 'mopt_register_familes' (did you mean "
+        "'mopt_register_families'? the hooks are listed in mopt/hookspecs.py)\n"
+    )
+
+
+def test_cli_undecorated_hook_warns_once(tmp_path: Path) -> None:
+    env = _install(tmp_path / "site", "plainplug", "def mopt_register_hardware(register):\n    pass\n")
+    proc = run_mopt("plugins", cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == (
+        "warning: plugin 'plainplug': function mopt_register_hardware is not decorated with @hookimpl, "
+        "so mopt never calls it (from mopt.api import hookimpl)\n"
+    )
+
+
+def test_unknown_names_to_disable_are_warned_about(tmp_path: Path) -> None:
+    proc = run_mopt("plugins", cwd=tmp_path, env={"MOPT_DISABLE_PLUGINS": "fixtur"})
+    assert proc.returncode == 0
+    assert proc.stderr == (
+        "warning: MOPT_DISABLE_PLUGINS names 'fixtur', which is no installed plugin (did you mean 'fixture'?)\n"
+    )
+    (tmp_path / "mopt.toml").write_text('[plugins]\ndisable = ["nosuchplugin"]\n')
+    proc = run_mopt("plugins", cwd=tmp_path)
+    assert proc.returncode == 0
+    assert proc.stderr.startswith(
+        "warning: [plugins] disable names 'nosuchplugin', which is no installed plugin (valid plugins: "
+    ) and proc.stderr.count("\n") == 1
+
+
+def test_hardware_profile_device_is_validated() -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="device 'npu' is not one of gpu, cpu, accelerator"):
+        HardwareProfile(name="n", description="x", device="npu")
+    npu = HardwareProfile(
+        name="npu1", description="an NPU", device="accelerator", accelerator="npu", memory_gb=32,
+        supported_precisions=("fp16", "int8"),
+    )  # fmt: skip
+    assert not npu.is_gpu and npu.kind_label == "npu" and npu.precisions == ("fp16", "int8")
+    with pytest.raises(ValidationError, match=r'needs accelerator = "<its kind, e\.g\. npu>"'):
+        HardwareProfile(name="n", description="x", device="accelerator")
+    with pytest.raises(ValidationError, match="compute_capability is a CUDA GPU property"):
+        HardwareProfile(name="n", description="x", device="accelerator", accelerator="npu",
+                        compute_capability=(8, 0))  # fmt: skip
+
+
+def test_accelerator_profile_is_listed_as_its_kind_not_a_gpu(tmp_path: Path) -> None:
+    env = _install(tmp_path / "site", "npuok", (
+        "from mopt.api import HardwareProfile, hookimpl\n"
+        "@hookimpl\n"
+        "def mopt_register_hardware(register):\n"
+        "    register(HardwareProfile(name='npu1', description='an NPU', device='accelerator',\n"
+        "             accelerator='npu', memory_gb=32, supported_precisions=('fp16', 'int8')))\n"
+    ))  # fmt: skip
+    proc = run_mopt("hardware", cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr
+    (row,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("npu1 ")]
+    assert row.split()[:3] == ["npu1", "npu", "-"] and "fp16,int8" in row
 
 
 def test_importing_mopt_does_not_import_torch() -> None:
@@ -182,15 +348,31 @@ def test_installed_fixture_plugin_is_listed_and_used(tmp_path: Path) -> None:
 def test_disable_plugin_by_env_and_by_config(tmp_path: Path) -> None:
     (tmp_path / "toy-model").mkdir()
     write_files(tmp_path, {"r.toml": 'schema = 1\n[models.m]\nfamily = "toyfam"\nsource = { path = "toy-model" }\n'
-                                     '[m.cpu]\ntargets = ["toy-weights"]\n'})
+                                     '[m.cpu]\ntargets = ["toy-weights"]\n',
+                           "k.toml": 'schema = 1\n[models.m]\nfamily = "generic"\n'
+                                     '[m.cpu]\ntargets = ["toy-weights"]\n'})  # fmt: skip
     assert run_mopt("plan", "r.toml", cwd=tmp_path).returncode == 0
     proc = run_mopt("plan", "r.toml", cwd=tmp_path, env={"MOPT_DISABLE_PLUGINS": "fixture"})
-    assert proc.returncode == 2 and "unknown model family 'toyfam'" in proc.stderr
+    assert proc.returncode == 2
+    assert proc.stderr == (
+        "error: r.toml:3: [models.m] family: model family 'toyfam' is disabled by MOPT_DISABLE_PLUGINS "
+        "(plugin 'fixture') (remove 'fixture' from MOPT_DISABLE_PLUGINS to use it)\n"
+    )
     (tmp_path / "mopt.toml").write_text('[plugins]\ndisable = ["fixture"]\n')
-    proc = run_mopt("plan", "r.toml", cwd=tmp_path)
-    assert proc.returncode == 2 and "unknown model family 'toyfam'" in proc.stderr
+    proc = run_mopt("plan", "k.toml", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr == (
+        "error: k.toml:5: [m.cpu] targets: target kind 'toy-weights' is disabled by [plugins] disable "
+        "(plugin 'fixture') (remove 'fixture' from [plugins] disable to use it)\n"
+    )
     listed = json.loads(run_mopt("plugins", "--json", cwd=tmp_path).stdout)
     assert "fixture" not in {p["name"] for p in listed["plugins"]} and listed["disabled"] == ["fixture"]
+
+
+def test_report_help_names_the_default_it_writes(tmp_path: Path) -> None:
+    proc = run_mopt("report", "--help", cwd=tmp_path)
+    assert "build/report.html" not in proc.stdout
+    assert "report-<recipe name>.html in the build folder" in " ".join(proc.stdout.split())
 
 
 def test_bad_mopt_toml_is_a_clear_error(tmp_path: Path) -> None:

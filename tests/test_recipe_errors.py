@@ -151,7 +151,7 @@ CASES: list[tuple[str, dict[str, str], str]] = [
         {"r.toml": MODEL + '[toy.cpu]\ntargets = ["toy-weights", "toy-export", "e2"]\n'
          '[toy.cpu.e2]\nkind = "toy-export"\ninput = "toy-export"\n'},
         "r.toml:10: [toy.cpu.e2] input: input 'toy-export' is a 'toy-export', which kind "
-        "'toy-export' does not take (it takes: toy-weights)",
+        "'toy-export' does not take (it takes: kind toy-weights)",
     ),
     (
         "target_table_not_listed",

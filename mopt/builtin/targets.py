@@ -32,6 +32,7 @@ class CommandKind(TargetKind):
     description = "run a command with declared inputs into $MOPT_OUT"
     static_fingerprint = True
     consumes = (Input("input", kinds=("*",), required=False),)
+    produces = "files"
 
     class Params(api.Params):
         argv: list[str] = Field(min_length=1, description="the command and its arguments")

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from mopt import procs
+from mopt.api import run_process
 from mopt_image import oci
 from mopt_image.baseref import BaseRef
 
@@ -155,7 +155,7 @@ class BuildahBuilder(Builder):
 
         self.req.log("$ buildah " + " ".join(args))
         try:
-            rc = procs.run(self._argv(*args), cwd=self.req.work, env=self.env, on_line=on_line)
+            rc = run_process(self._argv(*args), cwd=self.req.work, env=self.env, on_line=on_line)
         except FileNotFoundError:
             raise BuilderUnavailable("buildah is not installed (apt-get install buildah)") from None
         if rc != 0:

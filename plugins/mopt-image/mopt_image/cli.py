@@ -21,37 +21,17 @@ from typing import Any
 
 import click
 
-from mopt.errors import BuildFailed, MoptError
+from mopt.api import BuildFailed, MoptError, built_target
 from mopt_image.kind import ARCHIVE
 
 
 def built_image(recipe: Path, target: str) -> tuple[str, Path, dict[str, Any]]:
     """(node id, archive path in the store, image.json) of the built image TARGET."""
-    from mopt.build import Engine
-    from mopt.cli import Session
-
-    s = Session(recipe)
-    ids = [i for i in s.graph.select([target]) if s.graph.nodes[i].kind == "image"]
-    if len(ids) != 1:
-        raise MoptError(
-            f"{target!r} names {len(ids)} image targets" + (f": {', '.join(ids[:5])}" if ids else ""),
-            hint="give one model.hardware:target of kind image",
-        )
-    node_id = ids[0]
-    engine = Engine(s)
-    try:
-        info = engine.explain(node_id)
-        entry = engine.store.ac_entry(info["key"]) if info["key"] else None
-        if entry is None:
-            raise MoptError(f"{node_id} is not built", hint=f"run: mopt build {recipe} '{node_id}'")
-        files = {f.path: f for f in engine.store.tree_entries(entry.outputs_tree)}
-        if ARCHIVE not in files or "image.json" not in files:
-            raise MoptError(f"{node_id}'s output has no {ARCHIVE}", hint="rebuild it")
-        archive = engine.store.blob_path(files[ARCHIVE].digest)
-        meta = json.loads(engine.store.blob_path(files["image.json"].digest).read_text())
-    finally:
-        engine.store.close()
-    return node_id, archive, meta
+    built = built_target(recipe, target, kind="image")
+    if ARCHIVE not in built.files or "image.json" not in built.files:
+        raise MoptError(f"{built.node_id}'s output has no {ARCHIVE}", hint="rebuild it")
+    meta = json.loads(built.files["image.json"].read_text())
+    return built.node_id, built.files[ARCHIVE], meta
 
 
 def _run(argv: list[str]) -> str:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mopt.digest import MODE_EXEC, MODE_FILE, TreeEntry, hash_tree, iter_files, mode_of
+from mopt.api import MODE_EXEC, MODE_FILE, TreeEntry, hash_tree, iter_files, mode_of
 from mopt_image.templates import ServeSpec
 
 #: the time every file and folder of the context carries (SOURCE_DATE_EPOCH=0)

@@ -43,6 +43,7 @@ class ImageKind(TargetKind):
     name = "image"
     version = "1"
     description = "reproducible OCI image of the serving stack (buildah or docker)"
+    produces = "oci-image"
     consumes = (
         Input("serve", kinds=("vllm", "trtllm", "triton-repo"), required=False),
         # the same preference as the vllm / trtllm kinds, so both take the same model target

@@ -3,6 +3,7 @@ dynamic batch and sequence axes, checked numerically on real text before it is a
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -13,6 +14,9 @@ from pydantic import Field
 
 #: what each exporter uses when `opset` is not given
 DEFAULT_OPSET = {"torchscript": 17, "dynamo": 18}
+#: torch.onnx keeps its export state in process globals ("GLOBALS.in_onnx_export must be
+#: False" when two threads export at once), and mopt runs actions in threads: one at a time
+_EXPORT_LOCK = threading.Lock()
 
 
 class NumericCheckError(RuntimeError):
@@ -29,7 +33,6 @@ def _check_or_fail(what: str, numbers: dict[str, Any], threshold: float) -> None
 
 
 class OnnxKind(TargetKind):
-    static_fingerprint = True  # library versions only: a no-op build may skip it
     """Export the family's embedding wrapper to ONNX: inputs input_ids / attention_mask
     (int64, dynamic batch and sequence), one output `mopt_embedding` (pooled, L2-normalised,
     float32). Checked against PyTorch on the shipped validation sentences."""
@@ -37,7 +40,10 @@ class OnnxKind(TargetKind):
     name = "onnx"
     version = "1"
     description = "ONNX graph (fp32) of the pooled embedding, checked against PyTorch"
-    consumes = (Input("model", kinds=("weights",)),)
+    produces = "onnx"
+    fingerprint_packages = ("torch", "transformers", "onnx", "onnxruntime", "onnxscript")
+    # any Hugging Face checkpoint: the weights, or a third party's (a distilled model)
+    consumes = (Input("model", formats=("hf-checkpoint",)),)
 
     class Params(Params):
         exporter: Literal["torchscript", "dynamo"] = Field(
@@ -53,11 +59,6 @@ class OnnxKind(TargetKind):
         check_min_cosine: float = Field(default=0.9999, description="fail below this min cosine vs PyTorch")
         check_texts: int = Field(default=64, ge=4, description="validation sentences used by the check")
         max_length: int = Field(default=128, ge=8, description="tokenizer truncation for the check")
-
-    def fingerprint(self) -> dict[str, str]:
-        from mopt_ml.common import versions
-
-        return versions("torch", "transformers", "onnx", "onnxruntime", "onnxscript")
 
     def input_files(self, params: Any, project_dir: Path) -> list[Path]:
         from mopt_ml.common import data_input_files
@@ -96,7 +97,13 @@ def export_onnx(src: Path, out: Path, tmp: Path, family_obj: Any, params: Any, l
     family = as_family(family_obj, src)
     model = family.load(src, dtype="fp32")
     tokenizer = family.load_tokenizer(src)
-    wrapper = family.export_wrapper(model)
+    spec = family.export_spec(model, task="embedding")
+    if tuple(spec.inputs) != INPUT_NAMES or tuple(spec.outputs) != (OUTPUT_NAME,):
+        raise ValueError(
+            f"family {family.name!r}: export_spec gives inputs {list(spec.inputs)} and outputs "
+            f"{list(spec.outputs)}; the embedding graphs mopt-ml checks and runs have "
+            f"{list(INPUT_NAMES)} → [{OUTPUT_NAME!r}]"
+        )
     opset = params.opset or DEFAULT_OPSET[params.exporter]
 
     # a padded example: mask code paths that skip an all-ones mask must not be traced
@@ -108,8 +115,8 @@ def export_onnx(src: Path, out: Path, tmp: Path, family_obj: Any, params: Any, l
     _quiet_exporters()
     t0 = time.perf_counter()
     try:
-        with torch.no_grad():
-            _export(params.exporter, wrapper, args, raw, opset, model)
+        with _EXPORT_LOCK, torch.no_grad():
+            _export(params.exporter, spec, args, raw, opset, model)
     except Exception as exc:
         raise RuntimeError(
             f"torch.onnx.export ({params.exporter} exporter, opset {opset}) failed: {type(exc).__name__}: {exc}"
@@ -180,40 +187,36 @@ def _quiet_exporters() -> None:
     )
 
 
-def _export(exporter: str, wrapper: Any, args: tuple[Any, ...], raw: Path, opset: int, model: Any) -> None:
+def _export(exporter: str, spec: Any, args: tuple[Any, ...], raw: Path, opset: int, model: Any) -> None:
+    """Trace the family's export spec (wrapper, input / output names, dynamic axes)."""
     import torch
 
-    from mopt_ml.common import INPUT_NAMES, OUTPUT_NAME
-
+    axes = {name: dict(a) for name, a in spec.dynamic_axes.items()}
     if exporter == "torchscript":
         torch.onnx.export(
-            wrapper,
+            spec.wrapper,
             args,
             str(raw),
             dynamo=False,
-            input_names=list(INPUT_NAMES),
-            output_names=[OUTPUT_NAME],
-            dynamic_axes={
-                "input_ids": {0: "batch", 1: "sequence"},
-                "attention_mask": {0: "batch", 1: "sequence"},
-                OUTPUT_NAME: {0: "batch"},
-            },
+            input_names=list(spec.inputs),
+            output_names=list(spec.outputs),
+            dynamic_axes=axes,
             opset_version=opset,
             do_constant_folding=True,
         )
     else:
         max_pos = getattr(model.config, "max_position_embeddings", 512) or 512
-        batch = torch.export.Dim("batch", min=1, max=4096)
-        seq = torch.export.Dim("sequence", min=2, max=max(int(max_pos), 8))
+        dims = {"batch": torch.export.Dim("batch", min=1, max=4096),
+                "sequence": torch.export.Dim("sequence", min=2, max=max(int(max_pos), 8))}  # fmt: skip
         torch.onnx.export(
-            wrapper,
+            spec.wrapper,
             args,
             str(raw),
             dynamo=True,
             verbose=False,
-            input_names=list(INPUT_NAMES),
-            output_names=[OUTPUT_NAME],
-            dynamic_shapes={"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}},
+            input_names=list(spec.inputs),
+            output_names=list(spec.outputs),
+            dynamic_shapes={n: {i: dims[a] for i, a in axes.get(n, {}).items()} for n in spec.inputs},
             opset_version=opset,
             external_data=True,
             optimize=True,
@@ -241,14 +244,16 @@ def _name_dynamic_axes(model: Any, hidden: int | None) -> None:
 
 
 class OnnxSlimKind(TargetKind):
-    static_fingerprint = True  # library versions only: a no-op build may skip it
     """Simplify the graph with onnxslim (constant folding, dead code, fusions); the result must
     compute what the input graph computes on the shipped validation sentences."""
 
     name = "onnx-slim"
     version = "1"
     description = "onnxslim-simplified ONNX graph, checked against its input graph"
-    consumes = (Input("model", kinds=("onnx",)),)
+    produces = "onnx"
+    fingerprint_packages = ("onnx", "onnxruntime", "onnxslim")
+    # the plain export only: simplifying a quantized graph is not what this kind checks
+    consumes = (Input("model", formats=("onnx",), kinds=("onnx",)),)
 
     class Params(Params):
         skip_fusion_patterns: list[str] = Field(default=[], description="onnxslim fusions to skip")
@@ -258,11 +263,6 @@ class OnnxSlimKind(TargetKind):
         )
         check_texts: int = Field(default=64, ge=4, description="validation sentences used by the check")
         max_length: int = Field(default=128, ge=8)
-
-    def fingerprint(self) -> dict[str, str]:
-        from mopt_ml.common import versions
-
-        return versions("onnx", "onnxruntime", "onnxslim")
 
     def input_files(self, params: Any, project_dir: Path) -> list[Path]:
         from mopt_ml.common import data_input_files

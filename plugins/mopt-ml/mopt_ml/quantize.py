@@ -35,7 +35,8 @@ class OrtQuantizeKind(TargetKind):
     name = "ort-quantize"
     version = "1"
     description = "ONNX Runtime INT8 (dynamic/static), per-channel, SmoothQuant-style smoothing"
-    consumes = (Input("model", kinds=("onnx-slim", "onnx")),)
+    consumes = (Input("model", formats=("onnx",), kinds=("onnx-slim", "onnx")),)
+    produces = "onnx"
 
     class Params(Params):
         mode: Literal["dynamic", "static"] = Field(default="dynamic", description="activation quantization")

@@ -27,7 +27,9 @@ class SyntheticSource(Source):
     description = "a family's real architecture, small and randomly initialised from a seed"
 
     class Params(Params):
-        synthetic: str = Field(description="the family whose architecture to build: qwen3, bert")
+        synthetic: str = Field(
+            description="the registered family whose architecture to build (qwen3, bert, a plugin's)"
+        )
         seed: int = Field(default=0, ge=0, description="torch seed for the random weights")
         config: dict[str, Any] = Field(
             default={}, description="overrides of the family's small default config"
@@ -41,19 +43,21 @@ class SyntheticSource(Source):
         from mopt_ml.common import spec_hash, versions
         from mopt_ml.families import FAMILIES, as_family
 
-        fam_cls = FAMILIES.get(params.synthetic)
-        if (
-            fam_cls is None
-            and ctx.family is not None
-            and getattr(ctx.family, "name", None) == params.synthetic
-        ):
+        # any registered family (a third party's too); the plugin's own when the context
+        # has no registry (direct calls)
+        fam_cls: Any = ctx.families.get(params.synthetic) or FAMILIES.get(params.synthetic)
+        if fam_cls is None and getattr(ctx.family, "name", None) == params.synthetic:
             fam_cls = ctx.family if isinstance(ctx.family, type) else type(ctx.family)
         if fam_cls is None:
+            known = sorted(set(ctx.families) | set(FAMILIES))
             raise SourceError(
                 f"source synthetic={params.synthetic!r} of model {ctx.model_name!r}: no such "
-                f"family in mopt-ml (known: {', '.join(sorted(FAMILIES))})"
+                f"family (registered: {', '.join(known)})"
             )
-        family = as_family(fam_cls)
+        try:
+            family = as_family(fam_cls)
+        except TypeError as exc:
+            raise SourceError(f"source synthetic={params.synthetic!r} of model {ctx.model_name!r}: {exc}") from None
         spec = {
             "family": params.synthetic,
             "seed": params.seed,

@@ -16,6 +16,8 @@ from pydantic import Field
 
 #: the kinds whose folders hold a model.onnx this plugin can run
 ONNX_KINDS = ("ort-quantize", "onnx-slim", "onnx")
+#: the artifact formats validate, bench and select take (any kind producing them)
+TESTED_FORMATS = ("onnx", "openvino-ir", "torch-compile-cache")
 
 
 class GateFailed(RuntimeError):
@@ -27,9 +29,10 @@ class ArtifactTester(TargetKind):
     `bench`): fanned out over the section's artifacts, reading an optional `data` file."""
 
     consumes = (
-        Input("model", kinds=(*ONNX_KINDS, "torch-compile"), fanout=True),
-        Input("reference", kinds=("weights",)),
+        Input("model", formats=TESTED_FORMATS, fanout=True),
+        Input("reference", formats=("hf-checkpoint",), kinds=("weights",)),
     )
+    produces = "report"
     static_fingerprint = True  # library versions only: a no-op build may skip it
 
     def input_files(self, params: Any, project_dir: Path) -> list[Path]:

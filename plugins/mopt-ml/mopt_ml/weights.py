@@ -25,7 +25,6 @@ TRAINING_ONLY_MARKERS = ("optimizer", "num_batches_tracked", "_step", "exp_avg")
 
 
 class WeightsKind(TargetKind):
-    static_fingerprint = True  # library versions only: a no-op build may skip it
     """Sanitise the source checkpoint into a canonical HF folder: safetensors only, optional
     dtype cast, tied weights stored once, training-only tensors dropped, config.json
     normalised, tokenizer checked, and a manifest.json of every tensor."""
@@ -34,6 +33,8 @@ class WeightsKind(TargetKind):
     version = "1"
     description = "canonical safetensors checkpoint + tokenizer + manifest"
     uses_source = True
+    produces = "hf-checkpoint"
+    fingerprint_packages = ("torch", "transformers", "safetensors", "tokenizers")
 
     class Params(Params):
         dtype: Literal["fp32", "fp16", "bf16"] | None = Field(
@@ -45,11 +46,6 @@ class WeightsKind(TargetKind):
             default=0.9999,
             description="min cosine of the saved folder vs the source; a dtype cast is held to min(this, 0.99)",
         )
-
-    def fingerprint(self) -> dict[str, str]:
-        from mopt_ml.common import versions
-
-        return versions("torch", "transformers", "safetensors", "tokenizers")
 
     def run(self, ctx: BuildContext) -> dict[str, Any]:
         from mopt_ml.common import require

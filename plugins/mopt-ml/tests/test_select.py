@@ -334,11 +334,12 @@ base = "docker.io/library/python:3.12-slim@sha256:{digest}"
     assert nodes["tiny.cpu:image"]["inputs"] == {
         "serve": ["tiny.cpu:triton-repo"], "model": ["tiny.cpu:best"], "files": []
     }
-    # select gathers every candidate and every validate / bench of the section in one node
+    # select gathers every candidate (any kind producing a tested format, in section order)
+    # and every validate / bench of the section in one node
     assert nodes["tiny.cpu:best"]["inputs"] == {
-        "candidates": ["tiny.cpu:int8", "tiny.cpu:onnx"],
-        "validate": ["tiny.cpu:validate[int8]", "tiny.cpu:validate[onnx]"],
-        "bench": ["tiny.cpu:bench[int8]", "tiny.cpu:bench[onnx]"],
+        "candidates": ["tiny.cpu:onnx", "tiny.cpu:int8"],
+        "validate": ["tiny.cpu:validate[onnx]", "tiny.cpu:validate[int8]"],
+        "bench": ["tiny.cpu:bench[onnx]", "tiny.cpu:bench[int8]"],
     }
 
 

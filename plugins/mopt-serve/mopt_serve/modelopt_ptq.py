@@ -13,12 +13,12 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field
 
-from mopt import plugin_env as _env
-from mopt.api import BuildContext, CheckContext, Finding, Input, Params, TargetKind
+from mopt.api import BuildContext, CheckContext, Finding, Input, Params, Role, TargetKind
+from mopt.api import plugin_env as _env
 from mopt_serve import common
 
 INSTALL_MODELOPT = 'pip install "nvidia-modelopt[torch]"'
@@ -87,6 +87,7 @@ class ModelOptPtqKind(TargetKind):
     description = "quantized HF checkpoint via nvidia-modelopt mtq.quantize + export_hf_checkpoint"
     memory_model = "none"
     consumes = (Input("model", kinds=("weights",)),)
+    produces = "modelopt-checkpoint"
     requires = ("gpu", "python:modelopt", "python:torch", "python:transformers")
     resources: ClassVar[dict[str, int]] = {"cpu": 1, "gpu": 1}
     reproducible = False  # calibration statistics come from GPU kernels with atomics
@@ -100,7 +101,7 @@ class ModelOptPtqKind(TargetKind):
         calib_size: int = Field(
             default=512, ge=1, description="number of calibration samples (128-512 is usual)"
         )
-        calib_seq_len: int = Field(default=512, ge=8)
+        calib_seq_len: Annotated[int, Role.seq_len] = Field(default=512, ge=8)
         batch_size: int = Field(default=8, ge=1)
 
     def input_files(self, params: Any, project_dir: Path) -> list[Path]:

@@ -20,12 +20,12 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 from pydantic import Field
 
-from mopt import plugin_env as _env
-from mopt.api import BuildContext, CheckContext, Finding, Input, Params, TargetKind
+from mopt.api import BuildContext, CheckContext, Finding, Input, Params, Role, TargetKind
+from mopt.api import plugin_env as _env
 
 INSTALL_VLLM = "pip install vllm (CUDA wheels on PyPI)"
 
@@ -131,6 +131,7 @@ class ServeCheckKind(TargetKind):
         Input("model", kinds=("modelopt-ptq", "weights")),
         Input("reference", kinds=("weights",)),
     )
+    produces = "report"
     per_hardware = True
     requires = ("gpu", "hardware", "python:vllm", "python:torch", "python:transformers")
     resources: ClassVar[dict[str, int]] = {"cpu": 1, "gpu": 1}
@@ -144,7 +145,7 @@ class ServeCheckKind(TargetKind):
         num_texts: int = Field(default=64, ge=1)
         batch_size: int = Field(default=16, ge=1)
         rounds: int = Field(default=3, ge=1, description="times the text set is sent (latency statistics)")
-        max_length: int = Field(default=512, ge=1)
+        max_length: Annotated[int, Role.seq_len] = Field(default=512, ge=1)
         min_cosine: float = Field(default=0.99, ge=-1, le=1)
         startup_timeout_s: float = Field(default=900, gt=0)
 

@@ -20,11 +20,11 @@ import json
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from mopt.api import BuildContext, CheckContext, Finding, Input, Params, TargetKind
+from mopt.api import BuildContext, CheckContext, Finding, Input, Params, Role, TargetKind
 
 ONNX_TO_TRITON = {
     "FLOAT": "TYPE_FP32", "FLOAT16": "TYPE_FP16", "BFLOAT16": "TYPE_BF16", "DOUBLE": "TYPE_FP64",
@@ -155,11 +155,12 @@ class TritonRepoKind(TargetKind):
     memory_model = "engine"  # mopt check: batch × sequence through one forward pass
     # `select` (a sweep's winner) first: a section that selects serves what it selected
     consumes = (Input("model", kinds=("select", "trt-engine", "ort-quantize", "onnx-slim", "onnx")),)
+    produces = "triton-repo"
     per_hardware = True
 
     class Params(Params):
         model_name: str | None = Field(default=None, description="null: the recipe's model name")
-        max_batch_size: int = Field(default=32, ge=0, description="0: no batching axis")
+        max_batch_size: Annotated[int, Role.batch_size] = Field(default=32, ge=0, description="0: no batching axis")
         dynamic_batching: bool = True
         preferred_batch_size: list[int] = Field(default=[], description="[] : Triton picks")
         max_queue_delay_microseconds: int = Field(default=100, ge=0)
@@ -169,7 +170,7 @@ class TritonRepoKind(TargetKind):
         )
 
     def fingerprint(self) -> dict[str, str]:
-        from mopt import plugin_env as _env
+        from mopt.api import plugin_env as _env
 
         return {"onnx": _env.dist_version("onnx") or "missing"}
 

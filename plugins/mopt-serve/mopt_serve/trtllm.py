@@ -19,12 +19,12 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from mopt import plugin_env as _env
-from mopt.api import BuildContext, CheckContext, Finding, HardwareProfile, Input, Params, TargetKind
+from mopt.api import BuildContext, CheckContext, Finding, HardwareProfile, Input, Params, Role, TargetKind
+from mopt.api import plugin_env as _env
 from mopt_serve import common
 
 INSTALL_TRTLLM = "pip install tensorrt-llm (from pypi.nvidia.com; pin the release)"
@@ -40,19 +40,25 @@ class TrtllmParams(Params):
         default=None, description="the pinned TensorRT-LLM release (required for legacy)"
     )
     backend: Literal["pytorch", "_autodeploy"] = "pytorch"
-    dtype: Literal["auto", "float16", "bfloat16"] = "auto"
-    max_batch_size: int = Field(default=256, ge=1)
-    max_num_tokens: int = Field(default=8192, ge=1)
-    max_seq_len: int | None = Field(
+    dtype: Annotated[Literal["auto", "float16", "bfloat16"], Role.precision] = "auto"
+    max_batch_size: Annotated[int, Role.batch_size] = Field(default=256, ge=1)
+    max_num_tokens: Annotated[int, Role.num_tokens] = Field(default=8192, ge=1)
+    max_seq_len: Annotated[int | None, Role.seq_len] = Field(
         default=None, ge=1, description="null: the model's max_position_embeddings"
     )
-    max_input_len: int | None = Field(default=None, ge=1, description="legacy only; null: max_seq_len")
-    tp_size: int = Field(default=1, ge=1)
-    pp_size: int = Field(default=1, ge=1)
-    free_gpu_memory_fraction: float = Field(default=0.9, gt=0, le=1, description="kv_cache_config")
-    tokens_per_block: int = Field(default=32, ge=1, description="KV cache block size (a power of two)")
+    max_input_len: Annotated[int | None, Role.seq_len] = Field(
+        default=None, ge=1, description="legacy only; null: max_seq_len"
+    )
+    tp_size: Annotated[int, Role.tensor_parallel] = Field(default=1, ge=1)
+    pp_size: Annotated[int, Role.pipeline_parallel] = Field(default=1, ge=1)
+    free_gpu_memory_fraction: Annotated[float, Role.kv_cache_fraction] = Field(
+        default=0.9, gt=0, le=1, description="kv_cache_config"
+    )
+    tokens_per_block: Annotated[int, Role.kv_block_tokens] = Field(
+        default=32, ge=1, description="KV cache block size (a power of two)"
+    )
     enable_block_reuse: bool = True
-    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
+    kv_cache_dtype: Annotated[Literal["auto", "fp8"], Role.kv_cache_precision] = "auto"
     trust_remote_code: bool = False
     host: str = "0.0.0.0"
     port: int = Field(default=8000, ge=1, le=65535)
@@ -163,6 +169,7 @@ class TrtllmKind(TargetKind):
     description = "TensorRT-LLM trtllm-serve config (LLM API options YAML); legacy engine for <= 1.2"
     memory_model = "trtllm"  # mopt check: KV cache from the free-memory fraction
     consumes = (Input("model", kinds=("modelopt-ptq", "weights")),)
+    produces = "trtllm-config"
     per_hardware = True
     Params = TrtllmParams
     install_hints: ClassVar[dict[str, str]] = {"python:tensorrt_llm": INSTALL_TRTLLM}

@@ -11,11 +11,11 @@ launches it.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from mopt.api import BuildContext, CheckContext, Finding, HardwareProfile, Input, Params, TargetKind
+from mopt.api import BuildContext, CheckContext, Finding, HardwareProfile, Input, Params, Role, TargetKind
 from mopt_serve import common
 
 #: quantization vLLM should use for a `modelopt-ptq` checkpoint of each qformat
@@ -29,22 +29,24 @@ class VllmParams(Params):
     runner: Literal["auto", "pooling", "generate"] = Field(
         default="auto", description="auto: pooling for embedding models, generate otherwise"
     )
-    dtype: Literal["auto", "float16", "bfloat16", "float32"] = "auto"
-    max_model_len: int | None = Field(
+    dtype: Annotated[Literal["auto", "float16", "bfloat16", "float32"], Role.precision] = "auto"
+    max_model_len: Annotated[int | None, Role.seq_len] = Field(
         default=None, ge=1, description="null: the model's max_position_embeddings"
     )
-    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
-    max_num_seqs: int = Field(default=256, ge=1)
-    max_num_batched_tokens: int | None = Field(default=None, ge=1, description="null: vLLM decides")
+    gpu_memory_utilization: Annotated[float, Role.memory_fraction] = Field(default=0.9, gt=0, le=1)
+    max_num_seqs: Annotated[int, Role.batch_size] = Field(default=256, ge=1)
+    max_num_batched_tokens: Annotated[int | None, Role.num_tokens] = Field(
+        default=None, ge=1, description="null: vLLM decides"
+    )
     block_size: int = Field(
         default=16, ge=1, description="KV cache block size in tokens (vLLM's default: 16)"
     )
-    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
-    quantization: str | None = Field(
+    kv_cache_dtype: Annotated[Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"], Role.kv_cache_precision] = "auto"
+    quantization: Annotated[str | None, Role.quantization] = Field(
         default=None, description="e.g. fp8, awq, gptq, modelopt; null: from a modelopt-ptq input, else none"
     )
-    tensor_parallel_size: int = Field(default=1, ge=1)
-    pipeline_parallel_size: int = Field(default=1, ge=1)
+    tensor_parallel_size: Annotated[int, Role.tensor_parallel] = Field(default=1, ge=1)
+    pipeline_parallel_size: Annotated[int, Role.pipeline_parallel] = Field(default=1, ge=1)
     enforce_eager: bool = Field(default=False, description="no CUDA graphs")
     enable_prefix_caching: bool | None = Field(default=None, description="null: vLLM's default (on)")
     served_model_name: str | None = Field(default=None, description="null: the recipe's model name")
@@ -137,6 +139,7 @@ class VllmKind(TargetKind):
     description = "vLLM serving config (vllm serve --config) for the model and hardware"
     memory_model = "vllm"  # mopt check: gpu_memory_utilization pool with a KV cache
     consumes = (Input("model", kinds=("modelopt-ptq", "weights")),)
+    produces = "vllm-config"
     per_hardware = True
     Params = VllmParams
 

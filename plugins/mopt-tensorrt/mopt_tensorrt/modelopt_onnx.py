@@ -16,12 +16,12 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field
 
-from mopt import plugin_env as _env
-from mopt.api import BuildContext, CheckContext, Finding, Input, Params, TargetKind
+from mopt.api import BuildContext, CheckContext, Finding, Input, Params, Role, TargetKind
+from mopt.api import plugin_env as _env
 from mopt_tensorrt import _onnx
 
 INSTALL_MODELOPT = 'pip install "nvidia-modelopt[onnx]"'
@@ -139,7 +139,7 @@ class _CalibrationParams(Params):
         default=None, description="a .jsonl (`text`) or .txt file tokenized with the artifact's tokenizer"
     )
     calibration_samples: int = Field(default=128, ge=1)
-    calibration_seq_len: int = Field(default=128, ge=1)
+    calibration_seq_len: Annotated[int, Role.seq_len] = Field(default=128, ge=1)
 
 
 def _calibration(ctx: BuildContext, onnx_path: Path, art_dir: Path) -> Path | None:
@@ -175,6 +175,7 @@ class AutoCastKind(TargetKind):
     description = "fp16/bf16 mixed-precision ONNX via python -m modelopt.onnx.autocast"
     memory_model = "none"
     consumes = (Input("onnx", kinds=ONNX_INPUTS),)
+    produces = "onnx"
     requires = ("python:modelopt", "python:onnx", "python:onnxruntime")
     install_hints: ClassVar[dict[str, str]] = {"python:modelopt": INSTALL_MODELOPT}
 
@@ -254,6 +255,7 @@ class ModelOptQuantizeKind(TargetKind):
     description = "int8/fp8/int4 Q/DQ ONNX via python -m modelopt.onnx.quantization"
     memory_model = "none"
     consumes = (Input("onnx", kinds=ONNX_INPUTS),)
+    produces = "onnx"
     requires = ("python:modelopt", "python:onnx", "python:onnxruntime")
     install_hints: ClassVar[dict[str, str]] = {"python:modelopt": INSTALL_MODELOPT}
 

@@ -23,12 +23,12 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field
 
-from mopt import plugin_env as _env
-from mopt.api import BuildContext, CheckContext, Finding, HardwareProfile, Input, Params, TargetKind
+from mopt.api import BuildContext, CheckContext, Finding, HardwareProfile, Input, Params, Role, TargetKind
+from mopt.api import plugin_env as _env
 from mopt_tensorrt import _onnx, timing_cache
 
 INSTALL_TENSORRT = "pip install tensorrt-cu12 or tensorrt-cu13 (wheels come from pypi.nvidia.com)"
@@ -189,6 +189,7 @@ class TrtEngineKind(TargetKind):
     description = "TensorRT engine (plan) from ONNX via the TensorRT Python API"
     memory_model = "engine"  # mopt check: batch × sequence through one forward pass
     consumes = (Input("onnx", kinds=("modelopt-quantize", "autocast", "onnx-slim", "onnx")),)
+    produces = "tensorrt-plan"
     per_hardware = True
     requires = ("gpu", "hardware", "python:tensorrt")
     resources: ClassVar[dict[str, int]] = {"cpu": 1, "gpu": 1}
@@ -196,20 +197,20 @@ class TrtEngineKind(TargetKind):
     install_hints: ClassVar[dict[str, str]] = {"python:tensorrt": INSTALL_TENSORRT}
 
     class Params(Params):
-        precision: Literal["fp32", "fp16", "bf16", "int8", "fp8", "int4"] = Field(
+        precision: Annotated[Literal["fp32", "fp16", "bf16", "int8", "fp8", "int4"], Role.precision] = Field(
             default="fp16", description="engine precision; on TensorRT 11 it must come from the ONNX input"
         )
         min_batch_size: int = Field(default=1, ge=1)
         opt_batch_size: int | None = Field(default=None, ge=1, description="null: max_batch_size")
-        max_batch_size: int = Field(default=32, ge=1)
+        max_batch_size: Annotated[int, Role.batch_size] = Field(default=32, ge=1)
         min_seq_len: int = Field(default=1, ge=1)
         opt_seq_len: int | None = Field(default=None, ge=1, description="null: max_seq_len")
-        max_seq_len: int = Field(default=512, ge=1)
-        shapes: dict[str, list[list[int]]] = Field(
+        max_seq_len: Annotated[int, Role.seq_len] = Field(default=512, ge=1)
+        shapes: Annotated[dict[str, list[list[int]]], Role.shapes] = Field(
             default={}, description="explicit [min, opt, max] shapes per input name (overrides the above)"
         )
         opt_level: int = Field(default=3, ge=0, le=5, description="builder_optimization_level")
-        workspace_gb: float | None = Field(
+        workspace_gb: Annotated[float | None, Role.workspace_gb] = Field(
             default=None, gt=0, description="WORKSPACE pool limit (null: TensorRT's)"
         )
         hardware_compatibility: Literal["none", "ampere_plus", "same_compute_capability"] = "none"

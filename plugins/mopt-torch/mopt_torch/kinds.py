@@ -13,12 +13,12 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from mopt import plugin_env as _env
-from mopt.api import BuildContext, CheckContext, Finding, HardwareProfile, Input, Params, TargetKind
+from mopt.api import BuildContext, CheckContext, Finding, HardwareProfile, Input, Params, Role, TargetKind
+from mopt.api import plugin_env as _env
 from mopt_torch.aoti import AotiLoadError, describe_exit, probe_load
 from mopt_torch.embedder import family_spec, resolve_attention
 
@@ -135,6 +135,7 @@ class TorchCompileKind(TargetKind):
     )
     memory_model = "none"  # the buckets' workload is not in max_batch_size / max_seq_len form
     consumes = (Input("weights", kinds=("weights",)),)
+    produces = "torch-compile-cache"
     per_hardware = True
     requires = ("gpu", "hardware", "python:torch", "python:transformers")
     resources: ClassVar[dict[str, int]] = {"cpu": 1, "gpu": 1}
@@ -142,7 +143,7 @@ class TorchCompileKind(TargetKind):
     install_hints: ClassVar[dict[str, str]] = {"python:torch": INSTALL_TORCH}
 
     class Params(Params):
-        precision: Literal["fp16", "bf16"] = "fp16"
+        precision: Annotated[Literal["fp16", "bf16"], Role.precision] = "fp16"
         mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
             default="default",
             description="H200, Qwen3-0.6B shape, 32x512: default (flash) 35.9 ms, cold 43 s; "
@@ -314,6 +315,7 @@ class AotiKind(TargetKind):
     )
     memory_model = "engine"  # mopt check: batch × sequence through one forward pass
     consumes = (Input("weights", kinds=("weights",)),)
+    produces = "aoti-package"
     per_hardware = True
     requires = ("gpu", "hardware", "python:torch", "python:transformers")
     resources: ClassVar[dict[str, int]] = {"cpu": 1, "gpu": 1}
@@ -321,11 +323,11 @@ class AotiKind(TargetKind):
     install_hints: ClassVar[dict[str, str]] = {"python:torch": INSTALL_TORCH}
 
     class Params(Params):
-        precision: Literal["fp16", "bf16"] = "fp16"
+        precision: Annotated[Literal["fp16", "bf16"], Role.precision] = "fp16"
         min_batch_size: int = Field(default=1, ge=1)
-        max_batch_size: int = Field(default=32, ge=1)
+        max_batch_size: Annotated[int, Role.batch_size] = Field(default=32, ge=1)
         min_seq_len: int = Field(default=1, ge=1)
-        max_seq_len: int = Field(default=512, ge=1)
+        max_seq_len: Annotated[int, Role.seq_len] = Field(default=512, ge=1)
         seq_multiple: int = Field(
             default=16, ge=1, description="sequence lengths are a multiple of this (pad right)"
         )
