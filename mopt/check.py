@@ -70,8 +70,11 @@ _MEMORY_KEYS = frozenset(
     }
 )
 #: defaults the runtimes use when the recipe leaves a setting out (assumed for estimates)
-VLLM_DEFAULT_UTILIZATION = 0.9
+#: vLLM 0.26: CacheConfig.gpu_memory_utilization 0.92; EngineArgs.get_batch_defaults gives the
+#: API server 1024 sequences on GPUs of >= 70 GiB (not A100), 256 elsewhere
+VLLM_DEFAULT_UTILIZATION = 0.92
 VLLM_DEFAULT_MAX_NUM_SEQS = 256
+VLLM_DEFAULT_MAX_NUM_SEQS_BIG_GPU = 1024
 VLLM_DEFAULT_BATCHED_TOKENS = 8192
 TRTLLM_DEFAULT_KV_FRACTION = 0.9
 TRTLLM_DEFAULT_MAX_NUM_TOKENS = 8192
@@ -886,7 +889,9 @@ def workload_for(
         return default, None
 
     if mode == "vllm":
-        batch, bk = pick(("max_num_seqs", "max_batch_size"), VLLM_DEFAULT_MAX_NUM_SEQS, "max_num_seqs")
+        big = (hw.memory_gb or 0) >= 70 and "a100" not in (hw.gpu_name or "").lower()
+        seqs = VLLM_DEFAULT_MAX_NUM_SEQS_BIG_GPU if big else VLLM_DEFAULT_MAX_NUM_SEQS
+        batch, bk = pick(("max_num_seqs", "max_batch_size"), seqs, "max_num_seqs")
         seq, sk = pick(("max_model_len", "max_seq_len"), max_pos, "max_model_len")
         nt = _int(params.get("max_num_batched_tokens"))
         tokens = nt if nt else min(max(seq, VLLM_DEFAULT_BATCHED_TOKENS), batch * seq)

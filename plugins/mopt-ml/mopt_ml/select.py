@@ -43,10 +43,11 @@ OBJECTIVES = (
     "max_throughput",
     "min_memory",
     "max_throughput_under_latency",
+    "max_throughput_under_slo",
 )
 
 #: files select writes next to the winner's
-OWN_FILES = ("selection.json", "selection.html", "pareto.svg")
+OWN_FILES = ("selection.json", "selection.html", "pareto.svg", "serving.svg")
 
 
 class NoWinner(RuntimeError):
@@ -60,9 +61,12 @@ class SelectKind(TargetKind):
     version = "1"
     description = "the best variant of a sweep (objective + gates), with a table of why"
     consumes = (
-        Input("candidates", kinds=(*ONNX_KINDS, "torch-compile"), gather=True, partial=True),
-        Input("validate", kinds=("validate",), gather=True, partial=True),
-        Input("bench", kinds=("bench",), gather=True, partial=True),
+        Input("candidates", kinds=(*ONNX_KINDS, "torch-compile", "vllm"), gather=True, partial=True),
+        # not required: a serving section selects on serve-check alone, an ONNX one on these
+        Input("validate", kinds=("validate",), gather=True, partial=True, required=False),
+        Input("bench", kinds=("bench",), gather=True, partial=True, required=False),
+        # serve-check results (serve.json) about `vllm` candidates: max_throughput_under_slo
+        Input("serve", kinds=("serve-check",), gather=True, partial=True, required=False),
     )
     static_fingerprint = True
 
@@ -73,7 +77,13 @@ class SelectKind(TargetKind):
             "max_throughput",
             "min_memory",
             "max_throughput_under_latency",
+            "max_throughput_under_slo",
         ] = Field(default="min_latency_p99", description="what the winner is best at")
+        baseline: str | None = Field(
+            default=None,
+            description="max_throughput_under_slo: the candidate the winner is compared with "
+            "(null: the vllm config that leaves every vLLM default alone)",
+        )
         latency_budget_ms: float | None = Field(
             default=None, gt=0, description="p99 budget of max_throughput_under_latency (ms)"
         )
@@ -114,6 +124,8 @@ class SelectKind(TargetKind):
         return {}
 
     def run(self, ctx: BuildContext) -> dict[str, Any]:
+        if ctx.params.objective == "max_throughput_under_slo":
+            return run_serving(ctx)
         sel = select(
             ctx.inputs.get("candidates", []),
             ctx.inputs.get("validate", []),
@@ -571,3 +583,294 @@ def render_html(sel: Selection, svg: str, section: str) -> str:
         + "".join(cells)
         + "</table></body></html>"
     )
+
+
+# --------------------------------------------------------------------------- serving (serve-check)
+
+
+@dataclass
+class ServeRow:
+    """One served config: its serve-check's numbers and what became of it."""
+
+    label: str
+    kind: str
+    path: Path | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+    check: str | None = None  # the serve-check's label
+    min_cosine: float | None = None
+    mean_cosine: float | None = None
+    errors: int = 0
+    knee_concurrency: int | None = None
+    value: float | None = None  # tokens/s at the knee
+    knee_requests_per_s: float | None = None
+    knee_p99_ms: float | None = None
+    startup_s: float | None = None
+    engine_mib: float | None = None
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    knee: dict[str, Any] | None = None
+    status: str = "lost"
+    why: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k not in ("path", "meta")}
+
+
+@dataclass
+class ServeSelection:
+    rows: list[ServeRow]
+    winner: str | None
+    baseline: str | None
+    ratio: float | None  # winner / baseline tokens/s at the SLO
+    slo_p99_ms: float | None
+    params: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": "mopt-select/1",
+            "objective": "max_throughput_under_slo",
+            "params": self.params,
+            "winner": self.winner,
+            "baseline": self.baseline,
+            "ratio_vs_baseline": self.ratio,
+            "slo_p99_ms": self.slo_p99_ms,
+            "variants": [r.to_json() for r in self.rows],
+        }
+
+
+def select_serving(
+    candidates: list[Artifact], serves: list[Artifact], missing: dict[str, list[Missing]], params: Any
+) -> ServeSelection:
+    """The served config with the highest throughput at its knee (the highest load whose p99
+    met serve-check's SLO), among those whose serve-check passed (cosine gate) with no failed
+    request and select's own `min_cosine` / `mean_cosine`; compared with the baseline."""
+    rows: list[ServeRow] = []
+    slos: list[float] = []
+    for art in candidates:
+        row = ServeRow(label=art.label or art.target, kind=art.kind, path=art.path, meta=dict(art.meta))
+        rows.append(row)
+        sc = _of(serves, row.label, slot="serve")
+        if sc is None:
+            gone = [m for m in missing.get("serve", []) if row.label in m.input_labels.get("serve", [])]
+            row.status, row.why = "excluded", _not_there("serve-check", gone)
+            continue
+        doc = json.loads((sc.path / "serve.json").read_text())
+        row.check = sc.label or sc.target
+        row.min_cosine, row.mean_cosine = doc.get("min_cosine"), doc.get("mean_cosine")
+        row.steps = list(doc.get("loadtest", []))
+        row.errors = sum(int(s.get("errors", 0)) for s in row.steps)
+        row.knee = doc.get("knee")
+        row.startup_s = doc.get("startup_s")
+        row.engine_mib = (doc.get("gpu_memory") or {}).get("engine_mib")
+        if doc.get("slo_p99_ms") is not None:
+            slos.append(float(doc["slo_p99_ms"]))
+        if row.knee:
+            row.value = float(row.knee["tokens_per_s"])
+            row.knee_concurrency = int(row.knee["concurrency"])
+            row.knee_requests_per_s = float(row.knee["requests_per_s"])
+            row.knee_p99_ms = float(row.knee["p99_ms"])
+        if not doc.get("passed", False):
+            row.status, row.why = "excluded", "serve-check failed: " + "; ".join(doc.get("failures", []))
+        elif row.errors:
+            row.status, row.why = "excluded", f"{row.errors} load-test requests failed"
+        elif params.min_cosine is not None and (row.min_cosine or 0.0) < params.min_cosine:
+            row.status, row.why = "excluded", f"min cosine {row.min_cosine:.4f} < {params.min_cosine}"
+        elif params.mean_cosine is not None and (row.mean_cosine or 0.0) < params.mean_cosine:
+            row.status, row.why = "excluded", f"mean cosine {row.mean_cosine:.4f} < {params.mean_cosine}"
+        elif row.value is None:
+            row.status, row.why = "excluded", f"no load step met p99 <= {doc.get('slo_p99_ms')} ms"
+    for m in missing.get("candidates", []):
+        why = m.reason if m.reason.startswith(m.status) else f"{m.status}: {m.reason or 'no reason given'}"
+        rows.append(ServeRow(label=m.label, kind=m.kind, status="unbuilt", why=why))
+    if len(set(slos)) > 1:
+        # throughputs at different SLOs do not compare: say so rather than pick by them
+        for r in rows:
+            if r.status == "lost":
+                r.status, r.why = "excluded", f"serve-checks used different SLOs {sorted(set(slos))}"
+    eligible = [r for r in rows if r.status == "lost"]
+    winner = None
+    if eligible:
+        best = max(r.value or 0.0 for r in eligible)
+        tol = params.tie_tolerance * best
+        ties = sorted(
+            (r for r in eligible if best - (r.value or 0.0) <= tol),
+            key=lambda r: (-(r.mean_cosine or 0.0), r.label),
+        )
+        win = ties[0]
+        win.status, win.why = "winner", "highest tokens/s at the SLO"
+        winner = win.label
+        for r in eligible:
+            if r is not win:
+                r.why = (
+                    f"{r.value:,.0f} vs {win.value:,.0f} tokens/s ({(r.value or 0) / (win.value or 1):.2f}x)"
+                )
+    base = params.baseline
+    if base is None:
+        base = next((r.label for r in rows if r.kind == "vllm" and r.meta.get("defaults")), None)
+    brow = next((r for r in rows if r.label == base), None)
+    ratio = None
+    if winner is not None and brow is not None and brow.value:
+        w = next(r for r in rows if r.label == winner)
+        ratio = (w.value or 0.0) / brow.value
+    order = {"winner": 0, "lost": 1, "excluded": 2, "unbuilt": 3}
+    rows.sort(key=lambda r: (order[r.status], -(r.value or 0.0), r.label))
+    return ServeSelection(
+        rows, winner, base, ratio, slos[0] if slos else None, params.model_dump(mode="json")
+    )
+
+
+def render_serving_table(sel: ServeSelection) -> str:
+    head = ("variant", "min cos", "knee c", "tok/s @SLO", "req/s", "p99 ms", "start s", "GPU MiB", "result")
+    lines = [
+        (
+            r.label,
+            _n(r.min_cosine, 4),
+            str(r.knee_concurrency) if r.knee_concurrency is not None else "–",
+            _n(r.value, 0),
+            _n(r.knee_requests_per_s, 1),
+            _n(r.knee_p99_ms, 1),
+            _n(r.startup_s, 1),
+            _n(r.engine_mib, 0),
+            f"{r.status.upper()}: {r.why}" if r.why else r.status.upper(),
+        )
+        for r in sel.rows
+    ]
+    widths = [max(len(h), *(len(x[i]) for x in lines)) if lines else len(h) for i, h in enumerate(head)]
+    out = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)).rstrip()]
+    out += ["  ".join(c.ljust(w) for c, w in zip(x, widths, strict=True)).rstrip() for x in lines]
+    if sel.ratio is not None:
+        out.append(
+            f"winner {sel.winner} vs baseline {sel.baseline} at p99 <= {sel.slo_p99_ms} ms: {sel.ratio:.2f}x"
+        )
+    return "\n".join(out)
+
+
+def serving_svg(sel: ServeSelection, width: int = 680, height: int = 380) -> str:
+    """p99 latency against tokens/s for every served config (one curve each), the SLO dashed,
+    knees ringed, the winner's curve thick."""
+    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f"]
+    left, right, top, bottom = 64, 190, 36, 44
+    pw, ph = width - left - right, height - top - bottom
+    series = [r for r in sel.rows if r.steps]
+    pts = [
+        (float(s["tokens_per_s"]), float(s["p99_ms"])) for r in series for s in r.steps if s.get("completed")
+    ]
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">',
+        f'<text x="{left + pw / 2:.0f}" y="18" text-anchor="middle" font-size="13">'
+        f"p99 latency vs throughput per config (SLO {sel.slo_p99_ms} ms)</text>",
+    ]
+    if not pts:
+        return "".join(parts) + "</svg>"
+    x1 = max(x for x, _ in pts) * 1.08
+    y1 = max([y for _, y in pts] + [sel.slo_p99_ms or 0.0]) * 1.1
+
+    def sx(x: float) -> float:
+        return left + x / max(x1, 1e-9) * pw
+
+    def sy(y: float) -> float:
+        return top + ph - y / max(y1, 1e-9) * ph
+
+    parts.append(
+        f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#999"/>'
+        f'<text x="{left + pw / 2:.0f}" y="{height - 8}" text-anchor="middle">throughput (tokens/s)</text>'
+        f'<text transform="translate(14,{top + ph / 2:.0f}) rotate(-90)" text-anchor="middle">p99 latency (ms)</text>'
+    )
+    for k in range(5):
+        parts.append(
+            f'<text x="{sx(x1 * k / 4):.1f}" y="{top + ph + 14}" text-anchor="middle">{x1 * k / 4:,.0f}</text>'
+            f'<text x="{left - 4}" y="{sy(y1 * k / 4) + 4:.1f}" text-anchor="end">{y1 * k / 4:.0f}</text>'
+        )
+    if sel.slo_p99_ms:
+        y = sy(sel.slo_p99_ms)
+        parts.append(
+            f'<line x1="{left}" x2="{left + pw}" y1="{y:.1f}" y2="{y:.1f}" stroke="#d62728" stroke-dasharray="6 4"/>'
+        )
+    for i, r in enumerate(series):
+        c = colors[i % len(colors)]
+        steps = sorted((s for s in r.steps if s.get("completed")), key=lambda s: s["concurrency"])
+        d = " ".join(f"{sx(float(s['tokens_per_s'])):.1f},{sy(float(s['p99_ms'])):.1f}" for s in steps)
+        wide = 3.5 if r.status == "winner" else 1.5
+        dash = "" if r.status in ("winner", "lost") else ' stroke-dasharray="3 3"'
+        parts.append(f'<polyline points="{d}" fill="none" stroke="{c}" stroke-width="{wide}"{dash}/>')
+        for s in steps:
+            tip = html.escape(
+                f"{r.label} c={s['concurrency']}: {s['tokens_per_s']:,.0f} tok/s, p99 {s['p99_ms']:.1f} ms"
+            )
+            parts.append(
+                f'<circle cx="{sx(float(s["tokens_per_s"])):.1f}" cy="{sy(float(s["p99_ms"])):.1f}" r="3" '
+                f'fill="{c}"><title>{tip}</title></circle>'
+            )
+        if r.knee:
+            parts.append(
+                f'<circle cx="{sx(float(r.knee["tokens_per_s"])):.1f}" cy="{sy(float(r.knee["p99_ms"])):.1f}" '
+                f'r="7" fill="none" stroke="{c}" stroke-width="2"/>'
+            )
+        ly = top + 12 + 16 * i
+        label = ("★ " if r.status == "winner" else "") + r.label
+        parts.append(
+            f'<line x1="{left + pw + 8}" x2="{left + pw + 24}" y1="{ly - 4}" y2="{ly - 4}" stroke="{c}" '
+            f'stroke-width="{wide}"/><text x="{left + pw + 28}" y="{ly}">{html.escape(label[:30])}</text>'
+        )
+    return "".join(parts) + "</svg>"
+
+
+def run_serving(ctx: BuildContext) -> dict[str, Any]:
+    sel = select_serving(
+        ctx.inputs.get("candidates", []), ctx.inputs.get("serve", []), ctx.missing, ctx.params
+    )
+    table = render_serving_table(sel)
+    for line in table.splitlines():
+        ctx.log(line)
+    if sel.winner is None:
+        raise NoWinner(f"no served config of {ctx.section} passed the gates:\n{table}")
+    win = next(r for r in sel.rows if r.label == sel.winner)
+    assert win.path is not None
+    for src in sorted(win.path.rglob("*")):
+        rel = src.relative_to(win.path)
+        if len(rel.parts) == 1 and rel.parts[0] in OWN_FILES:
+            continue
+        dest = ctx.out / rel
+        if src.is_dir():
+            dest.mkdir(parents=True, exist_ok=True)
+        else:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, dest)
+            dest.chmod(src.stat().st_mode & 0o777 | 0o200)
+    (ctx.out / "selection.json").write_text(json.dumps(sel.to_json(), indent=2, sort_keys=True) + "\n")
+    svg = serving_svg(sel)
+    (ctx.out / "serving.svg").write_text(svg, encoding="utf-8")
+    rows = "".join(
+        f"<tr><td>{html.escape(r.label)}</td><td>{_n(r.min_cosine, 4)}</td><td>{r.knee_concurrency or '–'}</td>"
+        f"<td>{_n(r.value, 0)}</td><td>{_n(r.knee_p99_ms, 1)}</td><td>{html.escape(r.status)}</td>"
+        f"<td>{html.escape(r.why)}</td></tr>"
+        for r in sel.rows
+    )
+    ratio = f"{sel.ratio:.2f}x" if sel.ratio is not None else "–"
+    (ctx.out / "selection.html").write_text(
+        "<!doctype html><html><head><meta charset='utf-8'><title>select: "
+        f"{html.escape(ctx.section)}</title></head><body style='font-family:sans-serif'>"
+        f"<h1>{html.escape(ctx.section)}: {html.escape(sel.winner)}</h1><p>max tokens/s with p99 &lt;= "
+        f"{sel.slo_p99_ms} ms; vs baseline {html.escape(str(sel.baseline))}: <b>{ratio}</b></p>{svg}"
+        "<table border=1 cellpadding=3><tr><th>variant</th><th>min cos</th><th>knee concurrency</th>"
+        f"<th>tokens/s at SLO</th><th>p99 ms</th><th>result</th><th>why</th></tr>{rows}</table></body></html>",
+        encoding="utf-8",
+    )
+    ctx.log(
+        f"winner: {sel.winner} ({win.value:,.0f} tokens/s at p99 <= {sel.slo_p99_ms} ms; {ratio} baseline)"
+    )
+    return {
+        "winner": sel.winner,
+        "winner_kind": win.kind,
+        "objective": "max_throughput_under_slo",
+        "value": win.value,
+        "baseline": sel.baseline,
+        "ratio_vs_baseline": sel.ratio,
+        "slo_p99_ms": sel.slo_p99_ms,
+        "eligible": sum(1 for r in sel.rows if r.status in ("winner", "lost")),
+        "variants": len(sel.rows),
+        "figures": ["serving.svg"],
+        "reports": ["selection.html"],
+        "winner_min_cosine": win.min_cosine,
+        "quantization": win.meta.get("quantization"),
+    }

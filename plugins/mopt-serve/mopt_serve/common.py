@@ -90,12 +90,15 @@ def dump_yaml(data: dict[str, Any]) -> str:
     return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
 
 
-def shell_script(comment: list[str], argv: list[str], needs_model: bool = True) -> str:
+def shell_script(
+    comment: list[str], argv: list[str], needs_model: bool = True, env: dict[str, str] | None = None
+) -> str:
     """A POSIX launch script: `$MODEL_DIR` stands for the model folder, `$HERE` for the
     artifact's own folder, so the artifact names no absolute path of the machine that built it."""
     lines = ["#!/bin/sh", *(f"# {c}" for c in comment), "set -eu", 'HERE=$(cd "$(dirname "$0")" && pwd)']
     if needs_model:
         lines.append('MODEL_DIR="${MODEL_DIR:?set MODEL_DIR to the model folder (see the comment above)}"')
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in (env or {}).items()]
     quoted = [sh_arg(a) for a in argv]
     lines.append("exec " + " ".join(quoted) + ' "$@"')
     return "\n".join(lines) + "\n"

@@ -33,9 +33,11 @@ QFORMATS: dict[str, tuple[str, tuple[int, int]]] = {
 }
 
 WORKER = r"""
-import json, sys
+import json, shutil, sys, time
+from pathlib import Path
 spec = json.loads(open(sys.argv[1]).read())
 import torch
+import modelopt
 import modelopt.torch.quantization as mtq
 from modelopt.torch.export import export_hf_checkpoint
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -44,22 +46,66 @@ tok = AutoTokenizer.from_pretrained(spec["model"])
 if tok.pad_token is None:
     tok.pad_token = tok.eos_token
 tok.padding_side = "right"
-model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype="auto").cuda().eval()
-texts = spec["texts"]
+# the causal-LM class: ModelOpt's HF export writes decoder checkpoints of that layout, which
+# vLLM loads for pooling too (--runner pooling --convert embed); an embedding model's base
+# weights load into it (its lm_head is tied to the embeddings)
+model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32).cuda().eval()
+texts, vtexts = spec["texts"], spec["validate_texts"]
 bs, seq = spec["batch_size"], spec["seq_len"]
+
+def batches(ts):
+    for i in range(0, len(ts), bs):
+        enc = tok(ts[i:i + bs], return_tensors="pt", padding=True, truncation=True, max_length=seq)
+        yield {k: v.cuda() for k, v in enc.items()}
+
+def embed(m, ts):
+    # the family's pooling on the base model's last hidden state (right padding: the last
+    # position the mask keeps), L2-normalised
+    out = []
+    with torch.no_grad():
+        for b in batches(ts):
+            h = m.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).last_hidden_state.float()
+            mask = b["attention_mask"]
+            if spec["pooling"] == "last-token":
+                pooled = h[torch.arange(h.shape[0]), mask.sum(1) - 1]
+            elif spec["pooling"] == "cls":
+                pooled = h[:, 0]
+            else:
+                mm = mask.unsqueeze(-1).float()
+                pooled = (h * mm).sum(1) / mm.sum(1).clamp(min=1e-9)
+            out.append(torch.nn.functional.normalize(pooled, dim=-1))
+    return torch.cat(out)
+
+ref = embed(model, vtexts)  # fp32 reference, before quantization
+model = model.to(torch.bfloat16)
 
 def forward_loop(m):
     with torch.no_grad():
-        for i in range(0, len(texts), bs):
-            enc = tok(texts[i:i + bs], return_tensors="pt", padding=True, truncation=True, max_length=seq)
-            m(**{k: v.cuda() for k, v in enc.items()})
+        for b in batches(texts):
+            m(**b)
 
+t0 = time.time()
 cfg = getattr(mtq, spec["config"])
 mtq.quantize(model, cfg, forward_loop)
+t1 = time.time()
+# validation on held-out texts (never the calibration set), with the quantizers active
+cos = (embed(model, vtexts) * ref).sum(-1)
 with torch.inference_mode():
     export_hf_checkpoint(model, export_dir=spec["out"])
+t2 = time.time()
 tok.save_pretrained(spec["out"])
-print("exported", spec["out"])
+src, out = Path(spec["model"]), Path(spec["out"])
+for rel in spec["copy_files"]:  # sentence-transformers files: pooling for vLLM and ST loaders
+    if (src / rel).is_file() and not (out / rel).exists():
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src / rel, out / rel)
+report = {
+    "modelopt": modelopt.__version__, "config": spec["config"], "calib_texts": len(texts),
+    "validate_texts": len(vtexts), "min_cosine": float(cos.min()), "mean_cosine": float(cos.mean()),
+    "quantize_s": round(t1 - t0, 2), "export_s": round(t2 - t1, 2),
+}
+Path(spec["report"]).write_text(json.dumps(report, indent=2) + "\n")
+print("validation vs fp32 on held-out texts:", json.dumps(report))
 """
 
 
@@ -102,9 +148,21 @@ class ModelOptPtqKind(TargetKind):
         )
         calib_seq_len: int = Field(default=512, ge=8)
         batch_size: int = Field(default=8, ge=1)
+        validate_texts: str | None = Field(
+            default=None,
+            description="held-out .jsonl / .txt: the quantized model's embeddings vs fp32 before export "
+            "(must share no text with calib_texts)",
+        )
+        num_validate: int = Field(default=64, ge=1)
+        min_cosine: float | None = Field(
+            default=None, description="gate on the held-out min cosine vs fp32 (null: record only)"
+        )
 
     def input_files(self, params: Any, project_dir: Path) -> list[Path]:
-        return [(project_dir / params.calib_texts).resolve()]
+        files = [(project_dir / params.calib_texts).resolve()]
+        if params.validate_texts:
+            files.append((project_dir / params.validate_texts).resolve())
+        return files
 
     def fingerprint(self) -> dict[str, str]:
         return {
@@ -168,6 +226,15 @@ class ModelOptPtqKind(TargetKind):
         texts = read_texts((ctx.project_dir / p.calib_texts).resolve(), p.calib_size)
         if not texts:
             raise RuntimeError(f"{p.calib_texts} holds no calibration texts")
+        vtexts = texts[: min(16, len(texts))]
+        if p.validate_texts:
+            vtexts = read_texts((ctx.project_dir / p.validate_texts).resolve(), p.num_validate)
+            shared = set(vtexts) & set(texts)
+            if shared:
+                raise RuntimeError(
+                    f"{p.validate_texts} shares {len(shared)} texts with {p.calib_texts} "
+                    f"(e.g. {sorted(shared)[0]!r}): validation texts must be held out from calibration"
+                )
         config_name, _ = QFORMATS[p.qformat]
         spec = {
             "model": str(ctx.input("model").path),
@@ -176,7 +243,12 @@ class ModelOptPtqKind(TargetKind):
             "config": config_name,
             "batch_size": p.batch_size,
             "seq_len": p.calib_seq_len,
-        }
+            "validate_texts": vtexts,
+            "pooling": str(getattr(ctx.family, "pooling", "mean") or "mean"),
+            "copy_files": ["modules.json", "sentence_bert_config.json", "config_sentence_transformers.json",
+                           "1_Pooling/config.json"],
+            "report": str(ctx.out / "ptq_report.json"),
+        }  # fmt: skip
         (ctx.tmp / "spec.json").write_text(json.dumps(spec))
         (ctx.tmp / "ptq_worker.py").write_text(WORKER)
         argv = [sys.executable, str(ctx.tmp / "ptq_worker.py"), str(ctx.tmp / "spec.json")]
@@ -188,7 +260,17 @@ class ModelOptPtqKind(TargetKind):
             ctx.log(line)
         if proc.returncode != 0:
             raise RuntimeError(f"ModelOpt PTQ failed (exit {proc.returncode}; log above)")
+        rep = json.loads((ctx.out / "ptq_report.json").read_text())
+        if p.min_cosine is not None and not rep["min_cosine"] >= p.min_cosine:
+            raise RuntimeError(
+                f"{p.qformat} on held-out texts: min cosine {rep['min_cosine']:.5f} vs fp32 < min_cosine {p.min_cosine}"
+            )
         return {
+            "min_cosine": rep["min_cosine"],
+            "mean_cosine": rep["mean_cosine"],
+            "validate_texts": rep["validate_texts"],
+            "quantize_s": rep["quantize_s"],
+            "export_s": rep["export_s"],
             "qformat": p.qformat,
             "modelopt_config": config_name,
             "calib_samples": len(texts),

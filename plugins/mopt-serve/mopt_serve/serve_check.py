@@ -1,26 +1,47 @@
-"""The `serve-check` target: launch the `vllm` config for real and test what it serves.
+"""The `serve-check` target: start the `vllm` config for real and test what it serves.
 
-Starts `vllm serve <model> --config vllm.yaml` on a free local port, waits for `/health`,
-sends real `/v1/embeddings` requests (batches of texts, several rounds), records latency and
-throughput, and compares every embedding with a PyTorch fp32 reference computed from the
-original weights with the model family's own pooling. Fails when the minimum cosine similarity
-is below `min_cosine`. Needs vLLM and a GPU that matches the profile.
+Structure (so other launchers plug in, e.g. the container launcher in `container.py`):
+
+* a **launcher** starts a server and yields an object with `base_url`, `log_path`,
+  `kill_server()` (SIGKILL the serving process) and `stop()` (graceful, then SIGKILL);
+  `local_vllm()` below is the local-process one: `vllm serve` from the argv recorded in the
+  `vllm` artifact's args.json, on 127.0.0.1 and a free port, in its own process group, stopped
+  in every case (a failed check, an exception, Ctrl-C and SIGTERM included).
+* the **checks** are functions of `base_url` alone: `wait_healthy`, `served_models`,
+  `embed`, `read_metrics`, `load_test` (+ `knee`), so any launcher's server gets the same ones.
+
+What one run records in `serve.json` (`mopt-serve-check/1`): the exact command line, start-up
+time to a healthy /health, /v1/models, the min / mean cosine of the served embeddings of a
+held-out text set against an fp32 PyTorch reference with the family's own pooling (gate
+`min_cosine`), the /metrics series, the engine's GPU memory (nvidia-smi, per process of the
+server's process group) with vLLM's own report of weights and KV cache from its log, and a
+bounded load test: one step per concurrency with requests/s, tokens/s, p50 / p90 / p99 latency
+and errors, and the knee (the highest load whose p99 meets `slo_p99_ms`). Also the server log
+(`server.log`) and `loadtest.svg` (latency vs throughput), which `mopt report` shows.
 """
 
 from __future__ import annotations
 
+import contextlib
+import html
 import json
+import math
 import os
+import re
+import shutil
 import signal
 import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal, Protocol
 
 from pydantic import Field
 
@@ -28,6 +49,7 @@ from mopt import plugin_env as _env
 from mopt.api import BuildContext, CheckContext, Finding, Input, Params, TargetKind
 
 INSTALL_VLLM = "pip install vllm (CUDA wheels on PyPI)"
+FORMAT = "mopt-serve-check/1"
 
 DEFAULT_TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -49,10 +71,138 @@ DEFAULT_TEXTS = [
 ]
 
 
+# --------------------------------------------------------------------------- launchers
+
+
+class Server(Protocol):
+    """What a launcher yields: the checks need only `base_url`."""
+
+    base_url: str
+    log_path: Path
+
+    def kill_server(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@dataclass
+class LocalServer:
+    """A server process in its own process group (so stopping it stops its workers too)."""
+
+    argv: list[str]
+    base_url: str
+    log_path: Path
+    env: dict[str, str] | None = None
+    proc: subprocess.Popen[bytes] | None = None
+    started: float = 0.0
+    startup_s: float = 0.0  # start to a healthy /health
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as logf:
+            self.started = time.monotonic()
+            # start_new_session: the server and the engine core processes it forks share a
+            # process group of their own, which stop() and kill_server() signal as a whole
+            self.proc = subprocess.Popen(
+                self.argv, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True, env=self.env
+            )
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def _signal(self, sig: int) -> None:
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)  # the group start() created, never anything else
+
+    def kill_server(self) -> None:
+        """SIGKILL the whole server (API process and engine core)."""
+        self._signal(signal.SIGKILL)
+        if self.proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=30)
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        """SIGTERM, then SIGKILL after `grace_s`; also reaps leftovers of the group."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self._signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        self._signal(signal.SIGKILL)  # engine workers that outlived the API process
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+
+    def log_tail(self, n: int = 40) -> str:
+        return log_tail(self.log_path, n)
+
+
+def log_tail(path: Path, n: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """While a server runs, SIGTERM raises KeyboardInterrupt, so `finally` stops the server
+    when mopt itself is terminated (only the main thread may set handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+@contextlib.contextmanager
+def local_vllm(
+    argv: list[str], log_path: Path, *, port: int, startup_timeout_s: float, env: dict[str, str] | None = None
+) -> Iterator[LocalServer]:
+    """Start `argv` (a `vllm serve` line that listens on 127.0.0.1:`port`), wait for /health,
+    yield the server; stop it on the way out whatever happened."""
+    server = LocalServer(argv, f"http://127.0.0.1:{port}", log_path, env)
+    with _sigterm_as_interrupt():
+        server.start()
+        try:
+            server.startup_s = wait_healthy(server.base_url, server.alive, startup_timeout_s, server.log_tail)
+            yield server
+        finally:
+            server.stop()
+
+
+def serve_command(args: dict[str, Any], model_dir: Path, serve_dir: Path, port: int) -> list[str]:
+    """The `vllm` artifact's recorded argv with its placeholders filled, listening on
+    127.0.0.1:`port`. `vllm` is the console script where it is on PATH, else this Python's
+    `-m vllm.entrypoints.cli.main` (the same entry point)."""
+    argv = [a.replace("{model}", str(model_dir)).replace("{here}", str(serve_dir)) for a in args["argv"]]
+    if argv and argv[0] == "vllm" and shutil.which("vllm") is None:
+        argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", *argv[1:]]
+    return [*argv, "--host", "127.0.0.1", "--port", str(port)]
+
+
+# --------------------------------------------------------------------------- checks on base_url
 
 
 def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 120.0) -> Any:
@@ -63,20 +213,75 @@ def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 120
     return json.loads(raw) if raw else None
 
 
-def wait_healthy(base: str, proc: subprocess.Popen[bytes], timeout: float) -> float:
-    """Seconds until GET /health answers 200; RuntimeError if the server dies or times out."""
+def wait_healthy(
+    base: str, alive: Callable[[], bool], timeout: float, tail: Callable[[], str] | None = None
+) -> float:
+    """Seconds until GET /health answers 200; RuntimeError (with the log's tail) if the server
+    exits first or is not healthy within `timeout`."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM exited with status {proc.returncode} before it was healthy (log above)")
+        if not alive():
+            raise RuntimeError(
+                "the server exited before /health answered; its log ends:\n" + (tail() if tail else "")
+            )
         try:
             with urllib.request.urlopen(base + "/health", timeout=5) as r:
                 if r.status == 200:
                     return time.monotonic() - t0
         except (urllib.error.URLError, ConnectionError, OSError):
             pass
-        time.sleep(2.0)
-    raise RuntimeError(f"vLLM was not healthy after {timeout:.0f} s")
+        time.sleep(0.5)
+    raise RuntimeError(
+        f"the server was not healthy after {timeout:.0f} s; its log ends:\n" + (tail() if tail else "")
+    )
+
+
+def served_models(base: str) -> list[str]:
+    """The ids /v1/models lists."""
+    return [m["id"] for m in http_json(base + "/v1/models", timeout=30).get("data", [])]
+
+
+def embed(base: str, model: str, texts: list[str], batch_size: int = 16) -> list[list[float]]:
+    """Embeddings of `texts` from /v1/embeddings, in order."""
+    out: list[list[float]] = []
+    for i in range(0, len(texts), batch_size):
+        resp = http_json(base + "/v1/embeddings", {"model": model, "input": texts[i : i + batch_size]})
+        out += [d["embedding"] for d in sorted(resp["data"], key=lambda d: d["index"])]
+    return out
+
+
+_METRIC = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)")
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text → {series name: value summed over its label sets}."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _METRIC.match(line)
+        if m:
+            with contextlib.suppress(ValueError):
+                out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
+    return out
+
+
+def read_metrics(base: str) -> dict[str, float]:
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+        return parse_metrics(r.read().decode(errors="replace"))
+
+
+#: the /metrics series serve.json keeps (of vLLM's ~360)
+KEPT_METRICS = (
+    "vllm:prompt_tokens_total",
+    "vllm:request_success_total",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:num_preemptions_total",
+    "vllm:e2e_request_latency_seconds_count",
+    "vllm:e2e_request_latency_seconds_sum",
+)
 
 
 def cosines(a: list[list[float]], b: Any) -> list[float]:
@@ -88,6 +293,303 @@ def cosines(a: list[list[float]], b: Any) -> list[float]:
         ny = sum(q * q for q in y) ** 0.5
         out.append(dot / (nx * ny) if nx and ny else float("nan"))
     return out
+
+
+# --------------------------------------------------------------------------- load test
+
+
+@dataclass
+class Step:
+    """One load level: `concurrency` clients, each sending its next request when the last
+    one answered (closed loop), `requests` in all."""
+
+    concurrency: int
+    requests: int
+    completed: int
+    errors: int
+    duration_s: float
+    requests_per_s: float
+    tokens_per_s: float
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    mean_ms: float
+    tool: str = ""
+    error_sample: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default method), q in [0, 100]."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def step_from_latencies(
+    concurrency: int, latencies_s: list[float], tokens: int, errors: int, duration_s: float, tool: str
+) -> Step:
+    """A step's statistics from per-request latencies of the successful requests."""
+    ms = [x * 1000.0 for x in latencies_s]
+    done = len(ms)
+    return Step(
+        concurrency=concurrency,
+        requests=done + errors,
+        completed=done,
+        errors=errors,
+        duration_s=duration_s,
+        requests_per_s=done / duration_s if duration_s > 0 else 0.0,
+        tokens_per_s=tokens / duration_s if duration_s > 0 else 0.0,
+        p50_ms=percentile(ms, 50),
+        p90_ms=percentile(ms, 90),
+        p99_ms=percentile(ms, 99),
+        mean_ms=statistics.fmean(ms) if ms else math.nan,
+        tool=tool,
+    )
+
+
+def step_from_vllm_bench(result: dict[str, Any], concurrency: int) -> Step:
+    """A step from `vllm bench serve`'s result dict (pooling backends: e2el percentiles)."""
+    completed = int(result["completed"])
+    errors = [e for e in result.get("errors", []) if e]
+    requests = int(result.get("num_prompts") or completed + len(errors))
+    return Step(
+        concurrency=concurrency,
+        requests=requests,
+        completed=completed,
+        errors=requests - completed,
+        duration_s=float(result["duration"]),
+        requests_per_s=float(result["request_throughput"]),
+        tokens_per_s=float(result["total_token_throughput"]),
+        p50_ms=float(result.get("p50_e2el_ms", result.get("median_e2el_ms", math.nan))),
+        p90_ms=float(result.get("p90_e2el_ms", math.nan)),
+        p99_ms=float(result.get("p99_e2el_ms", math.nan)),
+        mean_ms=float(result.get("mean_e2el_ms", math.nan)),
+        tool="vllm bench serve",
+        error_sample=errors[0][:200] if errors else "",
+    )
+
+
+def knee(steps: list[Step], slo_p99_ms: float) -> Step | None:
+    """The highest load (concurrency) whose p99 meets the SLO with no errors; None if none does."""
+    ok = [s for s in steps if s.errors == 0 and s.completed > 0 and s.p99_ms <= slo_p99_ms]
+    return max(ok, key=lambda s: s.concurrency) if ok else None
+
+
+def requests_for(concurrency: int, per_client: int, least: int, most: int) -> int:
+    """Requests in one step: `per_client` per client, within [least, most] (bounds the time)."""
+    return max(least, min(most, concurrency * per_client))
+
+
+LOADTEST_WORKER = Path(__file__).with_name("loadtest_worker.py")
+
+
+def load_test(
+    base: str,
+    model: str,
+    tokenizer: Path,
+    spec: dict[str, Any],
+    out_jsonl: Path,
+    timeout_s: float,
+    log: Callable[[str], None],
+) -> list[Step]:
+    """Run the load-test worker (in its own process: it imports vLLM's benchmark code) and
+    read the steps it wrote; steps finished before a timeout are kept."""
+    spec = {**spec, "base_url": base, "model": model, "tokenizer": str(tokenizer), "out": str(out_jsonl)}
+    spec_path = out_jsonl.with_suffix(".spec.json")
+    spec_path.write_text(json.dumps(spec))
+    argv = [sys.executable, str(LOADTEST_WORKER), str(spec_path)]
+    log("$ " + " ".join(argv))
+    try:
+        proc = subprocess.run(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            timeout=timeout_s,
+        )
+        for line in proc.stdout.splitlines()[-30:]:
+            log("  loadtest: " + line)
+    except subprocess.TimeoutExpired:
+        log(f"load test stopped after {timeout_s:.0f} s; keeping the steps it finished")
+    steps = []
+    if out_jsonl.is_file():
+        for line in out_jsonl.read_text().splitlines():
+            if line.strip():
+                steps.append(Step(**json.loads(line)))
+    return steps
+
+
+# --------------------------------------------------------------------------- GPU memory, vLLM log
+
+
+def _group_pids(pgid: int) -> set[int]:
+    """Processes whose process group is `pgid` (the server and its engine workers)."""
+    out = set()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid:  # field 5 of /proc/PID/stat: pgrp
+                out.add(int(d.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def gpu_memory(pgid: int | None) -> dict[str, Any]:
+    """nvidia-smi's per-process GPU memory for the server's process group (MiB), and the
+    GPU's total used memory."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return {}
+    res: dict[str, Any] = {}
+    try:
+        q = subprocess.run(
+            [exe, "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=20,
+        )  # fmt: skip
+        g = subprocess.run(
+            [exe, "--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=20,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    procs = {}
+    for line in q.stdout.strip().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
+            procs[int(parts[0])] = int(parts[1])
+    mine = _group_pids(pgid) if pgid else set()
+    res["processes_mib"] = {str(p): m for p, m in procs.items()}
+    res["engine_mib"] = sum(m for p, m in procs.items() if p in mine) or None
+    first = g.stdout.strip().splitlines()[0].split(",") if g.stdout.strip() else []
+    if len(first) == 2:
+        res["gpu_used_mib"], res["gpu_total_mib"] = int(first[0]), int(first[1])
+    return res
+
+
+#: what vLLM's start-up log says about memory and time (0.2x wording; absent lines are skipped)
+LOG_PATTERNS: dict[str, str] = {
+    "weights_gib": r"Model loading took ([\d.]+) GiB",
+    "kv_cache_gib": r"Available KV cache memory: ([\d.]+) GiB",
+    "kv_cache_tokens": r"GPU KV cache size: ([\d,]+) tokens",
+    "max_concurrency_x": r"Maximum concurrency for [\d,]+ tokens per request: ([\d.]+)x",
+    "torch_compile_s": r"torch\.compile took ([\d.]+) s",
+    "graph_capture_s": r"Graph capturing finished in ([\d.]+) sec",
+    "init_engine_s": r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s",
+    "gpu_memory_utilization": r"gpu_memory_utilization=([\d.]+)",
+    "max_num_batched_tokens": r"max_num_batched_tokens=(\d+)",
+    "max_num_seqs": r"max_num_seqs=(\d+)",
+    "compile_cache_hit": r"(Directly load the compiled graph|Loading compiled graph|from the cache)",
+}
+
+
+def parse_vllm_log(text: str) -> dict[str, Any]:
+    """The numbers of LOG_PATTERNS found in a vLLM log (first match each)."""
+    out: dict[str, Any] = {}
+    for key, pat in LOG_PATTERNS.items():
+        m = re.search(pat, text)
+        if not m:
+            continue
+        raw = m.group(1).replace(",", "")
+        if key == "compile_cache_hit":
+            out[key] = True
+        elif re.fullmatch(r"\d+", raw):
+            out[key] = int(raw)
+        else:
+            with contextlib.suppress(ValueError):
+                out[key] = float(raw)
+    return out
+
+
+# --------------------------------------------------------------------------- plot
+
+
+def loadtest_svg(series: list[tuple[str, list[dict[str, Any]], dict[str, Any] | None]], slo_p99_ms: float | None,
+                 title: str, width: int = 620, height: int = 360) -> str:  # fmt: skip
+    """p99 latency (y) against tokens/s (x), one polyline per series, points labelled with
+    their concurrency, the SLO as a dashed line and each series' knee ringed."""
+    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f"]
+    left, right, top, bottom = 64, 150, 36, 44
+    pw, ph = width - left - right, height - top - bottom
+    pts = [(float(s["tokens_per_s"]), float(s["p99_ms"])) for _, steps, _ in series for s in steps
+           if s.get("completed") and not math.isnan(float(s["p99_ms"]))]  # fmt: skip
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">',
+        f'<text x="{(left + pw / 2):.0f}" y="18" text-anchor="middle" font-size="13">{html.escape(title)}</text>',
+    ]
+    if not pts:
+        parts.append(
+            f'<text x="{width / 2:.0f}" y="{height / 2:.0f}" text-anchor="middle">no load steps</text>'
+        )
+        return "".join(parts) + "</svg>"
+    x1 = max(x for x, _ in pts) * 1.08
+    ys = [y for _, y in pts] + ([slo_p99_ms] if slo_p99_ms else [])
+    y1 = max(ys) * 1.1
+
+    def sx(x: float) -> float:
+        return left + x / max(x1, 1e-9) * pw
+
+    def sy(y: float) -> float:
+        return top + ph - y / max(y1, 1e-9) * ph
+
+    parts.append(
+        f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#999"/>'
+        f'<text x="{left + pw / 2:.0f}" y="{height - 8}" text-anchor="middle">throughput (tokens/s)</text>'
+        f'<text transform="translate(14,{top + ph / 2:.0f}) rotate(-90)" text-anchor="middle">p99 latency (ms)</text>'
+    )
+    for k in range(5):
+        xv, yv = x1 * k / 4, y1 * k / 4
+        parts.append(
+            f'<text x="{sx(xv):.1f}" y="{top + ph + 14}" text-anchor="middle">{xv:,.0f}</text>'
+            f'<text x="{left - 4}" y="{sy(yv) + 4:.1f}" text-anchor="end">{yv:.0f}</text>'
+        )
+    if slo_p99_ms:
+        parts.append(
+            f'<line x1="{left}" x2="{left + pw}" y1="{sy(slo_p99_ms):.1f}" y2="{sy(slo_p99_ms):.1f}" '
+            f'stroke="#d62728" stroke-dasharray="6 4"/><text x="{left + 4}" y="{sy(slo_p99_ms) - 4:.1f}" '
+            f'fill="#d62728">SLO p99 {slo_p99_ms:g} ms</text>'
+        )
+    for i, (name, steps, kn) in enumerate(series):
+        c = colors[i % len(colors)]
+        good = [s for s in steps if s.get("completed") and not math.isnan(float(s["p99_ms"]))]
+        good.sort(key=lambda s: s["concurrency"])
+        d = " ".join(f"{sx(float(s['tokens_per_s'])):.1f},{sy(float(s['p99_ms'])):.1f}" for s in good)
+        parts.append(f'<polyline points="{d}" fill="none" stroke="{c}" stroke-width="1.8"/>')
+        for s in good:
+            x, y = sx(float(s["tokens_per_s"])), sy(float(s["p99_ms"]))
+            tip = html.escape(
+                f"{name} c={s['concurrency']}: {s['requests_per_s']:.0f} req/s, {s['tokens_per_s']:,.0f} tok/s, "
+                f"p50 {s['p50_ms']:.1f} ms, p99 {s['p99_ms']:.1f} ms, errors {s['errors']}"
+            )
+            parts.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3.5" fill="{c}"><title>{tip}</title></circle>'
+                         f'<text x="{x + 4:.1f}" y="{y - 5:.1f}" fill="{c}" font-size="9">{s["concurrency"]}</text>')  # fmt: skip
+        if kn:
+            parts.append(
+                f'<circle cx="{sx(float(kn["tokens_per_s"])):.1f}" cy="{sy(float(kn["p99_ms"])):.1f}" r="7" '
+                f'fill="none" stroke="{c}" stroke-width="2"/>'
+            )
+        ly = top + 14 + 16 * i
+        parts.append(
+            f'<line x1="{left + pw + 10}" x2="{left + pw + 28}" y1="{ly - 4}" y2="{ly - 4}" stroke="{c}" stroke-width="2"/>'
+            f'<text x="{left + pw + 32}" y="{ly}">{html.escape(name[:22])}</text>'
+        )
+    parts.append(
+        f'<text x="{left + pw + 10}" y="{top + ph}" font-size="9" fill="#555">labels: concurrency; ring: knee</text>'
+    )
+    return "".join(parts) + "</svg>"
+
+
+# --------------------------------------------------------------------------- the kind
 
 
 def reference_embeddings(weights: Path, family: Any, texts: list[str], max_length: int) -> list[list[float]]:
@@ -119,12 +621,28 @@ def reference_embeddings(weights: Path, family: Any, texts: list[str], max_lengt
         return torch.nn.functional.normalize(pooled, dim=-1).tolist()  # type: ignore[no-any-return]
 
 
+def read_texts_file(path: Path, limit: int) -> list[str]:
+    from mopt_serve.modelopt_ptq import read_texts
+
+    return read_texts(path, limit)
+
+
+@dataclass
+class Outcome:
+    """What one serve-check found (serve.json)."""
+
+    doc: dict[str, Any] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+
+
 class ServeCheckKind(TargetKind):
-    """Launch the vLLM config, send real /v1/embeddings requests, compare with the reference."""
+    """Start the vLLM config, check health / models / embeddings / metrics / memory, load-test it."""
 
     name = "serve-check"
-    version = "1"
-    description = "launch vllm serve, send /v1/embeddings requests, compare with a PyTorch reference"
+    version = "2"
+    description = (
+        "start vllm serve, check /health, /v1/models, embeddings vs fp32, /metrics, memory; load test"
+    )
     memory_model = "none"
     consumes = (
         Input("serve", kinds=("vllm",)),
@@ -139,14 +657,35 @@ class ServeCheckKind(TargetKind):
 
     class Params(Params):
         texts: str | None = Field(
-            default=None, description=".jsonl (`text`) or .txt; null: a built-in set of 16"
+            default=None,
+            description="held-out .jsonl (`text`) or .txt for the cosine check; null: 16 built-in",
         )
         num_texts: int = Field(default=64, ge=1)
-        batch_size: int = Field(default=16, ge=1)
-        rounds: int = Field(default=3, ge=1, description="times the text set is sent (latency statistics)")
+        batch_size: int = Field(
+            default=16, ge=1, description="texts per /v1/embeddings request (cosine check)"
+        )
         max_length: int = Field(default=512, ge=1)
         min_cosine: float = Field(default=0.99, ge=-1, le=1)
-        startup_timeout_s: float = Field(default=900, gt=0)
+        on_fail: Literal["error", "record"] = Field(
+            default="error", description="record: a failed gate is written to serve.json (select excludes it)"
+        )
+        startup_timeout_s: float = Field(default=600, gt=0)
+        concurrency: list[int] = Field(default=[4, 16, 64, 128], min_length=1, description="load-test steps")
+        slo_p99_ms: float = Field(default=100.0, gt=0, description="the knee: highest load with p99 <= this")
+        input_len: int = Field(default=256, ge=8, description="tokens per load-test request (mean)")
+        input_len_range: float = Field(
+            default=0.5, ge=0, lt=1, description="± this fraction around input_len"
+        )
+        texts_per_request: int = Field(default=1, ge=1)
+        requests_per_client: int = Field(default=24, ge=1)
+        min_requests: int = Field(default=300, ge=1)
+        max_requests: int = Field(default=3000, ge=1)
+        warmup_requests: int = Field(default=32, ge=0)
+        loadtest_timeout_s: float = Field(default=240, gt=0)
+        loadtest_tool: Literal["vllm-bench", "mopt-loop"] = Field(
+            default="vllm-bench",
+            description="vllm-bench: vLLM's own `vllm bench serve` code; mopt-loop: the stdlib fallback",
+        )
 
     def input_files(self, params: Any, project_dir: Path) -> list[Path]:
         return [(project_dir / params.texts).resolve()] if params.texts else []
@@ -185,65 +724,134 @@ class ServeCheckKind(TargetKind):
             )
         texts = DEFAULT_TEXTS
         if p.texts:
-            from mopt_serve.modelopt_ptq import read_texts
-
-            texts = read_texts((ctx.project_dir / p.texts).resolve(), p.num_texts)
+            texts = read_texts_file((ctx.project_dir / p.texts).resolve(), p.num_texts)
         texts = (texts * (p.num_texts // len(texts) + 1))[: p.num_texts]
-        ctx.log(f"reference: fp32 PyTorch on {ref_art.target!r}, {len(texts)} texts")
+        ctx.log(f"reference: fp32 PyTorch on {ref_art.target!r}, {len(texts)} held-out texts")
         ref = reference_embeddings(ref_art.path, ctx.family, texts, p.max_length)
-
+        args = json.loads((serve.path / "args.json").read_text())
         port = free_port()
-        base = f"http://127.0.0.1:{port}"
-        exe = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
-        argv = [*exe, "serve", str(model.path), "--config", str(serve.path / "vllm.yaml"),
-                "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
-        log_path = ctx.tmp / "vllm.log"
+        argv = serve_command(args, model.path, serve.path, port)
+        served = serve.meta.get("served_model_name") or ctx.model_name
+        log_path = ctx.out / "server.log"
+        before = gpu_memory(None)
         ctx.log("$ " + " ".join(argv))
-        with open(log_path, "wb") as logf:
-            proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
-            try:
-                startup = wait_healthy(base, proc, p.startup_timeout_s)
-                served = serve.meta.get("served_model_name") or ctx.model_name
-                lat: list[float] = []
-                got: list[list[float]] = []
-                t_all = time.perf_counter()
-                for r in range(p.rounds):
-                    for i in range(0, len(texts), p.batch_size):
-                        t = time.perf_counter()
-                        resp = http_json(
-                            base + "/v1/embeddings", {"model": served, "input": texts[i : i + p.batch_size]}
-                        )
-                        lat.append((time.perf_counter() - t) * 1e3)
-                        if r == 0:
-                            got += [d["embedding"] for d in sorted(resp["data"], key=lambda d: d["index"])]
-                wall = time.perf_counter() - t_all
-            finally:
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGTERM)  # the server's own process group, started above
-                    try:
-                        proc.wait(timeout=60)
-                    except subprocess.TimeoutExpired:
-                        os.killpg(proc.pid, signal.SIGKILL)
-                        proc.wait()
-        for line in log_path.read_text(errors="replace").splitlines()[-40:]:
+        out = Outcome()
+        env = {**os.environ, **args.get("env", {})}
+        with local_vllm(argv, log_path, port=port, startup_timeout_s=p.startup_timeout_s, env=env) as server:
+            out = check_server(server, served, texts, ref, model.path, p, ctx.tmp, ctx.log)
+            out.doc["startup_s"] = round(server.startup_s, 1)
+            out.doc["gpu_memory"] = gpu_memory(server.pid)
+        out.doc["gpu_memory"]["before_mib"] = before.get("gpu_used_mib")
+        out.doc["command"] = argv
+        out.doc["vllm_log"] = parse_vllm_log(log_path.read_text(errors="replace"))
+        out.doc["vllm"] = _env.dist_version("vllm")
+        out.doc["config"] = {k: v for k, v in serve.meta.items() if k != "files"}
+        out.doc["serve_target"] = serve.label or serve.target
+        return self._finish(ctx, out)
+
+    def _finish(self, ctx: BuildContext, out: Outcome) -> dict[str, Any]:
+        p, doc = ctx.params, out.doc
+        doc["passed"] = not out.failures
+        doc["failures"] = out.failures
+        (ctx.out / "serve.json").write_text(json.dumps(doc, indent=2) + "\n")
+        kn = doc.get("knee")
+        (ctx.out / "loadtest.svg").write_text(
+            loadtest_svg([(doc.get("serve_target", "server"), doc["loadtest"], kn)], p.slo_p99_ms,
+                         f"{doc.get('serve_target', '')}: p99 vs throughput"),
+            encoding="utf-8",
+        )  # fmt: skip
+        for line in summary_lines(doc):
             ctx.log(line)
-        cos = cosines(got, ref)
-        qs = statistics.quantiles(lat, n=10) if len(lat) >= 2 else lat * 9
-        report = {
-            "texts": len(texts),
-            "batch_size": p.batch_size,
-            "rounds": p.rounds,
-            "startup_s": round(startup, 1),
-            "min_cosine": min(cos),
-            "mean_cosine": statistics.fmean(cos),
-            "latency_ms": {"p50": statistics.median(lat), "p90": qs[8], "max": max(lat)},
-            "texts_per_s": len(texts) * p.rounds / wall,
-            "vllm": _env.dist_version("vllm"),
+        if out.failures and p.on_fail == "error":
+            raise RuntimeError("serve-check failed: " + "; ".join(out.failures))
+        return {
+            "passed": doc["passed"],
+            "failures": out.failures,
+            "startup_s": doc.get("startup_s"),
+            "min_cosine": doc.get("min_cosine"),
+            "mean_cosine": doc.get("mean_cosine"),
+            "knee_concurrency": kn["concurrency"] if kn else None,
+            "knee_tokens_per_s": kn["tokens_per_s"] if kn else None,
+            "knee_requests_per_s": kn["requests_per_s"] if kn else None,
+            "slo_p99_ms": p.slo_p99_ms,
+            "engine_gpu_mib": (doc.get("gpu_memory") or {}).get("engine_mib"),
+            "figures": ["loadtest.svg"],
         }
-        (ctx.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-        ctx.log(json.dumps(report))
-        if not report["min_cosine"] >= p.min_cosine:
-            raise RuntimeError(
-                f"served embeddings differ from the reference: min cosine {report['min_cosine']:.5f} < {p.min_cosine}"
-            )
-        return report
+
+
+def check_server(
+    server: Server,
+    served: str,
+    texts: list[str],
+    ref: list[list[float]],
+    tokenizer_dir: Path,
+    p: Any,
+    tmp: Path,
+    log: Callable[[str], None],
+) -> Outcome:
+    """Every check against a healthy server's base_url (any launcher's)."""
+    out = Outcome()
+    doc = out.doc
+    base = server.base_url
+    models = served_models(base)
+    doc["models"] = models
+    if served not in models:
+        out.failures.append(f"/v1/models lists {models}, not {served!r}")
+        served = models[0] if models else served
+    got = embed(base, served, texts, p.batch_size)
+    cos = cosines(got, ref)
+    doc["min_cosine"], doc["mean_cosine"] = min(cos), statistics.fmean(cos)
+    doc["texts"] = len(texts)
+    doc["embedding_dim"] = len(got[0]) if got else None
+    if not doc["min_cosine"] >= p.min_cosine:
+        out.failures.append(f"min cosine {doc['min_cosine']:.5f} < {p.min_cosine} (served vs fp32 reference)")
+    m0 = read_metrics(base)
+    spec = {
+        "tool": p.loadtest_tool,
+        "concurrency": list(p.concurrency),
+        "input_len": p.input_len,
+        "range_ratio": p.input_len_range,
+        "texts_per_request": p.texts_per_request,
+        "requests": [
+            requests_for(c, p.requests_per_client, p.min_requests, p.max_requests) for c in p.concurrency
+        ],
+        "warmups": p.warmup_requests,
+        "seed": 0,
+    }
+    steps = load_test(base, served, tokenizer_dir, spec, tmp / "loadtest.jsonl", p.loadtest_timeout_s, log)
+    m1 = read_metrics(base)
+    doc["metrics"] = {
+        "series": sum(1 for k in m1 if k.startswith("vllm:")),
+        "before": {k: m0[k] for k in KEPT_METRICS if k in m0},
+        "after": {k: m1[k] for k in KEPT_METRICS if k in m1},
+    }
+    doc["loadtest"] = [s.to_json() for s in steps]
+    doc["loadtest_spec"] = spec
+    kn = knee(steps, p.slo_p99_ms)
+    doc["slo_p99_ms"] = p.slo_p99_ms
+    doc["knee"] = kn.to_json() if kn else None
+    if not steps:
+        out.failures.append("the load test finished no step")
+    elif sum(s.errors for s in steps):
+        out.failures.append(f"{sum(s.errors for s in steps)} load-test requests failed")
+    return out
+
+
+def summary_lines(doc: dict[str, Any]) -> list[str]:
+    out = [
+        f"start-up {doc.get('startup_s')} s; min cosine {doc.get('min_cosine', float('nan')):.6f} "
+        f"(mean {doc.get('mean_cosine', float('nan')):.6f}); engine GPU memory "
+        f"{(doc.get('gpu_memory') or {}).get('engine_mib')} MiB; vLLM log {doc.get('vllm_log')}",
+        "concurrency  requests  errors  req/s     tokens/s    p50 ms   p90 ms   p99 ms",
+    ]
+    for s in doc.get("loadtest", []):
+        out.append(
+            f"{s['concurrency']:>11}  {s['requests']:>8}  {s['errors']:>6}  {s['requests_per_s']:>8.1f}  "
+            f"{s['tokens_per_s']:>10,.0f}  {s['p50_ms']:>7.1f}  {s['p90_ms']:>7.1f}  {s['p99_ms']:>7.1f}"
+        )
+    kn = doc.get("knee")
+    out.append(
+        f"knee (p99 <= {doc.get('slo_p99_ms')} ms): "
+        + (f"concurrency {kn['concurrency']}, {kn['tokens_per_s']:,.0f} tokens/s" if kn else "none")
+    )
+    return out

@@ -33,8 +33,12 @@ class VllmParams(Params):
     max_model_len: int | None = Field(
         default=None, ge=1, description="null: the model's max_position_embeddings"
     )
-    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
-    max_num_seqs: int = Field(default=256, ge=1)
+    gpu_memory_utilization: float | None = Field(
+        default=None, gt=0, le=1, description="null: vLLM's default (0.92 in 0.26)"
+    )
+    max_num_seqs: int | None = Field(
+        default=None, ge=1, description="null: vLLM's default (1024 on GPUs of >= 70 GiB in 0.26, else 256)"
+    )
     max_num_batched_tokens: int | None = Field(default=None, ge=1, description="null: vLLM decides")
     block_size: int = Field(
         default=16, ge=1, description="KV cache block size in tokens (vLLM's default: 16)"
@@ -46,6 +50,16 @@ class VllmParams(Params):
     tensor_parallel_size: int = Field(default=1, ge=1)
     pipeline_parallel_size: int = Field(default=1, ge=1)
     enforce_eager: bool = Field(default=False, description="no CUDA graphs")
+    convert: Literal["auto", "embed", "none"] = Field(
+        default="auto", description="auto: `--convert embed` for a pooling runner serving an embedding model"
+    )
+    pooling: Literal["auto", "LAST", "MEAN", "CLS", "none"] = Field(
+        default="auto", description="auto: the family's pooling as --pooler-config seq_pooling_type"
+    )
+    allow_long_max_model_len: bool = Field(
+        default=False,
+        description="max_model_len above max_position_embeddings: serve.sh sets VLLM_ALLOW_LONG_MAX_MODEL_LEN=1",
+    )
     enable_prefix_caching: bool | None = Field(default=None, description="null: vLLM's default (on)")
     served_model_name: str | None = Field(default=None, description="null: the recipe's model name")
     host: str = "0.0.0.0"
@@ -63,20 +77,51 @@ def resolve_runner(p: Any, task: str) -> str:
     return "pooling" if task == "embedding" else "generate"
 
 
+#: a family's pooling → vLLM's seq_pooling_type
+POOLING = {"last-token": "LAST", "mean": "MEAN", "cls": "CLS"}
+#: ModelOpt qformats vLLM 0.26 loads (vllm/model_executor/layers/quantization/modelopt.py
+#: QUANT_ALGOS: FP8, FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO, NVFP4, W4A16_NVFP4, MXFP8,
+#: MIXED_PRECISION): ModelOpt's INT8 SmoothQuant and INT4 / W4A8 AWQ exports are refused
+VLLM_SERVES_QFORMATS = ("fp8", "nvfp4")
+#: the params that leave a vLLM default alone when null (a config with all of them null and
+#: no quantization is "vLLM's default config", select's baseline)
+TUNING = ("gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
+
+
 def vllm_config(
-    p: Any, *, task: str, model_config: dict[str, Any], served_name: str, quantization: str | None
+    p: Any,
+    *,
+    task: str,
+    model_config: dict[str, Any],
+    served_name: str,
+    quantization: str | None,
+    family_pooling: str | None = None,
 ) -> dict[str, Any]:
     """The `--config` YAML as a dict (long option names, insertion-ordered)."""
     max_len = p.max_model_len or model_config.get("max_position_embeddings")
+    runner = resolve_runner(p, task)
     cfg: dict[str, Any] = {
         "served-model-name": served_name,
-        "runner": resolve_runner(p, task),
+        "runner": runner,
         "dtype": p.dtype,
     }
+    if runner == "pooling" and (p.convert == "embed" or (p.convert == "auto" and task == "embedding")):
+        cfg["convert"] = "embed"
+    pool = (
+        POOLING.get(family_pooling or "")
+        if p.pooling == "auto"
+        else (None if p.pooling == "none" else p.pooling)
+    )
+    if runner == "pooling" and pool:
+        # said explicitly: a folder without sentence-transformers files would get vLLM's
+        # own default for the architecture, which need not be the family's
+        cfg["pooler-config"] = {"seq_pooling_type": pool}
     if max_len is not None:
         cfg["max-model-len"] = int(max_len)
-    cfg["gpu-memory-utilization"] = p.gpu_memory_utilization
-    cfg["max-num-seqs"] = p.max_num_seqs
+    if p.gpu_memory_utilization is not None:
+        cfg["gpu-memory-utilization"] = p.gpu_memory_utilization
+    if p.max_num_seqs is not None:
+        cfg["max-num-seqs"] = p.max_num_seqs
     if p.max_num_batched_tokens is not None:
         cfg["max-num-batched-tokens"] = p.max_num_batched_tokens
     cfg["block-size"] = p.block_size
@@ -197,18 +242,40 @@ class VllmKind(TargetKind):
             )
         max_len = params.max_model_len or cfg.get("max_position_embeddings")
         mpe = cfg.get("max_position_embeddings")
-        if params.max_model_len and isinstance(mpe, int) and params.max_model_len > mpe:
+        if (
+            params.max_model_len
+            and isinstance(mpe, int)
+            and params.max_model_len > mpe
+            and not cfg.get("rope_scaling")
+        ):
+            # vLLM refuses to start (ModelConfig: "User-specified max_model_len ... is greater
+            # than the derived max_model_len") unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1
             add(
-                "warning",
+                "warning" if params.allow_long_max_model_len else "error",
                 "len-beyond-model",
-                f"max_model_len {params.max_model_len} exceeds the model's max_position_embeddings {mpe}",
+                f"max_model_len {params.max_model_len} exceeds the model's max_position_embeddings {mpe} "
+                "and config.json has no rope_scaling: "
+                + (
+                    "served with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, outputs past it are garbage"
+                    if params.allow_long_max_model_len
+                    else "vLLM refuses to start"
+                ),
+                f"max_model_len = {mpe} (or rope_scaling in config.json, or allow_long_max_model_len = true)",
                 key="max_model_len",
             )
         task_pooling = params.runner == "pooling" or (
             params.runner == "auto" and ctx_task(ctx) == "embedding"
         )
+        # vLLM (ModelConfig.is_chunked_prefill_supported) chunks pooling prefills only for
+        # causal attention with LAST (or ALL) pooling; encoders and MEAN / CLS pooling need the
+        # whole sequence in one step
+        pooling = POOLING.get(str(getattr(ctx.family, "pooling", "") or ""))
+        no_chunking = (
+            common.is_encoder(cfg) or pooling in ("MEAN", "CLS") or (params.pooling in ("MEAN", "CLS"))
+        )
         if (
             task_pooling
+            and no_chunking
             and params.max_num_batched_tokens
             and max_len
             and params.max_num_batched_tokens < max_len
@@ -216,9 +283,22 @@ class VllmKind(TargetKind):
             add(
                 "error",
                 "batched-tokens-below-len",
-                f"pooling models run without chunked prefill, so max_num_batched_tokens ({params.max_num_batched_tokens}) "
-                f"must be >= max_model_len ({max_len})",
+                f"this pooling model runs without chunked prefill (encoder or MEAN / CLS pooling), so "
+                f"max_num_batched_tokens ({params.max_num_batched_tokens}) must be >= max_model_len ({max_len})",
                 f"max_num_batched_tokens = {max_len}",
+                "max_num_batched_tokens",
+            )
+        if (
+            params.max_num_batched_tokens
+            and params.max_num_seqs
+            and params.max_num_batched_tokens < params.max_num_seqs
+        ):
+            add(
+                "error",
+                "batched-tokens-below-seqs",
+                f"max_num_batched_tokens ({params.max_num_batched_tokens}) < max_num_seqs ({params.max_num_seqs}): "
+                "vLLM refuses to start",
+                f"max_num_batched_tokens = {params.max_num_seqs}",
                 "max_num_batched_tokens",
             )
         return out
@@ -229,13 +309,23 @@ class VllmKind(TargetKind):
         model_cfg = common.read_model_config(art.path)
         served = p.served_model_name or ctx.model_name
         quant = quantization_for(p, art.kind, art.meta or {})
-        cfg = vllm_config(p, task=ctx.task, model_config=model_cfg, served_name=served, quantization=quant)
+        qformat = (art.meta or {}).get("qformat")
+        if art.kind == "modelopt-ptq" and qformat not in VLLM_SERVES_QFORMATS:
+            raise RuntimeError(
+                f"vLLM 0.26 does not load ModelOpt {qformat!r} checkpoints (its modelopt loader reads "
+                f'FP8 / NVFP4 / MXFP8 only): use qformat = "fp8" for vLLM, or serve {qformat!r} with TensorRT-LLM'
+            )
+        cfg = vllm_config(
+            p, task=ctx.task, model_config=model_cfg, served_name=served, quantization=quant,
+            family_pooling=getattr(ctx.family, "pooling", None),
+        )  # fmt: skip
         common.write_text(ctx.out / "vllm.yaml", "# generated by mopt (kind vllm)\n" + common.dump_yaml(cfg))
         argv = serve_argv(p)
+        env = {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"} if p.allow_long_max_model_len else {}
         where = f"the {art.kind!r} artifact of target {art.target!r} (mopt show {ctx.section}:{art.target})"
         comment = [f"vLLM server for {ctx.model_name} on {ctx.hardware.name}", f"MODEL_DIR: {where}"]
-        common.write_text(ctx.out / "serve.sh", common.shell_script(comment, argv), executable=True)
-        args = {"argv": argv, "flags": ["vllm", "serve", "{model}", *flags(cfg)], "model": where}
+        common.write_text(ctx.out / "serve.sh", common.shell_script(comment, argv, env=env), executable=True)
+        args = {"argv": argv, "env": env, "flags": ["vllm", "serve", "{model}", *flags(cfg)], "model": where}
         if p.docker_image:
             docker = [
                 "docker", "run", "--rm", "--gpus", "all", "--ipc=host", "-p", f"{p.port}:{p.port}",
@@ -255,6 +345,9 @@ class VllmKind(TargetKind):
             "max_model_len": cfg.get("max-model-len"),
             "model_target": art.target,
             "model_kind": art.kind,
+            "qformat": qformat,
+            "defaults": quant is None and all(getattr(p, k) is None for k in TUNING if k != "max_model_len"),
+            **{k: getattr(p, k) for k in TUNING},
             "files": sorted(f.name for f in ctx.out.iterdir()),
         }
 

@@ -100,9 +100,8 @@ def test_vllm_config_for_an_embedding_model(tmp_path):
         "served-model-name": "qwen3-embedding",
         "runner": "pooling",
         "dtype": "auto",
+        "convert": "embed",
         "max-model-len": 32768,
-        "gpu-memory-utilization": 0.9,
-        "max-num-seqs": 256,
         "block-size": 16,
         "kv-cache-dtype": "auto",
         "tensor-parallel-size": 1,
@@ -154,9 +153,20 @@ def test_vllm_check_tensor_parallel_and_gpus():
 
 
 def test_vllm_check_pooling_batch_limits_quantization_and_cpu():
-    f = check(VllmKind, "h200", max_model_len=8192, max_num_batched_tokens=4096)
+    # chunked prefill: causal attention with last-token pooling may batch fewer tokens than a
+    # sequence; an encoder (MEAN / CLS pooling) may not, and fewer tokens than sequences never
+    assert codes(check(VllmKind, "h200", max_model_len=8192, max_num_batched_tokens=4096)) == []
+    f = check(VllmKind, "h200", MINILM, max_model_len=512, max_num_batched_tokens=256)
     assert codes(f) == ["batched-tokens-below-len"]
+    f = check(VllmKind, "h200", max_num_seqs=512, max_num_batched_tokens=256)
+    assert codes(f) == ["batched-tokens-below-seqs"]
     assert codes(check(VllmKind, "h200", max_model_len=8192)) == []
+    # beyond the position embeddings vLLM refuses to start, unless told to allow it
+    assert codes(check(VllmKind, "h200", max_model_len=40000)) == ["len-beyond-model"]
+    f = check(VllmKind, "h200", max_model_len=40000, allow_long_max_model_len=True)
+    assert codes(f) == [] and codes(f, "warning") == ["len-beyond-model"]
+    assert codes(check(VllmKind, "h200", {**QWEN3, "rope_scaling": {"type": "yarn", "factor": 4.0}},
+                       max_model_len=40000)) == []  # fmt: skip
     assert codes(check(VllmKind, "a10", quantization="modelopt_fp4")) == ["precision-unsupported"]
     assert codes(check(VllmKind, "a10", quantization="fp8"), "warning") == ["precision-unsupported"]
     assert codes(check(VllmKind, "cpu"), "warning") == ["vllm-on-cpu"]
