@@ -97,7 +97,7 @@ def parse_base(base: str | None, base_archive: str | None = None, base_digest: s
         if base_archive is None:
             raise BaseRefError(
                 f"no base image: set {EXAMPLE} (pinned by digest), or base_archive + base_digest "
-                "for a local OCI archive"
+                "for a local OCI archive, or add a `base-image` target to the section"
             )
         if base_digest is None:
             raise BaseRefError(

@@ -22,6 +22,7 @@ _DURATION = re.compile(r"[0-9]+(ms|s|m|h)")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _REPO = re.compile(r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*")
 _TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+_PINNED_REQ = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(\[[A-Za-z0-9,._-]+\])?==[A-Za-z0-9.+!_-]+")
 _GOARCH = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64", "ppc64le": "ppc64le",
            "s390x": "s390x"}
 
@@ -50,6 +51,8 @@ class ImageKind(TargetKind):
         # (`select`, a sweep's winner, only when named: `input = ["best"]`)
         Input("model", kinds=("modelopt-ptq", "weights", "onnx-slim", "onnx", "ort-quantize", "trt-engine", "select"),
               required=False),
+        # a base image mopt built from Debian packages (instead of `base` + `base_archive`)
+        Input("base", kinds=("base-image",), required=False),
         # any other artifact, only when named: input = ["my-command-target"]
         Input("files", kinds=("*",), required=False),
     )
@@ -66,8 +69,21 @@ class ImageKind(TargetKind):
             default=None, description="local OCI archive (file) or layout (folder) holding the base; never pulled"
         )
         base_digest: str | None = Field(default=None, description="manifest digest of base_archive's image")
-        backend: Literal["auto", "vllm", "trtllm", "triton", "plain"] = Field(
-            default="auto", description="Dockerfile template; auto: from the serving input's kind"
+        backend: Literal["auto", "vllm", "trtllm", "triton", "embed", "plain"] = Field(
+            default="auto", description="Dockerfile template; auto: from the serving input's kind "
+            "(embed: mopt's OpenAI-compatible ONNX embeddings server on CPU)"
+        )
+        python_packages: list[str] | None = Field(
+            default=None,
+            description="wheels pip installs on the host into the image's /opt/mopt/site, each pinned "
+            "name==version (embed: a pinned default set)",
+        )
+        python_version: str | None = Field(
+            default=None, description="the image's Python (X.Y) the wheels are for (default: the base-image's)"
+        )
+        wheel_platforms: list[str] = Field(
+            default=["manylinux_2_28", "manylinux_2_17", "manylinux2014"],
+            description="manylinux tags the image's glibc takes (the machine's architecture is added)",
         )
         builder: Literal["auto", "buildah", "docker"] = Field(
             default="auto", description="auto: buildah when installed, else a reachable docker daemon"
@@ -113,6 +129,21 @@ class ImageKind(TargetKind):
         def _pinned(cls, v: str | None) -> str | None:
             if v is not None:
                 parse_base(v)  # BaseRefError is a ValueError: pydantic reports it on `base`
+            return v
+
+        @field_validator("python_packages")
+        @classmethod
+        def _pinned_packages(cls, v: list[str] | None) -> list[str] | None:
+            for req in v or []:
+                if not _PINNED_REQ.fullmatch(req):
+                    raise ValueError(f"{req!r}: python_packages must be pinned as name==version")
+            return v
+
+        @field_validator("python_version")
+        @classmethod
+        def _pyver(cls, v: str | None) -> str | None:
+            if v is not None and not re.fullmatch(r"3\.[0-9]{1,2}", v):
+                raise ValueError(f"{v!r} is not a Python version like 3.11")
             return v
 
         @field_validator("base_digest")
@@ -169,6 +200,8 @@ class ImageKind(TargetKind):
 
         @model_validator(mode="after")
         def _base_given(self) -> ImageKind.Params:
+            if self.base is None and self.base_archive is None and self.base_digest is None:
+                return self  # the base comes from a `base-image` input (checked when wired)
             try:
                 parse_base(self.base, self.base_archive, self.base_digest)
             except BaseRefError as exc:
@@ -187,10 +220,16 @@ class ImageKind(TargetKind):
             update["model_name"] = model
         if params.tag is None:
             update["tag"] = f"mopt/{_slug(model)}:{_slug(hardware)}"
+        if params.backend == "embed" and params.python_packages is None:
+            from mopt_image.build import EMBED_PACKAGES
+
+            update["python_packages"] = list(EMBED_PACKAGES)  # in the key: a new pin rebuilds
         return params.model_copy(update=update) if update else params
 
     def input_files(self, params: Any, project_dir: Path) -> list[Path]:
         """The local base archive/layout: a fixed-output input, its content is keyed."""
+        if params.base is None and params.base_archive is None:
+            return []  # a base-image input: keyed by its digest like any input
         base = parse_base(params.base, params.base_archive, params.base_digest)
         p = base.archive_path(project_dir)
         return [p.resolve()] if p is not None else []

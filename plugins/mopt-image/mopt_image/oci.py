@@ -471,3 +471,81 @@ def layout_to_docker_archive(src: Path, digest: str, dest: Path, *, repo_tag: st
     finally:
         s.close()
     return pinned.config_digest
+
+
+# --------------------------------------------------------------------------- one-layer images
+
+
+@dataclass(frozen=True)
+class Written:
+    digest: str  # manifest digest: pin it as "oci-archive:FILE@<digest>"
+    image_id: str  # config digest
+    layer: str  # compressed layer digest
+    diff_id: str  # uncompressed layer digest
+    size: int  # archive bytes
+
+
+def write_single_layer_archive(
+    layer_tar: Path, dest: Path, *, config: dict[str, Any], ref_name: str, repo_tag: str | None,
+    created_by: str, created: str = "1970-01-01T00:00:00Z",
+) -> Written:
+    """An OCI archive of a one-layer image whose layer is the tar file `layer_tar` (gzipped
+    deterministically), with `config` (Env, Cmd, Labels, ...) as its run config. Same tar and
+    config in, same bytes out: the image digest is a function of the file system alone."""
+    from mopt_image.kind import host_arch
+
+    layout = dest.with_name(dest.name + ".layout")
+    if layout.exists():
+        shutil.rmtree(layout)
+    (layout / "blobs" / "sha256").mkdir(parents=True)
+    part = layout / "blobs" / ".layer.part"
+    h = hashlib.sha256()
+
+    class _Hashing(io.RawIOBase):
+        """Hash the uncompressed bytes on their way into gzip (one pass over the tar)."""
+
+        def __init__(self, f: IO[bytes]) -> None:
+            self.f = f
+
+        def readable(self) -> bool:
+            return True
+
+        def readinto(self, b: Any) -> int:
+            data = self.f.read(len(b))
+            h.update(data)
+            b[: len(data)] = data
+            return len(data)
+
+    with open(layer_tar, "rb") as src, open(part, "wb") as out:
+        gzip_deterministic(io.BufferedReader(_Hashing(src), 1 << 20), out)
+    diff_id = "sha256:" + h.hexdigest()
+    layer = sha256_file(part)
+    os.replace(part, layout / _blob_name(layer))
+    full = {
+        "created": created,
+        "architecture": host_arch(),
+        "os": "linux",
+        "config": config,
+        "rootfs": {"type": "layers", "diff_ids": [diff_id]},
+        "history": [{"created": created, "created_by": created_by}],
+    }
+    cfg = canonical(full)
+    cfg_digest = _write_blob(layout, cfg)
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": OCI_MANIFEST,
+        "config": {"mediaType": OCI_CONFIG, "digest": cfg_digest, "size": len(cfg)},
+        "layers": [{"mediaType": OCI_LAYER_GZIP, "digest": layer, "size": (layout / _blob_name(layer)).stat().st_size}],
+    }
+    man = canonical(manifest)
+    digest = _write_blob(layout, man)
+    index = {
+        "schemaVersion": 2,
+        "manifests": [{"mediaType": OCI_MANIFEST, "digest": digest, "size": len(man),
+                       "annotations": {"org.opencontainers.image.ref.name": ref_name}}],
+    }
+    (layout / "index.json").write_bytes(canonical(index))
+    (layout / "oci-layout").write_bytes(canonical({"imageLayoutVersion": "1.0.0"}))
+    write_archive(layout, dest, repo_tag=repo_tag)
+    shutil.rmtree(layout)
+    return Written(digest, cfg_digest, layer, diff_id, dest.stat().st_size)

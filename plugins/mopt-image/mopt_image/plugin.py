@@ -1,4 +1,5 @@
-"""Entry point of the mopt-image plugin (group `mopt`): registers the `image` kind.
+"""Entry point of the mopt-image plugin (group `mopt`): registers the `image` and
+`base-image` kinds.
 
 Importing this module imports no builder and runs no tool; that happens when a target is
 keyed (fingerprint: `buildah --version`) or built."""
@@ -13,7 +14,9 @@ from mopt.api import hookimpl
 
 @hookimpl
 def mopt_register_targets(register: Callable[[Any], None]) -> None:
-    """The `image` target kind."""
+    """The `image` and `base-image` target kinds."""
+    from mopt_image.debian import BaseImageKind
     from mopt_image.kind import ImageKind
 
     register(ImageKind)
+    register(BaseImageKind)

@@ -31,12 +31,16 @@ from mopt.api import Artifact
 
 #: serving-artifact kind → backend (for backend = "auto")
 BACKEND_OF_KIND = {"vllm": "vllm", "trtllm": "trtllm", "triton-repo": "triton"}
-BACKENDS = ("vllm", "trtllm", "triton", "plain")
+BACKENDS = ("vllm", "trtllm", "triton", "embed", "plain")
 #: where a Triton image holds its model repository (what --model-repository points at)
 TRITON_REPOSITORY = "/models"
 #: the file name and command each serving backend's executable goes by
 EXECUTABLE = {"vllm": "vllm", "trtllm": "trtllm-serve", "triton": "tritonserver"}
-HEALTH_PATH = {"vllm": "/health", "trtllm": "/health", "triton": "/v2/health/ready"}
+HEALTH_PATH = {"vllm": "/health", "trtllm": "/health", "triton": "/v2/health/ready", "embed": "/health"}
+#: where the embed backend puts its server and its Python packages in the image
+EMBED_SERVER_DIR = "/opt/mopt/server"
+EMBED_SITE_DIR = "/opt/mopt/site"
+EMBED_SERVER = "embed_server.py"
 #: exit status of the smoke script's first check (the next ones count up from it)
 SMOKE_EXIT = 10
 
@@ -68,6 +72,7 @@ class ServeSpec:
     executable: str | None = None  # must be on PATH in the image (smoke test)
     config_files: list[str] = field(default_factory=list)  # serving configs, paths in the image
     notes: list[str] = field(default_factory=list)
+    extra_checks: list[tuple[str, str]] = field(default_factory=list)  # (shell condition, what is wrong)
 
     def smoke_checks(self) -> list[tuple[str, str]]:
         """(shell condition, what is wrong when it fails), in order."""
@@ -77,7 +82,7 @@ class ServeSpec:
         if self.executable:
             checks.append((f"command -v {shlex.quote(self.executable)} >/dev/null",
                            f"{self.executable} is not on PATH"))
-        return checks
+        return checks + self.extra_checks
 
     def smoke_script(self) -> str:
         """A POSIX sh script that fails unless the model files and serving configs are where
@@ -156,8 +161,10 @@ def choose_backend(requested: str, inputs: Inputs) -> str:
     return "plain" if requested == "auto" else requested
 
 
-def make_spec(backend: str, inputs: Inputs, p: Any, model_name: str) -> ServeSpec:
-    """The spec of `backend` for these inputs and params (an ImageKind.Params)."""
+def make_spec(backend: str, inputs: Inputs, p: Any, model_name: str, *, server: Path | None = None,
+              site: Path | None = None) -> ServeSpec:
+    """The spec of `backend` for these inputs and params (an ImageKind.Params); `server` and
+    `site` are the embed backend's server folder and installed Python packages."""
     model_dir = p.model_dir.replace("{model}", model_name)
     bake = p.bake_model if p.bake_model is not None else backend != "triton"
     spec = ServeSpec(backend=backend, env=dict(p.env))
@@ -174,12 +181,17 @@ def make_spec(backend: str, inputs: Inputs, p: Any, model_name: str) -> ServeSpe
         )
     if backend == "plain":
         _plain(spec, inputs, p)
+    elif backend == "embed":
+        _embed(spec, inputs, p, model_dir, model_name, server, site)
     elif backend in ("vllm", "trtllm"):
         _llm_server(spec, inputs, p, model_dir, bake, backend)
     elif backend == "triton":
         _triton(spec, inputs, p, model_dir, bake)
     else:  # pragma: no cover - Params validation restricts it
         raise TemplateError(f"unknown backend {backend!r}")
+    if site is not None and backend != "embed":  # python_packages for another backend's command
+        spec.copies.append(Copy(site, EMBED_SITE_DIR, "site", "Python packages (python_packages)"))
+        spec.env.setdefault("PYTHONPATH", EMBED_SITE_DIR)
     if p.healthcheck is not None:
         spec.health = p.healthcheck or None  # "" disables it
     return spec
@@ -304,6 +316,42 @@ def _llm_server(spec: ServeSpec, inputs: Inputs, p: Any, model_dir: str, bake: b
     spec.health = health_exec(port, HEALTH_PATH[backend])
 
 
+#: the model kinds the embed server takes: mopt ONNX folders (model.onnx + tokenizer files)
+EMBED_MODEL_KINDS = ("onnx", "onnx-slim", "ort-quantize", "select")
+
+
+def _embed(spec: ServeSpec, inputs: Inputs, p: Any, model_dir: str, model_name: str, server: Path | None,
+           site: Path | None) -> None:
+    model = inputs.model
+    if model is None or not (model.path / "model.onnx").is_file():
+        what = f"the {model.kind} target {model.target!r}" if model is not None else "no model input"
+        raise TemplateError(
+            f"the embed backend serves a mopt ONNX folder (model.onnx + tokenizer.json) and got {what}: "
+            f"name one with input = [\"<{' | '.join(EMBED_MODEL_KINDS)} target>\"]"
+        )
+    if not (model.path / "tokenizer.json").is_file():
+        raise TemplateError(f"the {model.kind} target {model.target!r} has no tokenizer.json for the server")
+    if inputs.serve is not None:
+        raise TemplateError(f"the embed backend serves the model itself: drop the {inputs.serve.kind!r} input")
+    if server is None or site is None:  # pragma: no cover - build_image prepares both
+        raise TemplateError("the embed backend needs its server and Python packages prepared")
+    spec.copies.append(Copy(server, EMBED_SERVER_DIR, "server", "embeddings server (mopt-image)",
+                            f"{EMBED_SERVER_DIR}/{EMBED_SERVER}"))
+    spec.copies.append(Copy(site, EMBED_SITE_DIR, "site", "Python packages (python_packages)"))
+    port = p.port or 8000
+    argv = ["python3", f"{EMBED_SERVER_DIR}/{EMBED_SERVER}", "--model", model_dir, "--host", "0.0.0.0",
+            "--port", str(port), "--served-model-name", model_name, *p.args]
+    spec.env = {"PYTHONPATH": EMBED_SITE_DIR, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1", **spec.env}
+    spec.entrypoint = list(p.command) if p.command is not None else argv
+    spec.executable = spec.entrypoint[0]
+    spec.ports = [port]
+    spec.health = health_exec(port, HEALTH_PATH["embed"])
+    # the server's imports resolve in the image (the wheels fit its Python and glibc)
+    imports = "import fastapi, numpy, onnxruntime, prometheus_client, tokenizers, uvicorn"
+    spec.extra_checks.append((f"PYTHONPATH={EMBED_SITE_DIR} python3 -c {shlex.quote(imports)}",
+                              "the server's Python packages do not import in the image"))
+
+
 def _triton(spec: ServeSpec, inputs: Inputs, p: Any, model_dir: str, bake: bool) -> None:
     if inputs.serve is None or inputs.serve.kind != "triton-repo":
         raise TemplateError("a triton image serves a Triton model repository: add a `triton-repo` target")
@@ -361,10 +409,11 @@ def render_dockerfile(
     """The Dockerfile of `spec` (the same spec always renders to the same bytes)."""
     lines = [f"# {line}" if line else "#" for line in header.splitlines()]
     lines += [f"FROM {base_ref}"]
-    for c in sorted(spec.copies, key=lambda c: c.dest):
-        lines.append(f"COPY {_exec_form([c.context_dir + '/', c.dest.rstrip('/') + '/'])}")
-    for k in sorted(spec.env):
-        lines.append(f"ENV {k}={_quote(spec.env[k])}")
+    # the metadata first, the files last: docker's classic builder runs every instruction in a
+    # new container, and on vfs storage (CI) each container is a full copy of the image so far,
+    # so metadata steps on the bare base cost far less than on base + model + packages
+    if spec.env:  # one instruction: docker's classic builder makes a container per instruction
+        lines.append("ENV " + " \\\n    ".join(f"{k}={_quote(spec.env[k])}" for k in sorted(spec.env)))
     if labels:
         body = " \\\n      ".join(f"{_quote(k)}={_quote(labels[k])}" for k in sorted(labels))
         lines.append(f"LABEL {body}")
@@ -376,4 +425,6 @@ def render_dockerfile(
     if spec.entrypoint is not None:
         lines.append(f"ENTRYPOINT {_exec_form(spec.entrypoint)}")
         lines.append("CMD []")
+    for c in sorted(spec.copies, key=lambda c: c.dest):
+        lines.append(f"COPY {_exec_form([c.context_dir + '/', c.dest.rstrip('/') + '/'])}")
     return "\n".join(lines) + "\n"

@@ -96,3 +96,16 @@ def tiny_onnx(folder: Path) -> Path:
     graph = helper.make_graph([helper.make_node("Identity", ["input_ids"], ["embeddings"])], "g", [x], [y])
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(folder / "model.onnx"))
     return folder
+
+
+def docker_why_not() -> str | None:
+    """Why the docker tests cannot run here (no SDK, no daemon at DOCKER_HOST), or None."""
+    from mopt_image.builders import docker_daemon
+
+    return docker_daemon()[1]
+
+
+needs_docker = pytest.mark.skipif(
+    docker_why_not() is not None,
+    reason=f"no docker daemon: {docker_why_not()} (.ci/run starts one and sets DOCKER_HOST)",
+)

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mopt.api import hookimpl
+from mopt_serve.container import ContainerCheckKind
 from mopt_serve.modelopt_ptq import ModelOptPtqKind
 from mopt_serve.serve_check import ServeCheckKind
 from mopt_serve.triton import TritonRepoKind
@@ -15,6 +16,6 @@ from mopt_serve.vllm import VllmKind
 
 @hookimpl
 def mopt_register_targets(register: Callable[[Any], None]) -> None:
-    """`vllm`, `trtllm`, `modelopt-ptq`, `triton-repo`, `serve-check`."""
-    for kind in (VllmKind, TrtllmKind, ModelOptPtqKind, TritonRepoKind, ServeCheckKind):
+    """`vllm`, `trtllm`, `modelopt-ptq`, `triton-repo`, `serve-check`, `container-check`."""
+    for kind in (VllmKind, TrtllmKind, ModelOptPtqKind, TritonRepoKind, ServeCheckKind, ContainerCheckKind):
         register(kind)

@@ -1,0 +1,1 @@
+"""Servers that run inside the images (not imported by mopt: they need the image's packages)."""
