@@ -340,6 +340,7 @@ base = "docker.io/library/python:3.12-slim@sha256:{digest}"
         "candidates": ["tiny.cpu:onnx", "tiny.cpu:int8"],
         "validate": ["tiny.cpu:validate[onnx]", "tiny.cpu:validate[int8]"],
         "bench": ["tiny.cpu:bench[onnx]", "tiny.cpu:bench[int8]"],
+        "serve": [],  # serve-check results (max_throughput_under_slo): none in this section
     }
 
 
