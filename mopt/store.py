@@ -317,12 +317,14 @@ class Store:
             owner = os.stat(self.root).st_uid
         except OSError:
             return
-        if owner != os.geteuid() and os.geteuid() == 0:
-            # root can write anything, but files it leaves in another user's store are
-            # files that user's mopt can no longer replace or collect
+        if owner != os.geteuid() and os.geteuid() == 0 and os.environ.get("MOPT_STORE_ANY_OWNER") != "1":
+            # root can write anything, but files it leaves in another user's store are files
+            # that user's mopt can no longer replace or collect (git refuses such repositories
+            # for the same reason; a container running as root on a mounted checkout opts in)
             raise StoreUnusableError(
                 f"the store {self.root} belongs to uid {owner}; not writing it as root",
-                hint="build as its owner, or set [store] path in mopt.toml to a store of your own",
+                hint="build as its owner, set [store] path in mopt.toml to a store of your own, "
+                "or set MOPT_STORE_ANY_OWNER=1",
             )
 
     def __enter__(self) -> Store:

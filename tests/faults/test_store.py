@@ -433,6 +433,8 @@ def test_case7_a_store_of_another_owner_reads_but_does_not_build(w: World) -> No
     assert {n["status"]["state"] for n in json.loads(plan.stdout)["nodes"]} == {"up-to-date"}
     w.mopt("ls", "r.toml")
     w.mopt("show", "r.toml", "toy.cpu:toy-export")
+    # a container running as root on a mounted checkout opts in
+    assert set(statuses(w.build(env={"MOPT_STORE_ANY_OWNER": "1"})).values()) == {"cached"}
     w.check()
 
 
