@@ -826,7 +826,10 @@ class Engine:
 
     def address_path(self, address: str) -> Path:
         """build/<model>/<section>/<target> of `address` in this recipe."""
-        return address_path(self.build_dir, address, self.recipe)
+        cache = self.__dict__.setdefault("_address_paths", {})
+        if address not in cache:
+            cache[address] = address_path(self.build_dir, address, self.recipe)
+        return cache[address]
 
     def _materialize(self, node: Node, tree: str) -> None:
         if node.id not in getattr(self, "_want", {node.id}):

@@ -464,7 +464,9 @@ def register(app: click.Group) -> None:
         if not project.store_dir.exists():
             raise MoptError(f"no store at {project.store_dir}", hint="run mopt build first")
         with Store(project.store_dir) as store:
-            keep = _lock_roots(project.root, store, force=force, skip=[project.store_dir, project.build_dir])
+            keep = _lock_roots(
+                project.root, store, force=force, skip=[project.store_dir, project.build_dir], prune=not dry_run
+            )
             rep = store.gc(
                 max_size_bytes=parse_size(max_size) if max_size else None,
                 older_than_s=parse_duration(older_than) if older_than else None,
@@ -565,7 +567,9 @@ def project_lock_files(root: Path, skip: list[Path] | None = None) -> list[Path]
     return found
 
 
-def _lock_roots(root: Path, store: Any, *, force: bool = False, skip: list[Path] | None = None) -> set[str]:
+def _lock_roots(
+    root: Path, store: Any, *, force: bool = False, skip: list[Path] | None = None, prune: bool = True
+) -> set[str]:
     """Action keys pinned by the project's lock files and those registered in the store.
 
     A lock file that exists but cannot be read stops gc (exit 2 naming it): dropping what
@@ -575,7 +579,7 @@ def _lock_roots(root: Path, store: Any, *, force: bool = False, skip: list[Path]
 
     keys: set[str] = set()
     files = {os.path.abspath(p) for p in project_lock_files(root, skip)}
-    files |= {os.path.abspath(p) for p in store.roots()}
+    files |= {os.path.abspath(p) for p in store.roots(prune=prune)}
     for p in sorted(files):
         try:
             keys |= lock_keys(Path(p))

@@ -433,6 +433,8 @@ def test_case7_a_store_of_another_owner_reads_but_does_not_build(w: World) -> No
     assert {n["status"]["state"] for n in json.loads(plan.stdout)["nodes"]} == {"up-to-date"}
     w.mopt("ls", "r.toml")
     w.mopt("show", "r.toml", "toy.cpu:toy-export")
+    # a container running as root on a mounted checkout opts in
+    assert set(statuses(w.build(env={"MOPT_STORE_ANY_OWNER": "1"})).values()) == {"cached"}
     w.check()
 
 
@@ -556,8 +558,10 @@ def test_case10_read_only_commands_never_delete_or_change_anything(w: World) -> 
     w.mopt("show", "r.toml", "toy.cpu:toy-export", code=None)
     w.mopt("report", "r.toml", "--json")
     assert _snapshot(w.store) | _snapshot(w.build_dir) == before
-    # a build repairs it
+    # a build repairs the damaged blob, and rehashes rather than deleting the one the stat
+    # cache lied about
     w.build()
+    assert intact.stat().st_ino == st.st_ino
     w.check()
 
 
@@ -577,6 +581,17 @@ def test_case11_nul_in_a_name_is_exit_2(w: World) -> None:
     (w.proj / "r.toml").write_text(TOY.replace("[models.toy]", '[models."to\\u0000y"]'))
     line = one_line_error(w.mopt("build", "r.toml", "--no-check", code=2).stderr)
     assert "NUL" in line and "[models]" in line, line
+    w.check()
+
+
+def test_case11_nul_in_a_source_path_and_a_folder_as_the_recipe_are_exit_2(w: World) -> None:
+    (w.proj / "r.toml").write_text(TOY.replace('"toy-model"', '"toy\\u0000model"'))
+    for cmd in (("build", "r.toml", "--no-check"), ("plan", "r.toml")):
+        line = one_line_error(w.mopt(*cmd, code=2).stderr)
+        assert "[models.toy] source" in line and "null" in line, line
+    (w.proj / "folder.toml").mkdir()
+    line = one_line_error(w.mopt("build", "folder.toml", "--no-check", code=2).stderr)
+    assert "folder.toml" in line and "Is a directory" in line, line
     w.check()
 
 
