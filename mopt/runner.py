@@ -54,6 +54,7 @@ from mopt.api import Artifact, BuildContext, HardwareProfile, Missing
 SANDBOX_MODES = ("auto", "bwrap", "none")
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
 
 
 # ---------------------------------------------------------------------- spawn and result
@@ -196,6 +197,7 @@ def execute_spawn(spawn: Spawn, registry: Any, on_line: Callable[[str], None] | 
             cache_dir=Path(spawn.cache_dir) if spawn.cache_dir else None,
             missing=spawn.missing,
         )
+        tempfile.tempdir = None  # recomputed from this action's TMPDIR, if it sets one
         where = f" on {spawn.host}" if spawn.host else ""
         logger.info(f"mopt: building {spawn.node_id} ({spawn.kind}) key {spawn.key[:16]}{where}")
         restore.set_env(spawn.env)
@@ -265,6 +267,7 @@ class _Restore:
         with contextlib.suppress(OSError):
             os.chdir(self.cwd)
         os.umask(self.umask)
+        tempfile.tempdir = None
         torch = sys.modules.get("torch")
         if torch is not None:  # imported by this action or an earlier one
             want = self.torch_threads or _default_torch_threads()
@@ -403,6 +406,8 @@ class _Worker:
             self.proc.wait(timeout=2)
         except subprocess.TimeoutExpired:
             self.kill()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # anything left in its process group
         self.alive = False
         self.errlog.close()
         with contextlib.suppress(Exception):
@@ -603,6 +608,8 @@ class ProcessRunner(SpawnRunner):
         w = self._acquire(spawn.network)
         out, tmp, log = _workdir(w.scratch)
         spawn = replace(spawn, out=str(out), tmp=str(tmp), log=str(log))
+        if self.sandbox:  # /tmp is read-only in there: temp files go to the action's tmp
+            spawn = replace(spawn, env={**spawn.env, "TMPDIR": str(tmp)})
         try:
             res = w.run(spawn, on_line, lock_fd)
             # the result's bytes stay in the worker's scratch until stored: the worker
@@ -768,8 +775,9 @@ class _Worker_:
             try:
                 msg = self.conn.recv()
             except (EOFError, OSError):
-                return
+                msg = ("exit",)
             if msg[0] != "run":
+                _end_leftovers()
                 return
             spawn: Spawn = msg[1]
             lock = recvfds(self.sock, 1)[0] if msg[2] else None
@@ -778,12 +786,45 @@ class _Worker_:
             saved = _redirect_output(spawn.log)
             try:
                 res = execute_spawn(spawn, registry, lambda line: self.send(("line", line)))
+                _reap()
             finally:
                 _restore_output(saved)
                 procs.ACTION_FDS = ()
                 if lock is not None:
                     os.close(lock)
             self.send(("done", res))
+
+
+def _children() -> list[int]:
+    """This process's child processes (with the subreaper flag: orphans of its children too)."""
+    kids: list[int] = []
+    with contextlib.suppress(OSError):
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/children") as fh:
+                kids += [int(x) for x in fh.read().split()]
+    return kids
+
+
+def _reap() -> None:
+    """Reap children (and adopted orphans) that have ended. Live ones are left alone between
+    actions: a library's warm helper processes (torch.compile's worker pool) must survive."""
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+
+
+def _end_leftovers() -> None:
+    """Kill whatever the actions started and left running, orphans included (the worker
+    is their subreaper), and reap it: when a worker ends, nothing it started lives on."""
+    for _ in range(100):
+        _reap()
+        kids = _children()
+        if not kids:
+            return
+        for pid in kids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
 
 
 def _redirect_output(log: str) -> tuple[int, int]:
@@ -812,6 +853,8 @@ def _restore_output(saved: tuple[int, int]) -> None:
 def worker_main(argv: list[str]) -> int:
     fd, ppid = int(argv[0]), int(argv[1])
     set_pdeathsig(signal.SIGKILL)
+    with contextlib.suppress(Exception):  # orphans of an action's processes become ours to end
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     if ppid and os.getppid() != ppid:
         return 0  # mopt died before the line above took effect
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # mopt decides when an action stops
