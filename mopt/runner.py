@@ -385,6 +385,8 @@ class _Worker:
         )
         os.close(child_fd)
         self.alive = True
+        self.plugins: set[str] = set()  # whose kinds it ran (their imports are warm in it)
+        self.last_used = 0.0
         self.sandboxed = os.path.basename(argv[0]) == "bwrap"
 
     def kill(self) -> None:
@@ -557,18 +559,25 @@ class ProcessRunner(SpawnRunner):
 
         return self._spawner.submit(start)
 
-    def _acquire(self, network: bool) -> _Worker:
+    def _acquire(self, network: bool, plugin: str = "") -> _Worker:
         key = network if self.sandbox else True
         with self._cond:
             while True:
                 if self._closed:
                     raise RuntimeError("the action runner was shut down")
-                for i, (k, w) in enumerate(self._idle):
-                    if k == key and w.proc.poll() is None:
-                        del self._idle[i]
-                        self._busy.add(w)
-                        self._keep_spare(key)
-                        return w
+                # the worker that already ran this plugin's kinds most recently: its imports
+                # (torch, onnxruntime) are warm; a never-used spare only when none has
+                fits = [
+                    (plugin in w.plugins, w.last_used, i)
+                    for i, (k, w) in enumerate(self._idle)
+                    if k == key and w.proc.poll() is None
+                ]
+                if fits:
+                    _, _, i = max(fits)
+                    w = self._idle.pop(i)[1]
+                    self._busy.add(w)
+                    self._keep_spare(key)
+                    return w
                 total = len(self._idle) + len(self._busy) + self._starting
                 if total < self.max_workers:
                     fut = self._spawn(key, spare=False)
@@ -605,7 +614,9 @@ class ProcessRunner(SpawnRunner):
     def exec(
         self, spawn: Spawn, *, on_line: Callable[[str], None] | None = None, lock_fd: int | None = None
     ) -> Iterator[SpawnResult]:
-        w = self._acquire(spawn.network)
+        w = self._acquire(spawn.network, spawn.plugin)
+        w.plugins.add(spawn.plugin)
+        w.last_used = time.monotonic()
         out, tmp, log = _workdir(w.scratch)
         spawn = replace(spawn, out=str(out), tmp=str(tmp), log=str(log))
         if self.sandbox:  # /tmp is read-only in there: temp files go to the action's tmp
