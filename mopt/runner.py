@@ -390,9 +390,11 @@ class _Worker:
         self.sandboxed = os.path.basename(argv[0]) == "bwrap"
 
     def kill(self) -> None:
+        # the whole process group, also right after the worker itself died: its pid stays
+        # reserved as the group's id while any member lives (children it left behind)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
         if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 self.proc.kill()
         self.proc.wait()
