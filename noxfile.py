@@ -69,6 +69,7 @@ def bench(session: nox.Session) -> None:
     """Benchmarks that print numbers: no-op / touch / change vs DVC and Snakemake, hashing."""
     install_all(session, "dvc", "snakemake")
     session.run("python", "benchmarks/bench_build.py", *session.posargs)
+    session.run("python", "benchmarks/bench_runner.py")
 
 
 @nox.session

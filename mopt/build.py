@@ -620,8 +620,9 @@ class Engine:
         stop = False
         reporter.start(states)
         pool = ThreadPoolExecutor(max_workers=max(1, jobs + slots["gpu"]), thread_name_prefix="mopt")
-        # workers start on the first miss, so a build of hits starts none
-        self.runner = self._local_runner(max(1, jobs + slots["gpu"]))
+        self.sandbox_mode()  # a bad setting is an error before anything runs
+        # the runner (and its workers) start on the first miss: a build of hits starts none
+        runner: SpawnRunner | None = None
         try:
             while pending or running:
                 progressed = False
@@ -676,6 +677,8 @@ class Engine:
                         continue
                     for r, n in need.items():
                         used[r] += n
+                    if runner is None:
+                        runner = self.runner = self._local_runner(max(1, jobs + slots["gpu"]))
                     st.status = "running"
                     st.started = time.time()
                     reporter.started(st)
@@ -700,7 +703,8 @@ class Engine:
                 reporter.tick()
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
-            self.runner.shutdown()
+            if runner is not None:
+                runner.shutdown()
             self.store.state.flush()
             self.flush_index()
             reporter.stop()

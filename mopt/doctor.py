@@ -398,6 +398,38 @@ def _container_checks(m: Machine) -> list[DoctorCheck]:
     return out
 
 
+def sandbox_check(mode: str) -> DoctorCheck:
+    """How actions are isolated here (`[executor] sandbox`)."""
+    from mopt.runner import SANDBOX_MODES, resolve_sandbox
+
+    if mode not in SANDBOX_MODES:
+        return DoctorCheck(
+            "sandbox", "fail", f"[executor] sandbox = {mode!r} is not one of {', '.join(SANDBOX_MODES)}",
+            fix='set sandbox = "auto" in mopt.toml',
+        )
+    sandboxed, why = resolve_sandbox(mode)
+    if sandboxed:
+        return DoctorCheck(
+            "sandbox", "ok",
+            f"actions run in {why}: the filesystem read-only but their output, scratch and the "
+            "store's cache/; kinds with network = False get no network",
+        )
+    if mode == "none":
+        return DoctorCheck(
+            "sandbox", "info",
+            f"{why}: actions run in worker processes; inputs are checked after each action, "
+            "but nothing stops an action from writing outside its output folder",
+        )
+    return DoctorCheck(
+        "sandbox", "fail" if mode == "bwrap" else "warn",
+        f"{why}: actions run in worker processes without a read-only filesystem",
+        "bubblewrap (bwrap) is not installed, or cannot create namespaces here "
+        "(unprivileged user namespaces disabled, or a container without CAP_SYS_ADMIN)",
+        "apt-get install bubblewrap (dnf install bubblewrap); in a container run as root or "
+        "allow user namespaces",
+    )
+
+
 def target_statuses(graph: Any, ids: list[str] | None = None) -> list[TargetStatus]:
     """For each selected node: its requirements on its profile and what this machine lacks."""
     out = []
@@ -421,6 +453,8 @@ def doctor(
     """The full report; with a loaded recipe session, which of its targets are buildable here."""
     m = detect(refresh=refresh)
     report = DoctorReport(m, diagnose(m), matching_profiles(registry))
+    mode = session.project.config.executor.get("sandbox", "auto") if session is not None else "auto"
+    report.checks.append(sandbox_check(str(mode)))
     if session is not None:
         report.recipe = str(session.recipe.path)
         report.targets = target_statuses(session.graph, ids)

@@ -54,6 +54,7 @@ from mopt.api import Artifact, BuildContext, HardwareProfile, Missing
 SANDBOX_MODES = ("auto", "bwrap", "none")
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
 
 
 # ---------------------------------------------------------------------- spawn and result
@@ -196,6 +197,7 @@ def execute_spawn(spawn: Spawn, registry: Any, on_line: Callable[[str], None] | 
             cache_dir=Path(spawn.cache_dir) if spawn.cache_dir else None,
             missing=spawn.missing,
         )
+        tempfile.tempdir = None  # recomputed from this action's TMPDIR, if it sets one
         where = f" on {spawn.host}" if spawn.host else ""
         logger.info(f"mopt: building {spawn.node_id} ({spawn.kind}) key {spawn.key[:16]}{where}")
         restore.set_env(spawn.env)
@@ -265,6 +267,7 @@ class _Restore:
         with contextlib.suppress(OSError):
             os.chdir(self.cwd)
         os.umask(self.umask)
+        tempfile.tempdir = None
         torch = sys.modules.get("torch")
         if torch is not None:  # imported by this action or an earlier one
             want = self.torch_threads or _default_torch_threads()
@@ -382,12 +385,16 @@ class _Worker:
         )
         os.close(child_fd)
         self.alive = True
+        self.plugins: set[str] = set()  # whose kinds it ran (their imports are warm in it)
+        self.last_used = 0.0
         self.sandboxed = os.path.basename(argv[0]) == "bwrap"
 
     def kill(self) -> None:
+        # the whole process group, also right after the worker itself died: its pid stays
+        # reserved as the group's id while any member lives (children it left behind)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
         if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 self.proc.kill()
         self.proc.wait()
@@ -403,6 +410,8 @@ class _Worker:
             self.proc.wait(timeout=2)
         except subprocess.TimeoutExpired:
             self.kill()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # anything left in its process group
         self.alive = False
         self.errlog.close()
         with contextlib.suppress(Exception):
@@ -552,18 +561,25 @@ class ProcessRunner(SpawnRunner):
 
         return self._spawner.submit(start)
 
-    def _acquire(self, network: bool) -> _Worker:
+    def _acquire(self, network: bool, plugin: str = "") -> _Worker:
         key = network if self.sandbox else True
         with self._cond:
             while True:
                 if self._closed:
                     raise RuntimeError("the action runner was shut down")
-                for i, (k, w) in enumerate(self._idle):
-                    if k == key and w.proc.poll() is None:
-                        del self._idle[i]
-                        self._busy.add(w)
-                        self._keep_spare(key)
-                        return w
+                # the worker that already ran this plugin's kinds most recently: its imports
+                # (torch, onnxruntime) are warm; a never-used spare only when none has
+                fits = [
+                    (plugin in w.plugins, w.last_used, i)
+                    for i, (k, w) in enumerate(self._idle)
+                    if k == key and w.proc.poll() is None
+                ]
+                if fits:
+                    _, _, i = max(fits)
+                    w = self._idle.pop(i)[1]
+                    self._busy.add(w)
+                    self._keep_spare(key)
+                    return w
                 total = len(self._idle) + len(self._busy) + self._starting
                 if total < self.max_workers:
                     fut = self._spawn(key, spare=False)
@@ -600,9 +616,13 @@ class ProcessRunner(SpawnRunner):
     def exec(
         self, spawn: Spawn, *, on_line: Callable[[str], None] | None = None, lock_fd: int | None = None
     ) -> Iterator[SpawnResult]:
-        w = self._acquire(spawn.network)
+        w = self._acquire(spawn.network, spawn.plugin)
+        w.plugins.add(spawn.plugin)
+        w.last_used = time.monotonic()
         out, tmp, log = _workdir(w.scratch)
         spawn = replace(spawn, out=str(out), tmp=str(tmp), log=str(log))
+        if self.sandbox:  # /tmp is read-only in there: temp files go to the action's tmp
+            spawn = replace(spawn, env={**spawn.env, "TMPDIR": str(tmp)})
         try:
             res = w.run(spawn, on_line, lock_fd)
             # the result's bytes stay in the worker's scratch until stored: the worker
@@ -768,8 +788,9 @@ class _Worker_:
             try:
                 msg = self.conn.recv()
             except (EOFError, OSError):
-                return
+                msg = ("exit",)
             if msg[0] != "run":
+                _end_leftovers()
                 return
             spawn: Spawn = msg[1]
             lock = recvfds(self.sock, 1)[0] if msg[2] else None
@@ -778,12 +799,45 @@ class _Worker_:
             saved = _redirect_output(spawn.log)
             try:
                 res = execute_spawn(spawn, registry, lambda line: self.send(("line", line)))
+                _reap()
             finally:
                 _restore_output(saved)
                 procs.ACTION_FDS = ()
                 if lock is not None:
                     os.close(lock)
             self.send(("done", res))
+
+
+def _children() -> list[int]:
+    """This process's child processes (with the subreaper flag: orphans of its children too)."""
+    kids: list[int] = []
+    with contextlib.suppress(OSError):
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/children") as fh:
+                kids += [int(x) for x in fh.read().split()]
+    return kids
+
+
+def _reap() -> None:
+    """Reap children (and adopted orphans) that have ended. Live ones are left alone between
+    actions: a library's warm helper processes (torch.compile's worker pool) must survive."""
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+
+
+def _end_leftovers() -> None:
+    """Kill whatever the actions started and left running, orphans included (the worker
+    is their subreaper), and reap it: when a worker ends, nothing it started lives on."""
+    for _ in range(100):
+        _reap()
+        kids = _children()
+        if not kids:
+            return
+        for pid in kids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
 
 
 def _redirect_output(log: str) -> tuple[int, int]:
@@ -812,6 +866,8 @@ def _restore_output(saved: tuple[int, int]) -> None:
 def worker_main(argv: list[str]) -> int:
     fd, ppid = int(argv[0]), int(argv[1])
     set_pdeathsig(signal.SIGKILL)
+    with contextlib.suppress(Exception):  # orphans of an action's processes become ours to end
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     if ppid and os.getppid() != ppid:
         return 0  # mopt died before the line above took effect
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # mopt decides when an action stops

@@ -20,6 +20,11 @@ class LocalExecutor(Executor):
     class Settings(api.Params):
         kind: str = "local"
         jobs: int | None = Field(default=None, ge=1, description="parallel actions (CPU count)")
+        sandbox: str = Field(
+            default="auto",
+            description='"auto" (bubblewrap where usable), "bwrap" (required) or "none": '
+            "actions run in worker processes either way",
+        )
 
 
 @hookimpl

@@ -239,7 +239,7 @@ targets = ["toy-weights", "toy-export", "sibling"]
 kind = "toy-engine"
 input = "toy-export"
 """)
-    code, _data, err = p.build_json("-j", "1")
+    code, data, err = p.build_json("-j", "1")
     assert code == 0, err
     assert node(data, "toy.cpu:toy-export")["status"] == "built"
     assert export.read_bytes() == original
@@ -267,7 +267,7 @@ how = "write-project"
     assert "Read-only file system" in node(data, "toy.cpu:evil")["reason"]
     assert "Read-only file system" in node(data, "toy.cpu:escape")["reason"]
     assert not (p.dir / "escaped.txt").exists()
-    assert node(data, "toy.cpu:toy-export")["status"] == "built"
+    assert node(data, "toy.cpu:toy-export")["status"] == "built", [(n["id"], n["status"], n.get("reason")) for n in data["nodes"]]
     p.check()
 
 

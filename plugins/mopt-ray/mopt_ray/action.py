@@ -18,14 +18,14 @@ import time
 import traceback
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from mopt.api import Artifact, HardwareProfile, Missing
-from mopt.runner import Spawn, execute_spawn
+from mopt.runner import InputWatch, Spawn, execute_spawn
 from mopt.store import ActionEntry, Store
 
 LOG_TAIL_BYTES = 64 * 1024
@@ -213,6 +213,15 @@ def run_action(
                     dest.parent.mkdir(parents=True, exist_ok=True)
                     shutil.copyfile(store.blob_path(f.digest), dest)
                     os.chmod(dest, 0o444)
+            # its inputs must come out of the action as they went in (blobs are hard-linked)
+            digests = {
+                os.path.join(str(in_dir / f"{slot}-{k}"), e.path): e.digest
+                for slot, arts in spec.inputs.items()
+                for k, a in enumerate(arts)
+                for e in store.tree_entries(a.tree)
+            }
+            watched = [in_dir, project_dir, *([source] if source is not None else [])]
+            watch = InputWatch.take(watched, digests)
             # the one action-running function of mopt (the local executor's workers call it
             # too); a Ray task is a process of its own, so it runs here
             res = execute_spawn(
@@ -243,6 +252,17 @@ def run_action(
                 registry,
                 on_line,
             )
+            changed = watch.changes(watched, store.state.file_digest)
+            if changed:
+                removed = sum(
+                    store.discard_blob(d) for _p, d in changed if d is not None and not store.verify(d)
+                )
+                why = f"kind {spec.kind!r} changed its input {os.path.relpath(changed[0][0], scratch)}"
+                if removed:
+                    why += f"; {removed} damaged blob(s) removed from {host}'s store"
+                with open(log_path, "a") as fh:
+                    fh.write(f"mopt: FAILED: {why}\n")
+                res = replace(res, status="failed", error=why)
             if not res.ok:
                 store.keep_failed_log(spec.key, log_path)
                 return ActionResult(
