@@ -30,7 +30,7 @@ def install_all(session: nox.Session, *extra: str, core: str = ".") -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """The test suite (no GPU; slow and GPU tests excluded: see `slow` and `gpu`)."""
-    install_all(session, "-e", "tests/fixture_plugin", core=".[test]")
+    install_all(session, "-e", "tests/fixture_plugin", "-e", "tests/thirdparty_plugin", core=".[test]")
     n = os.environ.get("PYTEST_WORKERS", "2")
     session.run("pytest", "-n", n, "-m", "not slow and not gpu", *session.posargs)
 
@@ -38,7 +38,7 @@ def tests(session: nox.Session) -> None:
 @nox.session
 def slow(session: nox.Session) -> None:
     """Tests marked slow (minutes each on 2 cores)."""
-    install_all(session, "-e", "tests/fixture_plugin", core=".[test]")
+    install_all(session, "-e", "tests/fixture_plugin", "-e", "tests/thirdparty_plugin", core=".[test]")
     session.run("pytest", "-m", "slow and not gpu", *session.posargs)
 
 

@@ -586,7 +586,7 @@ def built_target(recipe: Path, selector: str, *, kind: str | None = None) -> Bui
         if entry is None:
             raise MoptError(f"{node_id} is not built", hint=f"run: mopt build {recipe} '{node_id}'")
         files = {e.path: engine.store.blob_path(e.digest) for e in engine.store.tree_entries(entry.outputs_tree)}
-        meta = dict(entry.meta)
+        meta = dict(entry.meta.get("result") or {})
     finally:
         engine.store.close()
     return BuiltTarget(node_id, s.graph.nodes[node_id].kind, info["key"], files, meta)

@@ -90,6 +90,16 @@ class ToyOnnx(_Kind):
         opset: int = 17
 
 
+class ToyStore(_Kind):
+    """A kind whose `dtype` is how it stores weights, not a compute precision: no role."""
+
+    name = "toy-store"
+
+    class Params(Params):
+        dtype: str = "fp32"
+        max_len: int = Field(default=128, json_schema_extra={"mopt_role": "seq_len"})
+
+
 class ToyTrt(_Kind):
     name = "toy-trt"
     per_hardware = True
@@ -208,7 +218,7 @@ def mopt_register_sources(register: Callable[[Any], None]) -> None:
 
 @hookimpl
 def mopt_register_targets(register: Callable[[Any], None]) -> None:
-    for k in (ToyOnnx, ToyTrt, ToyVllm, ToyTrtllm, ToyOwnCpuCheck, ToyBroken):
+    for k in (ToyOnnx, ToyStore, ToyTrt, ToyVllm, ToyTrtllm, ToyOwnCpuCheck, ToyBroken):
         register(k)
 
 

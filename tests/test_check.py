@@ -204,6 +204,23 @@ def test_synthetic_source_uses_the_family_defaults(registry: Any) -> None:
     assert {e.target for e in report.estimates} == {"toy-trt", "toy-vllm"}
 
 
+def test_generic_rules_follow_roles_not_param_names(tmp_path: Path, registry: Any) -> None:
+    """toy-store's `dtype` has no role: nvfp4 there is the kind's business, not a precision
+    the A10 lacks; its `max_len` has the seq_len role (through json_schema_extra) and is
+    checked against the model's positions. toy-onnx marks `dtype` as a precision."""
+    (tmp_path / "r.toml").write_text(
+        f'schema = 1\nextends = ["{RECIPES / "models.toml"}"]\n'
+        '[qwen.a10]\ntargets = ["toy-store", "toy-onnx"]\n'
+        'toy-store = { dtype = "nvfp4", max_len = 40000 }\ntoy-onnx = { dtype = "nvfp4" }\n'
+    )
+    report = run_checks(build_graph(load_recipe(tmp_path / "r.toml", registry), registry))
+    got = {(f.code, f.target, f.key) for f in report.findings if f.severity == "error"}
+    assert got == {
+        ("precision-unsupported", "toy-onnx", "dtype"),
+        ("seq-over-max-position", "toy-store", "max_len"),
+    }
+
+
 def test_check_of_a_recipe_takes_well_under_a_second(registry: Any) -> None:
     recipe = load_recipe(RECIPES / "ok_tp_divides.toml", registry)
     graph = build_graph(recipe, registry)

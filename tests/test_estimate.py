@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -261,3 +262,31 @@ def test_estimator_imports_no_torch() -> None:
     code = "import sys, mopt.estimate, mopt.check, mopt.machine, mopt.doctor, mopt.cli_check; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "False"
+
+
+def test_the_family_decides_the_shape_not_the_model_type() -> None:
+    """A renamed copy of BERT is an encoder because its family says so; the estimator keeps no
+    list of model types (without a family a config reads as a gated decoder)."""
+    renamed = {**MINILM, "model_type": "acme-bert", "architectures": ["BertModel"]}
+    d = bert(renamed)
+    assert d.encoder and d.param_counts().total == 22_713_216
+    assert not ModelDims.from_config(renamed).encoder
+
+
+def test_family_config_keys_name_the_dims() -> None:
+    class DistilShape(Family):
+        name = "distil-shape"
+        encoder = True
+        config_keys: ClassVar[dict[str, tuple[str, ...]]] = {
+            "hidden": ("dim",), "layers": ("n_layers",), "heads": ("n_heads",), "intermediate": ("hidden_dim",)
+        }  # fmt: skip
+
+    cfg = {"model_type": "distilbert", "dim": 768, "n_layers": 6, "n_heads": 12, "hidden_dim": 3072,
+           "vocab_size": 30522, "max_position_embeddings": 512}  # fmt: skip
+    d = ModelDims.from_config(cfg, DistilShape)
+    assert (d.hidden, d.layers, d.heads, d.intermediate, d.encoder) == (768, 6, 12, 3072, True)
+    # distilbert-base-uncased: 66,362,880 parameters (transformers' DistilBertModel)
+    assert d.param_counts().total == 66_362_880
+    with pytest.raises(ConfigError) as exc:
+        ModelDims.from_config({"vocab_size": 10}, DistilShape)
+    assert exc.value.missing == ["dim", "n_layers", "n_heads"]

@@ -139,6 +139,7 @@ def test_third_party_entry_points_register_after_mopts_own() -> None:
     mopt's own plugins is blamed on the third party, however pip ordered the entry points."""
     from mopt.plugins import _entry_points
 
+    pytest.importorskip("acme_distil", reason="pip install -e tests/thirdparty_plugin")
     names = [ep.name for ep in _entry_points()]
     assert "acme" in names and "ml" in names
     assert names.index("ml") < names.index("acme")
@@ -380,3 +381,29 @@ def test_bad_mopt_toml_is_a_clear_error(tmp_path: Path) -> None:
     proc = run_mopt("plugins", cwd=tmp_path)
     assert proc.returncode == 2
     assert "mopt.toml:2: [store] paht: unknown key (did you mean 'path'?)" in proc.stderr
+
+
+def test_kind_that_turns_the_fast_path_off_is_named(project: Path) -> None:
+    """toy-engine overrides fingerprint() (it reads an environment variable, as a kind might
+    read a driver) without saying static_fingerprint: the build says so in one line, and the
+    next build's --json says why it took the full path. toy-weights / toy-export have no
+    fingerprint of their own and keep the fast path."""
+    from mopt_fixture.plugin import ToyEngine, ToyExport, ToyWeights
+
+    assert (ToyWeights.static_fingerprint, ToyExport.static_fingerprint, ToyEngine.static_fingerprint) == (
+        True, True, False)  # fmt: skip
+    (project / "r.toml").write_text(
+        'schema = 1\n[models.m]\nfamily = "toyfam"\nsource = { path = "toy-model" }\n'
+        '[m.gpu]\nhardware = "toy-gpu"\ntargets = ["toy-weights", "toy-export", "toy-engine"]\n'
+    )
+    first = run_mopt("build", "r.toml", cwd=project)
+    assert first.returncode == 0, first.stderr
+    note = (
+        "note: no-op fast path off: kind 'toy-engine' (plugin 'fixture') may read machine state in "
+        "fingerprint() (static_fingerprint = False); a kind whose fingerprint is package versions "
+        "says fingerprint_packages = (...)"
+    )
+    assert note in first.stderr.splitlines()
+    second = run_mopt("build", "r.toml", "--json", cwd=project)
+    miss = json.loads(second.stdout)["io"]["noop_miss"]
+    assert miss == "no stamp: the last build did not write one: " + note.removeprefix("note: ")

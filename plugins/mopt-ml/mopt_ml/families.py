@@ -223,14 +223,18 @@ def family_for_folder(folder: Path) -> TransformersFamily:
 
 
 #: what the kinds of this plugin call on a family (the embedding part of the contract)
-NEEDED = ("load", "load_tokenizer", "pool", "export_spec", "synthetic_config", "synthetic_tokenizer")
+NEEDED = ("load", "load_tokenizer", "pool", "export_spec")
+#: what the `synthetic` source calls
+SYNTHETIC = ("synthetic_config", "synthetic_tokenizer")
 #: helpers the kinds use beyond the contract; TransformersFamily has them
 HELPERS = ("embed", "embed_batch", "sanitize_tokenizer", "sanitize_config")
 
 
-def as_family(family: Any, folder: Path | None = None, task: str = "embedding") -> Any:
+def as_family(
+    family: Any, folder: Path | None = None, task: str = "embedding", needs: Sequence[str] = NEEDED
+) -> Any:
     """The family object a target works with: the context's family (class or instance),
-    or one guessed from `folder`'s config. It must implement the contract for `task`."""
+    or one guessed from `folder`'s config. It must implement `needs` of the contract for `task`."""
     if family is None:
         if folder is None:
             raise ValueError("no model family given and no folder to guess it from")
@@ -245,12 +249,14 @@ def as_family(family: Any, folder: Path | None = None, task: str = "embedding") 
         )
     if not family.supports(task):
         raise ValueError(f"family {name!r} has no task {task!r} (it supports {', '.join(family.tasks)})")
-    stubs = [m for m in NEEDED if getattr(type(family), m, None) is getattr(Family, m)]
-    stubs += [m for m in HELPERS if not callable(getattr(family, m, None))]
-    if stubs:
+    stubs = [m for m in needs if getattr(type(family), m, None) is getattr(Family, m)]
+    helpers = [m for m in HELPERS if needs is NEEDED and not callable(getattr(family, m, None))]
+    if stubs or helpers:
+        what = [f"{', '.join(stubs)} of the mopt.api.Family contract"] if stubs else []
+        what += [f"{', '.join(helpers)} (TransformersFamily's helpers)"] if helpers else []
         raise TypeError(
-            f"family {name!r} does not implement {', '.join(stubs)} of the mopt.api.Family contract, "
-            "which mopt-ml's kinds call; subclass mopt.api.TransformersFamily, which implements "
-            "them for a Hugging Face AutoModel architecture"
+            f"family {name!r} does not implement {' and '.join(what)}, which mopt-ml's kinds call; "
+            "subclass mopt.api.TransformersFamily, which implements them for a Hugging Face "
+            "AutoModel architecture"
         )
     return family

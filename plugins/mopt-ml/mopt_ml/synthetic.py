@@ -41,7 +41,7 @@ class SyntheticSource(Source):
 
     def resolve(self, params: Any, ctx: SourceContext) -> Path:
         from mopt_ml.common import spec_hash, versions
-        from mopt_ml.families import FAMILIES, as_family
+        from mopt_ml.families import FAMILIES, SYNTHETIC, as_family
 
         # any registered family (a third party's too); the plugin's own when the context
         # has no registry (direct calls)
@@ -55,7 +55,7 @@ class SyntheticSource(Source):
                 f"family (registered: {', '.join(known)})"
             )
         try:
-            family = as_family(fam_cls)
+            family = as_family(fam_cls, needs=SYNTHETIC)
         except TypeError as exc:
             raise SourceError(f"source synthetic={params.synthetic!r} of model {ctx.model_name!r}: {exc}") from None
         spec = {

@@ -136,3 +136,21 @@ def test_family_is_guessed_from_config(synthetic_qwen3: Path, minilm_source: Pat
 
     with pytest.raises(TypeError, match=r"subclass mopt\.api\.TransformersFamily"):
         as_family(NotAnEmbeddingFamily())
+
+
+def test_a_family_without_the_heavy_part_is_refused_naming_what_it_lacks() -> None:
+    from mopt.api import Family
+
+    from mopt_ml.families import as_family
+
+    class OnlyShape(Family):
+        name = "only-shape"
+
+    with pytest.raises(TypeError) as exc:
+        as_family(OnlyShape)
+    assert str(exc.value) == (
+        "family 'only-shape' does not implement load, load_tokenizer, pool, export_spec of the "
+        "mopt.api.Family contract and embed, embed_batch (TransformersFamily's helpers), which "
+        "mopt-ml's kinds call; subclass mopt.api.TransformersFamily, which implements them for a "
+        "Hugging Face AutoModel architecture"
+    )

@@ -1,0 +1,164 @@
+"""A third party's plugin, end to end: tests/thirdparty_plugin (the `acme-distil-plugin`
+distribution, installed with pip install -e) imports only mopt.api / mopt.hookspecs and adds
+a DistilBERT family, a layer-dropping `distill` kind producing an `hf-checkpoint`, and an
+NVIDIA L4 profile. Through the real CLI: the family is built by `synthetic` and estimated by
+`check`; the distilled checkpoint goes through mopt-ml's onnx, validate, bench and select;
+the no-op rebuild takes the fast path."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_mopt
+
+pytest.importorskip("mopt_ml", reason="the ML kinds are in mopt-ml")
+pytest.importorskip("acme_distil", reason="pip install -e tests/thirdparty_plugin")
+
+RECIPE = """\
+schema = 1
+
+[models.distil]
+family = "distilbert"
+task = "embedding"
+source = { synthetic = "distilbert", seed = 0 }
+
+[distil.cpu]
+targets = ["weights", "small", "onnx", "onnx-small", "validate", "bench", "best"]
+check_texts = 8
+
+[distil.cpu.small]
+kind = "distill"
+layers = 1
+
+[distil.cpu.onnx]
+input = "weights"
+
+[distil.cpu.onnx-small]
+kind = "onnx"
+input = "small"
+
+[distil.cpu.validate]
+min_cosine = 0.0
+on_fail = "record"
+
+[distil.cpu.bench]
+batch_sizes = [1]
+seq_lens = [16]
+warmup = 1
+min_iters = 2
+min_window_s = 0.05
+max_windows = 2
+max_seconds = 0.3
+baseline = false
+
+[distil.cpu.best]
+kind = "select"
+objective = "min_latency_p50"
+normalize = false  # bench times no PyTorch reference here (baseline = false)
+
+[distil.l4]
+hardware = "nvidia-l4"
+targets = ["weights", "onnx"]
+check_texts = 8  # the same onnx node as distil.cpu's: built once
+"""
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """The recipe built once, at the default -j."""
+    p = tmp_path_factory.mktemp("thirdparty")
+    (p / "mopt.toml").write_text('[store]\npath = ".mopt"\n')
+    (p / "r.toml").write_text(RECIPE)
+    proc = run_mopt("build", "r.toml", "--json", cwd=p, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    return p, json.loads(proc.stdout)
+
+
+def test_plugin_is_listed_with_what_it_registered(tmp_path: Path) -> None:
+    proc = run_mopt("plugins", "--json", cwd=tmp_path)
+    acme = {p["name"]: p for p in json.loads(proc.stdout)["plugins"]}["acme"]
+    assert acme["distribution"] == "acme-distil-plugin"
+    assert acme["registered"] == {"targets": ["distill"], "families": ["distilbert"], "hardware": ["nvidia-l4"]}
+
+
+def test_check_estimates_the_new_family_from_its_config_keys(tmp_path: Path) -> None:
+    """DistilBERT's config says dim / n_layers / n_heads / hidden_dim: the family's dims()
+    reads them, and the estimator counts exactly what transformers builds."""
+    pytest.importorskip("transformers")
+    import torch
+    from acme_distil.plugin import DistilBertFamily
+    from transformers import AutoConfig, AutoModel
+
+    (tmp_path / "r.toml").write_text(RECIPE)
+    proc = run_mopt("check", "r.toml", "--json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["findings"] == []
+    assert "synthetic defaults" in data["model_configs"]["distil"]
+    (est,) = [e for e in data["estimates"] if e["section"] == "distil.l4"]
+    assert est["hardware"] == "nvidia-l4" and est["capacity_bytes"] == 24 * 2**30
+    cfg = {**DistilBertFamily.synthetic_defaults, "vocab_size": 32000}  # check assumes 32000
+    with torch.device("meta"):
+        model = AutoModel.from_config(AutoConfig.for_model("distilbert", **cfg))
+    assert est["params"] == sum(p.numel() for p in model.parameters())
+
+
+def test_distilled_checkpoint_goes_through_onnx_validate_bench_and_select(built: tuple[Path, dict]) -> None:
+    p, data = built
+    status = {n["id"]: n["status"] for n in data["nodes"]}
+    assert set(status.values()) == {"built"}
+    assert "distil.l4:onnx" not in status  # shared with distil.cpu:onnx (not per hardware)
+    assert (p / "build/distil/l4/onnx/model.onnx").is_file()
+    for node in ("small", "onnx-small", "validate[onnx-small]", "bench[onnx-small]", "best"):
+        assert f"distil.cpu:{node}" in status
+    small = json.loads((p / "build/distil/cpu/small/config.json").read_text())
+    full = json.loads((p / "build/distil/cpu/weights/config.json").read_text())
+    assert (small["n_layers"], full["n_layers"]) == (1, 3)
+    assert json.loads((p / "build/distil/cpu/onnx-small/mopt_ml.json").read_text())["family"] == "distilbert"
+    report = json.loads((p / "build/distil/cpu/validate[onnx-small]/report.json").read_text())
+    assert report["family"] == "distilbert" and report["metrics"]["n"] > 100
+    bench = json.loads((p / "build/distil/cpu/bench[onnx-small]/bench.json").read_text())
+    assert bench["results"]
+    selection = json.loads((p / "build/distil/cpu/best/selection.json").read_text())
+    assert {r["label"] for r in selection["variants"]} == {"onnx", "onnx-small"}
+    assert selection["winner"] in ("onnx", "onnx-small")
+
+
+def test_estimate_of_the_built_checkpoint_is_its_parameter_count(built: tuple[Path, dict]) -> None:
+    p, _ = built
+    (p / "w.toml").write_text(
+        'schema = 1\n[models.w]\nfamily = "distilbert"\nsource = { path = "build/distil/cpu/weights" }\n'
+        '[w.l4]\nhardware = "nvidia-l4"\ntargets = ["weights"]\n'
+    )
+    proc = run_mopt("check", "w.toml", "--json", cwd=p)
+    assert proc.returncode == 0, proc.stderr
+    (est,) = json.loads(proc.stdout)["estimates"]
+    manifest = json.loads((p / "build/distil/cpu/weights/manifest.json").read_text())
+    assert est["params"] == manifest["num_parameters"]
+
+
+def test_noop_rebuild_takes_the_fast_path(built: tuple[Path, dict]) -> None:
+    p, _ = built
+    time.sleep(0.3)  # files written within the racy window are not trusted by stat
+    first = run_mopt("build", "r.toml", "--json", cwd=p)
+    assert first.returncode == 0, first.stderr
+    second = json.loads(run_mopt("build", "r.toml", "--json", cwd=p).stdout)
+    assert second["io"].get("noop_stamp") is True, second["io"]
+    assert set(second["counts"]) == {"cached"}
+
+
+def test_wrong_input_names_the_format(tmp_path: Path) -> None:
+    (tmp_path / "r.toml").write_text(
+        RECIPE.replace('[distil.cpu.best]', '[distil.cpu.slim]\nkind = "onnx-slim"\ninput = "small"\n\n[distil.cpu.best]')
+        .replace('"validate", "bench", "best"]', '"validate", "bench", "best", "slim"]')
+    )
+    proc = run_mopt("plan", "r.toml", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[-1].endswith(
+        "[distil.cpu.slim] input: input 'small' is a 'distill' (format 'hf-checkpoint'), which kind "
+        "'onnx-slim' does not take (it takes: format onnx, kind onnx)"
+    )

@@ -1,0 +1,1 @@
+"""acme-distil: a mopt plugin written only against `mopt.api` and `mopt.hookspecs`."""
