@@ -30,7 +30,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from mopt.build import NodeState, Reporter, address_path, built_inputs, readiness
+from mopt.build import NodeState, Reporter, built_inputs, readiness
 from mopt.errors import MoptError
 from mopt.keys import action_key
 from mopt.store import ActionEntry
@@ -306,7 +306,7 @@ class RayBuild:
             with self.engine.store.in_use():
                 for address in node.addresses:
                     self.engine.store.materialize(
-                        entry.outputs_tree, address_path(self.engine.build_dir, address)
+                        entry.outputs_tree, self.engine.address_path(address)
                     )
         st.entry = entry
         self.outputs[node.id] = entry.outputs_tree
