@@ -66,7 +66,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, float]:
     wall = time.monotonic() - t0
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     print(f"\ncold build of tiny-bert.* (base image, two images, two container checks): {wall:.0f} s")
-    print(r.stdout[-3000:])
+    print(r.stdout[-3000:] + r.stderr[-3000:])
     return project, wall
 
 
