@@ -70,7 +70,16 @@ of 11 M, 103 M and 596 M parameters, one forward pass with SDPA attention, estim
         carries ~6 MiB of fixed buffers); parameter counts are exact (tests/test_estimate.py).
     Eager attention (score matrices) was checked on the H200 at 8 × 1024 and 32 × 2048 tokens:
         9.5-9.9 bytes per score element, hence the 10 used above.
-Not measured: TensorRT engines, vLLM and TensorRT-LLM (none is installable here); their
+vLLM's KV cache (vLLM 0.26.0 on the H200, 2026-12-01, Qwen3-Embedding-0.6B's shape, six configs
+    at vLLM's default gpu_memory_utilization 0.92, docs/h200-2026-12-01): the token capacity
+    `kv_tokens_available` against vLLM's "GPU KV cache size" is +0.08 % to +1.02 % (vLLM's
+    defaults: 1,191,359 estimated vs 1,186,096 measured, +0.44 %; weights 1.11 vs vLLM's 1.12 GiB);
+    the budget 0.92 × 141 GiB = 132,833 MiB against the engine process's 132,320-133,406 MiB in
+    nvidia-smi is -0.4 % to +0.4 %. Two errors cancel: the profile's 141 GiB is 0.4 % above the
+    card's 140.4 GiB, and vLLM's profiled activations + CUDA graphs + non-torch memory (1.36 GiB)
+    exceed the estimate's activations + 0.5 GiB runtime line. Tested in
+    plugins/mopt-serve/tests/test_recorded_h200.py.
+Not measured: TensorRT engines and TensorRT-LLM (neither is installable here); their
 allocators and CUDA graphs add to the runtime line, which is a flat 0.5 GiB guess.
 """
 

@@ -17,7 +17,7 @@ step() {
   [ -f $R/done/$name ] && { echo "== $name: done before"; return 0; }
   if [ "$(left)" -lt "$est" ]; then echo "== $name: skipped, $(left) s left < $est s"; return 1; fi
   echo "== $name (t=$((SECONDS-START)) s, $(left) s left)"; local s0=$SECONDS
-  timeout -s INT -k 20 $(( $(left) - 5 )) "$@"; local rc=$?
+  timeout -s INT -k 20 $(( $(left) - 5 )) bash -c '"$@"' _ "$@"; local rc=$?
   echo "$name rc=$rc $((SECONDS-s0)) s" | tee -a $R/times.txt
   [ $rc -eq 0 ] && touch $R/done/$name
   # a server left behind by an interrupted serve-check holds the GPU: end it, by its pid
@@ -42,6 +42,7 @@ build() {  # build SELECTOR...: one mopt build, its json and log kept under a na
     [ -f "$d/server.log" ] && tail -c 60000 "$d/server.log" > $R/art/$n/server.log.tail; done
   return $rc
 }
+export -f setup build; export R RECIPE D OUT
 {
 source .gpu-wheels/bin/env.sh
 step setup 60 setup || { pack; exit 1; }

@@ -339,6 +339,7 @@ base = "docker.io/library/python:3.12-slim@sha256:{digest}"
         "candidates": ["tiny.cpu:int8", "tiny.cpu:onnx"],
         "validate": ["tiny.cpu:validate[int8]", "tiny.cpu:validate[onnx]"],
         "bench": ["tiny.cpu:bench[int8]", "tiny.cpu:bench[onnx]"],
+        "serve": [],  # serve-check results (max_throughput_under_slo): none in this section
     }
 
 

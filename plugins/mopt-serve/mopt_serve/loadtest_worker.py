@@ -28,7 +28,12 @@ from typing import Any
 from urllib.parse import urlparse
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # mopt_serve's own statistics, whatever the cwd
+# run as a script, Python puts this file's folder first on sys.path, where mopt_serve's own
+# vllm.py would shadow the real vLLM ("No module named 'vllm.benchmarks'; 'vllm' is not a
+# package": what happened on the H200, 2026-12-01, so every step fell back to mopt-loop)
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
+if str(HERE.parent) not in sys.path:
+    sys.path.append(str(HERE.parent))  # mopt_serve's own statistics, whatever the cwd
 
 from mopt_serve.serve_check import step_from_latencies, step_from_vllm_bench  # noqa: E402
 

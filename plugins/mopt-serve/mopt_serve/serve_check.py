@@ -110,7 +110,12 @@ class LocalServer:
             # start_new_session: the server and the engine core processes it forks share a
             # process group of their own, which stop() and kill_server() signal as a whole
             self.proc = subprocess.Popen(
-                self.argv, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True, env=self.env
+                self.argv,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=self.env,
+                preexec_fn=_die_with_parent,
             )
 
     def alive(self) -> bool:
@@ -149,6 +154,17 @@ class LocalServer:
 
     def log_tail(self, n: int = 40) -> str:
         return log_tail(self.log_path, n)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the process that started it dies. An
+    interrupted mopt build stops its actions' threads without running their `finally`
+    (seen on the H200, 2026-12-01: a vLLM server outlived `mopt build` and held 130 GiB), and
+    the server's own session keeps it out of any process-group kill."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def log_tail(path: Path, n: int = 40) -> str:

@@ -443,16 +443,6 @@ def test_triton_check_preferred_sizes():
 # --------------------------------------------------------------------------- the real things
 
 
-@pytest.mark.gpu
-def test_serve_check_against_a_live_vllm(tmp_path):
-    pytest.importorskip("vllm", reason="needs vLLM and a CUDA GPU")
-    if not _env.gpus():
-        pytest.skip("needs a CUDA GPU")
-    pytest.skip(
-        "needs a real embedding checkpoint on disk; run through `mopt build` with a serve-check target"
-    )
-
-
 def test_triton_takes_the_hidden_size_from_the_onnx_kinds_metadata(tmp_path):
     from mopt_serve.triton import fill_hidden_size
 
