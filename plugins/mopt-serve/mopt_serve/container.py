@@ -410,7 +410,7 @@ class ContainerCheckKind(TargetKind):
         why = daemon_unavailable()
         if why is not None:
             raise RuntimeError(
-                f"container-check: {why}. The image is built ({image.target}: image.oci.tar) but was not "
+                f"container-check: {why}. The image ({image.label or image.target}) is built but was not "
                 "run or checked"
             )
         info = json.loads((image.path / "image.json").read_text())
