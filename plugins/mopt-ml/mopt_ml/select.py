@@ -35,7 +35,7 @@ from typing import Any, Literal
 from mopt.api import Artifact, BuildContext, Input, Missing, Params, TargetKind
 from pydantic import Field, model_validator
 
-from mopt_ml.validate import ONNX_KINDS
+from mopt_ml.validate import TESTED_KINDS
 
 OBJECTIVES = (
     "min_latency_p99",
@@ -60,7 +60,7 @@ class SelectKind(TargetKind):
     version = "1"
     description = "the best variant of a sweep (objective + gates), with a table of why"
     consumes = (
-        Input("candidates", kinds=(*ONNX_KINDS, "torch-compile"), gather=True, partial=True),
+        Input("candidates", kinds=TESTED_KINDS, gather=True, partial=True),
         Input("validate", kinds=("validate",), gather=True, partial=True),
         Input("bench", kinds=("bench",), gather=True, partial=True),
     )
