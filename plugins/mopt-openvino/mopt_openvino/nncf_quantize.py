@@ -121,13 +121,19 @@ def calibration_items(tokenizer: Any, texts: list[str], params: Any) -> list[dic
 
 
 def _progress_to_stderr() -> None:
-    """NNCF draws its progress bars on rich's global console, which writes to stdout: that
-    would corrupt `mopt build --json`. Point that console at stderr (mopt's own output uses
-    consoles of its own; nothing else here draws on the global one)."""
+    """NNCF draws its progress bars on rich's global console and logs through a handler,
+    both writing to stdout: that would corrupt `mopt build --json`. Point both at stderr
+    (mopt's own output uses consoles of its own; nothing else here draws on the global one)."""
+    import logging
+    import sys
+
     import rich
 
     if not rich.get_console().stderr:
         rich.reconfigure(stderr=True)
+    for handler in logging.getLogger("nncf").handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)
 
 
 def quantize(
@@ -178,7 +184,7 @@ def quantize(
         nncf.Dataset(items),
         preset=nncf.QuantizationPreset(params.preset),
         target_device=nncf.TargetDevice(params.target_device),
-        subset_size=params.subset_size,
+        subset_size=min(params.subset_size, len(items)),  # fewer texts than asked for: all of them
         fast_bias_correction=params.fast_bias_correction,
         model_type=nncf.ModelType.TRANSFORMER if params.model_type == "transformer" else None,
         ignored_scope=ignored,
