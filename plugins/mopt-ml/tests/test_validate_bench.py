@@ -108,3 +108,30 @@ def test_bench_times_the_artifact_and_the_pytorch_baseline(runner: Any, qwen3_ch
     assert "<script" not in html and "http://" not in html.replace("http://www.w3.org/2000/svg", "")
     assert "https://" not in html
     assert meta["points"] == 4 and set(meta["p50_ms"]) == {"1x16", "4x16", "1x32", "4x32"}
+
+
+def test_validate_reuses_the_reference_per_weights_and_texts(
+    tmp_path: Path, qwen3_chain: dict[str, Any]
+) -> None:
+    import numpy as np
+
+    from mopt_ml.families import as_family
+    from mopt_ml.validate import reference_embeddings
+
+    family = as_family(qwen3_chain["family"])
+    weights = qwen3_chain["weights"]
+    kw = {"max_length": 32, "batch_size": 4, "pad_to": None}
+    texts = ["first sentence", "a second, longer sentence", "third"]
+    fresh = reference_embeddings(family, weights, texts, kw, None)
+    first = reference_embeddings(family, weights, texts, kw, (tmp_path, "digest-a"))
+    files = sorted(tmp_path.glob("reference-*.npy"))
+    assert len(files) == 1 and np.array_equal(first, fresh)
+    np.save(files[0], np.zeros_like(fresh))  # the second call must return the cached file
+    assert not reference_embeddings(family, weights, texts, kw, (tmp_path, "digest-a")).any()
+    # other weights, texts or settings: their own entries, computed afresh
+    other = reference_embeddings(family, weights, texts, kw, (tmp_path, "digest-b"))
+    assert np.array_equal(other, fresh)
+    reference_embeddings(family, weights, texts[:2], kw, (tmp_path, "digest-a"))
+    reference_embeddings(family, weights, texts, {**kw, "max_length": 16}, (tmp_path, "digest-a"))
+    assert len(list(tmp_path.glob("reference-*.npy"))) == 4
+    assert not list(tmp_path.glob(".reference-*"))  # no partial files left behind
