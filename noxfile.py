@@ -66,9 +66,21 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Benchmarks that print numbers: no-op / touch / change vs DVC and Snakemake, hashing."""
+    """Benchmarks that print numbers: no-op / touch / change vs DVC and Snakemake, hashing;
+    all-MiniLM-L6-v2 on this CPU: PyTorch fp32, ONNX Runtime fp32, mopt's ORT INT8 variants and
+    OpenVINO (f32, bf16, NNCF INT8) side by side, latency and accuracy, alternating rounds."""
     install_all(session, "dvc", "snakemake")
     session.run("python", "benchmarks/bench_build.py", *session.posargs)
+    session.run(
+        "python",
+        "plugins/mopt-ml/bench_minilm.py",
+        "--variants",
+        "default,s8-rr",
+        "--openvino",
+        "fp32,bf16,int8",
+        "--rounds",
+        "3",
+    )
     session.run("python", "benchmarks/bench_runner.py")
 
 

@@ -317,6 +317,10 @@ class TargetKind:
     reproducible: ClassVar[bool] = True
     #: the action needs the network; with False, a bubblewrap sandbox runs it without any
     network: ClassVar[bool] = True
+    #: the action may run in the bubblewrap sandbox; False for kinds that drive system tools
+    #: keeping state outside the project (buildah, docker: /etc/containers, /var/lib/containers),
+    #: which then run in a plain worker process (the input check still applies)
+    sandbox: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

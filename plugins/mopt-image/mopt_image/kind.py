@@ -42,6 +42,9 @@ class ImageKind(TargetKind):
     built by buildah (daemonless) or docker into `image.oci.tar` + `image.json`."""
 
     name = "image"
+    # buildah / mmdebstrap / docker keep state in /etc/containers, /var/lib/containers and
+    # the daemon: outside a bubblewrap sandbox (the input check still applies)
+    sandbox = False
     version = "1"
     description = "reproducible OCI image of the serving stack (buildah or docker)"
     produces = "oci-image"

@@ -12,6 +12,7 @@ import platform
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -24,7 +25,8 @@ from mopt_ml.validate import ArtifactTester
 
 class BenchKind(ArtifactTester):
     """Latency p50/p90/p99, throughput and peak memory of an artifact and its PyTorch FP32
-    baseline: warm-up, then timed windows until two agree (bounded)."""
+    baseline: warm-up, then timed calls until the median's confidence interval is narrow
+    (bounded by a count and a time cap)."""
 
     name = "bench"
     version = "1"
@@ -41,19 +43,21 @@ class BenchKind(ArtifactTester):
         baseline: bool = Field(default=True, description="also time the PyTorch FP32 reference")
         torch_attn: Literal["sdpa", "eager"] = Field(default="sdpa", description="baseline attention")
         warmup: int = Field(default=2, ge=0, description="untimed calls per grid point")
-        min_iters: int = Field(default=3, ge=1, description="calls per timed window, at least")
-        min_window_s: float = Field(default=0.3, gt=0, description="seconds per timed window, at least")
-        max_windows: int = Field(default=4, ge=2, description="windows per grid point, at most")
-        rel_tol: float = Field(
-            default=0.05, gt=0, description="stable when two window medians agree this well"
+        min_samples: int = Field(default=6, ge=2, description="timed calls per grid point, at least")
+        max_samples: int = Field(default=60, ge=2, description="timed calls per grid point, at most")
+        ci_rel: float = Field(
+            default=0.03,
+            gt=0,
+            description="stop when the confidence interval of the median is within this fraction of it",
         )
-        max_seconds: float = Field(default=10.0, gt=0, description="timed seconds per grid point, at most")
+        confidence: float = Field(default=0.95, gt=0.5, lt=1.0, description="of that interval")
+        max_seconds: float = Field(default=6.0, gt=0, description="timed seconds per grid point, at most")
         data: str | None = Field(default=None, description="texts the inputs are made of (null: shipped)")
 
     def fingerprint(self) -> dict[str, str]:
         from mopt_ml.common import versions
 
-        return versions("torch", "transformers", "onnxruntime", "numpy")
+        return versions("torch", "transformers", "onnxruntime", "numpy", "openvino")
 
     def platform(self, hardware: Any) -> dict[str, Any]:
         return {"machine": platform.machine(), "cpu": cpu_model(), "cpus": os.cpu_count()}
@@ -119,6 +123,7 @@ def _run_worker(spec: dict[str, Any], tmp: Path, log: Any) -> dict[str, Any]:
     env = dict(os.environ)
     threads = str(spec["threads"])
     env.update({"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"})
+    t0 = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-m", "mopt_ml.benchworker", str(spec_path), str(out_path)],
         env=env,
@@ -128,12 +133,15 @@ def _run_worker(spec: dict[str, Any], tmp: Path, log: Any) -> dict[str, Any]:
         errors="replace",
     )
     for line in proc.stdout.splitlines():
-        if line.startswith(("onnx ", "torch ")):
+        if line.startswith(("onnx ", "torch ", "openvino ")):
             log(line)
     if proc.returncode != 0:
         tail = "\n".join(proc.stdout.splitlines()[-15:])
         raise RuntimeError(f"benchmark worker for {spec['label']} failed (exit {proc.returncode}):\n{tail}")
-    return json.loads(out_path.read_text())  # type: ignore[no-any-return]
+    result: dict[str, Any] = json.loads(out_path.read_text())
+    # the worker's whole life (start, imports, load, warm-up, timing): where a bench's time goes
+    result["process_seconds"] = round(time.perf_counter() - t0, 3)
+    return result
 
 
 def bench(
@@ -156,7 +164,7 @@ def bench(
     texts = texts_from_param(params.data, project_dir, "validation")
     timing = {
         k: getattr(params, k)
-        for k in ("warmup", "min_iters", "min_window_s", "max_windows", "rel_tol", "max_seconds")
+        for k in ("warmup", "min_samples", "max_samples", "ci_rel", "confidence", "max_seconds")
     }
     common = {
         "threads": threads,
@@ -205,6 +213,13 @@ def bench(
             )
         log("baseline: eager PyTorch in the artifact's precision on the same GPU")
     else:
+        from mopt_ml.benchworker import save_inputs
+
+        # tokenized once, here, for every backend (before the benchmark lock: no timing yet)
+        tokenizer = family.load_tokenizer(model_dir)
+        shapes = [(b, s) for s in common["seq_lens"] for b in common["batch_sizes"]]
+        save_inputs(tmp / "inputs.npz", tokenizer, texts, shapes)
+        common["inputs"] = str(tmp / "inputs.npz")
         with exclusive_cpu(log):
             results = _time_all(model_dir, ref_dir, art_label, common, params, tmp, log)
     speedups = []
@@ -221,6 +236,8 @@ def bench(
         "artifact": art_label,
         "precision": meta.get("precision"),
         "quantization": (meta.get("quantization") or {}).get("mode"),
+        # OpenVINO: inference precision, streams, hint and threads its CPU plugin ran with
+        "runtime": results[0].get("runtime"),
         "machine": {
             "cpu": cpu_model(),
             "cpus": os.cpu_count(),
@@ -235,7 +252,7 @@ def bench(
         },
         "results": results,
         "speedup_vs_pytorch_fp32": speedups,
-        "tools": versions("torch", "transformers", "onnxruntime"),
+        "tools": versions("torch", "transformers", "onnxruntime", *(("openvino",) if results[0].get("runtime") else ())),
     }
     write_json(out / "bench.json", report)
     (out / "report.html").write_text(render_html(report), encoding="utf-8")
@@ -248,6 +265,8 @@ def bench(
         "p50_ms": {f"{p['batch']}x{p['seq']}": round(p["p50_ms"], 2) for p in results[0]["points"]},
         "speedup_largest": round(top["speedup_p50"], 3) if top else None,
         "peak_rss_mb": round(results[0]["peak_rss_mb"], 1),
+        "stable": all(p["stable"] for r in results for p in r["points"]),
+        **({"runtime": results[0]["runtime"]} if results[0].get("runtime") else {}),
     }
 
 
@@ -255,20 +274,13 @@ def _time_all(
     model_dir: Path, ref_dir: Path, art_label: str, common: dict[str, Any], params: Any, tmp: Path, log: Any
 ) -> list[dict[str, Any]]:
     from mopt_ml.common import model_onnx
+    from mopt_ml.validate import is_openvino
 
-    results = [
-        _run_worker(
-            {
-                **common,
-                "backend": "onnx",
-                "label": art_label,
-                "model": str(model_onnx(model_dir)),
-                "tokenizer": str(model_dir),
-            },
-            tmp,
-            log,
-        )
-    ]
+    if is_openvino(model_dir):  # compiled with the runtime properties the artifact records
+        spec = {"backend": "openvino", "model": str(model_dir)}
+    else:
+        spec = {"backend": "onnx", "model": str(model_onnx(model_dir))}
+    results = [_run_worker({**common, **spec, "label": art_label, "tokenizer": str(model_dir)}, tmp, log)]
     if params.baseline:
         results.append(
             _run_worker(
@@ -460,6 +472,14 @@ def render_html(report: dict[str, Any]) -> str:
             f"{top['batch']} × {top['seq']} tokens (p50 latency).</p>"
         )
     m = report["machine"]
+    rt = report.get("runtime")
+    ov_line = (
+        f"<p class=muted>OpenVINO runtime: inference precision {html.escape(str(rt['inference_precision']))}, "
+        f"{rt['num_streams']} stream(s), performance hint {html.escape(str(rt['performance_hint']))}, "
+        f"{rt['inference_num_threads']} threads</p>"
+        if rt
+        else ""
+    )
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8">
 <title>mopt bench: {html.escape(report["artifact"])}</title>
@@ -473,6 +493,7 @@ th{{background:#f4f4f4}} td:first-child{{text-align:left}} .muted{{color:#777;fo
 <p class=muted>{html.escape(m["cpu"])} · {m["threads"]} threads of {m["cpus"]} CPUs · precision
 {html.escape(str(report.get("precision")))} · onnxruntime {html.escape(report["tools"].get("onnxruntime", ""))} ·
 torch {html.escape(report["tools"].get("torch", ""))}</p>
+{ov_line}
 {best}
 <div class=charts>{"".join(charts)}</div>
 <h2>Latency and throughput</h2>
@@ -481,8 +502,8 @@ torch {html.escape(report["tools"].get("torch", ""))}</p>
 {"".join(rows)}</table>
 <h2>Memory</h2>
 <table><tr><th>backend</th><th>peak RSS MB</th><th>RSS after load MB</th><th>RSS at start MB</th><th>load s</th></tr>{mem}</table>
-<p class=muted>Each backend runs in its own process. Percentiles come from the last two timed windows after
-{report["settings"]["warmup"]} warm-up calls; a point is stable when two consecutive window medians agree within
-{report["settings"]["rel_tol"] * 100:g}%.</p>
+<p class=muted>Each backend runs in its own process. After {report["settings"]["warmup"]} warm-up calls, calls are
+timed until the {report["settings"]["confidence"] * 100:g}% confidence interval of the median (order statistics) lies
+within {report["settings"]["ci_rel"] * 100:g}% of it (stable), or the call or time cap is reached.</p>
 </body></html>
 """

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import math
 import resource
 import statistics
 import sys
@@ -52,43 +53,67 @@ def percentile(values: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
+def median_ci(values: list[float], confidence: float = 0.95) -> tuple[float, float] | None:
+    """A distribution-free confidence interval of the median: order statistics x(j) and
+    x(n+1-j), with j the largest rank such that P(Binomial(n, 1/2) < j) <= (1 - confidence) / 2
+    (the sign-test interval; no assumption about the timing distribution, which is skewed
+    and often bimodal on a shared machine). None when `values` are too few for
+    `confidence` (at 95 %: fewer than 6)."""
+    n = len(values)
+    xs = sorted(values)
+    tail = (1.0 - confidence) / 2.0
+    cdf = 0.0
+    j = 0
+    for k in range(n + 1):
+        cdf += math.comb(n, k) / 2.0**n
+        if cdf > tail:
+            break
+        j = k + 1
+    if j < 1:
+        return None
+    return xs[j - 1], xs[n - j]
+
+
 def measure(fn: Callable[[], Any], timing: dict[str, Any]) -> dict[str, Any]:
-    """Warm up, then time windows of calls until two consecutive window medians agree
-    within `rel_tol` (or the window / time budget runs out). Percentiles come from the
-    last two windows."""
+    """Warm up, then time calls until the estimate is stable: the `confidence` interval of
+    the median within `ci_rel` of it on either side, after at least `min_samples` calls; at
+    most `max_samples` calls or `max_seconds` (the point is then marked not stable)."""
     for _ in range(timing["warmup"]):
         fn()
+    conf = timing.get("confidence", 0.95)
     start = time.perf_counter()
-    windows: list[list[float]] = []
+    times: list[float] = []
     stable = False
+    ci: tuple[float, float] | None = None
     while True:
-        times: list[float] = []
-        w0 = time.perf_counter()
-        while len(times) < timing["min_iters"] or time.perf_counter() - w0 < timing["min_window_s"]:
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-            if len(times) >= 1000:
-                break
-        windows.append(times)
-        if len(windows) >= 2:
-            a, b = statistics.median(windows[-2]), statistics.median(windows[-1])
-            if abs(b - a) / max(a, 1e-12) <= timing["rel_tol"]:
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+        if len(times) >= timing["min_samples"]:
+            ci = median_ci(times, conf)
+            if ci is not None and stable_ci(statistics.median(times), ci, timing["ci_rel"]):
                 stable = True
                 break
-        if len(windows) >= timing["max_windows"] or time.perf_counter() - start > timing["max_seconds"]:
+        if len(times) >= timing["max_samples"] or time.perf_counter() - start > timing["max_seconds"]:
             break
-    last = [t for w in windows[-2:] for t in w]
+    med = statistics.median(times)
     return {
-        "p50_ms": percentile(last, 50) * 1000,
-        "p90_ms": percentile(last, 90) * 1000,
-        "p99_ms": percentile(last, 99) * 1000,
-        "mean_ms": statistics.fmean(last) * 1000,
-        "samples": len(last),
-        "windows": len(windows),
-        "window_medians_ms": [statistics.median(w) * 1000 for w in windows],
+        "p50_ms": med * 1000,
+        "p90_ms": percentile(times, 90) * 1000,
+        "p99_ms": percentile(times, 99) * 1000,
+        "mean_ms": statistics.fmean(times) * 1000,
+        "min_ms": min(times) * 1000,
+        "samples": len(times),
+        "timed_s": round(time.perf_counter() - start, 3),
+        "ci_ms": [ci[0] * 1000, ci[1] * 1000] if ci else None,
+        "ci_confidence": conf,
         "stable": stable,
     }
+
+
+def stable_ci(median: float, ci: tuple[float, float], rel: float) -> bool:
+    """Whether the interval `ci` lies within `rel` of `median` on both sides."""
+    return median - ci[0] <= rel * median and ci[1] - median <= rel * median
 
 
 def make_inputs(tokenizer: Any, texts: list[str], batch: int, seq: int) -> dict[str, Any]:
@@ -107,6 +132,41 @@ def make_inputs(tokenizer: Any, texts: list[str], batch: int, seq: int) -> dict[
     }
 
 
+def save_inputs(path: Path, tokenizer: Any, texts: list[str], shapes: list[tuple[int, int]]) -> None:
+    """The inputs of every grid point, tokenized once (by the parent) into an .npz: the
+    ONNX Runtime and OpenVINO workers then never import transformers (3 s of CPU each on 2
+    cores), and every backend times exactly the same tokens."""
+    import numpy as np
+
+    arrays = {}
+    for batch, seq in shapes:
+        feeds = make_inputs(tokenizer, texts, batch, seq)
+        arrays[f"input_ids_{batch}x{seq}"] = feeds["input_ids"]
+        arrays[f"attention_mask_{batch}x{seq}"] = feeds["attention_mask"]
+    np.savez(path, **arrays)
+
+
+def load_inputs(spec: dict[str, Any]) -> dict[tuple[int, int], dict[str, Any]] | None:
+    """The pre-tokenized inputs of `spec["inputs"]` by (batch, seq), or None."""
+    if not spec.get("inputs"):
+        return None
+    import numpy as np
+
+    out: dict[tuple[int, int], dict[str, Any]] = {}
+    with np.load(spec["inputs"]) as data:
+        for key in data.files:
+            name, _, shape = key.rpartition("_")
+            b, s = (int(x) for x in shape.split("x"))
+            out.setdefault((b, s), {})[name] = data[key]
+    return out
+
+
+def auto_tokenizer(folder: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
 def load_family(ref: str) -> Any:
     module, _, qual = ref.partition(":")
     obj: Any = importlib.import_module(module)
@@ -117,20 +177,35 @@ def load_family(ref: str) -> Any:
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     threads = int(spec["threads"])
+    runtime: dict[str, Any] | None = None  # OpenVINO: the properties its CPU plugin chose
     rss_start = rss_mb()
     t0 = time.perf_counter()
+    inputs = load_inputs(spec)
+    tokenizer: Any = None
     if spec["backend"] == "onnx":
-        from transformers import AutoTokenizer
-
         from mopt_ml.common import OUTPUT_NAME, ort_session
 
-        tokenizer = AutoTokenizer.from_pretrained(spec["tokenizer"])
+        if inputs is None:
+            tokenizer = auto_tokenizer(spec["tokenizer"])
         sess = ort_session(Path(spec["model"]), threads=threads)
         names = {i.name for i in sess.get_inputs()}
 
         def runner(feeds: dict[str, Any]) -> Callable[[], Any]:
             f = {k: v for k, v in feeds.items() if k in names}
             return lambda: sess.run([OUTPUT_NAME], f)
+
+    elif spec["backend"] == "openvino":
+        from mopt_openvino.runtime import Runner, compile_folder, effective
+
+        if inputs is None:
+            tokenizer = auto_tokenizer(spec["tokenizer"])
+        compiled = compile_folder(Path(spec["model"]), threads=threads)
+        runtime = effective(compiled)
+        ov_run = Runner(compiled)
+
+        def runner(feeds: dict[str, Any]) -> Callable[[], Any]:
+            f = ov_run.feeds(feeds)
+            return lambda: ov_run.request.infer(f, share_inputs=True, share_outputs=True)
 
     elif spec["backend"] in ("torch-compile", "torch-cuda-eager"):
         import torch
@@ -187,7 +262,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     points = []
     grid = spec.get("shapes") or [[b, s] for s in spec["seq_lens"] for b in spec["batch_sizes"]]
     for batch, seq in grid:
-        feeds = make_inputs(tokenizer, spec["texts"], batch, seq)
+        feeds = inputs[(batch, seq)] if inputs is not None else make_inputs(tokenizer, spec["texts"], batch, seq)
         stats = measure(runner(feeds), spec["timing"])
         stats.update(
             {
@@ -200,7 +275,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         points.append(stats)
         print(
             f"{spec['backend']} b={batch} s={seq}: p50 {stats['p50_ms']:.1f} ms "
-            f"({stats['windows']} windows{'' if stats['stable'] else ', not stable'})",
+            f"({stats['samples']} calls{'' if stats['stable'] else ', not stable'})",
             file=sys.stderr,
             flush=True,
         )
@@ -213,7 +288,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         "backend": spec["backend"],
         "label": spec.get("label", spec["backend"]),
         "threads": threads,
-        "peak_gpu_mb": gpu_peak,  # tensors allocated by torch on the GPU (None on CPU)
+        "peak_gpu_mb": gpu_peak,
+        "runtime": runtime,  # tensors allocated by torch on the GPU (None on CPU)
         "load_seconds": load_s,
         "rss_start_mb": rss_start,
         "rss_loaded_mb": rss_loaded,

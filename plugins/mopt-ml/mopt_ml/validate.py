@@ -20,6 +20,49 @@ ONNX_KINDS = ("ort-quantize", "onnx-slim", "onnx")
 TESTED_FORMATS = ("onnx", "openvino-ir", "torch-compile-cache")
 
 
+def is_openvino(folder: Path) -> bool:
+    """An OpenVINO IR folder (by its files, whichever kind made it)."""
+    return (folder / "model.xml").is_file() and (folder / "model.bin").is_file()
+
+
+def reference_embeddings(
+    family: Any, ref_dir: Path, texts: list[str], kw: dict[str, Any], cache: tuple[Path, str] | None
+) -> Any:
+    """The PyTorch fp32 reference embeddings of `texts`. With `cache` (the kind's cache
+    folder, the reference artifact's digest) they are computed once per weights, texts,
+    settings, threads and library versions and reused by the section's other validate
+    actions (a sweep validates every variant against the same reference)."""
+    import os
+
+    import numpy as np
+    import torch
+
+    from mopt_ml.common import spec_hash, versions
+
+    path = None
+    if cache is not None:
+        key = {
+            "weights": cache[1],
+            "family": family.name,
+            "texts": spec_hash(texts),
+            "settings": kw,
+            "threads": torch.get_num_threads(),  # fp32 sums are ordered by the thread split
+            "tools": versions("torch", "transformers", "tokenizers"),
+        }
+        path = cache[0] / f"reference-{spec_hash(key, 32)}.npy"
+        if path.is_file():
+            return np.load(path)
+    model = family.load(ref_dir, dtype="fp32")
+    reference = family.embed(model, family.load_tokenizer(ref_dir), texts, **kw)
+    del model
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part = path.with_name(f".{path.name}.{os.getpid()}.{id(reference)}.npy")
+        np.save(part, reference)
+        os.replace(part, path)  # atomic: a concurrent validate reads a whole file or none
+    return reference
+
+
 class GateFailed(RuntimeError):
     """The artifact is not accurate enough for the recipe's thresholds."""
 
@@ -87,7 +130,7 @@ class ValidateKind(ArtifactTester):
     def fingerprint(self) -> dict[str, str]:
         from mopt_ml.common import versions
 
-        return versions("torch", "transformers", "onnxruntime", "numpy", "tokenizers")
+        return versions("torch", "transformers", "onnxruntime", "numpy", "tokenizers", "openvino")
 
     def test(self, art: Artifact, ref: Path, ctx: BuildContext, label: str) -> dict[str, Any]:
         return validate(
@@ -100,6 +143,7 @@ class ValidateKind(ArtifactTester):
             ctx.log,
             label=label,
             kind=art.kind,
+            cache=(ctx.cache_dir, ctx.input("reference").digest) if ctx.cache_dir else None,
         )
 
 
@@ -113,6 +157,7 @@ def validate(
     log: Any,
     label: str = "",
     kind: str = "onnx",
+    cache: tuple[Path, str] | None = None,
 ) -> dict[str, Any]:
     import numpy as np
     import torch
@@ -133,20 +178,24 @@ def validate(
 
     family = as_family(family_obj, ref_dir)
     texts = texts_from_param(params.data, project_dir, "validation")
+    runtime: dict[str, Any] | None = None  # an OpenVINO artifact: what its CPU plugin chose
     if params.threads:  # process-wide in torch: only when the recipe asks
         torch.set_num_threads(params.threads)
     threads = params.threads
 
-    model = family.load(ref_dir, dtype="fp32")
-    ref_tok = family.load_tokenizer(ref_dir)
     kw = {"max_length": params.max_length, "batch_size": params.batch_size, "pad_to": params.pad_to}
-    reference = family.embed(model, ref_tok, texts, **kw)
-    del model
+    reference = reference_embeddings(family, ref_dir, texts, kw, cache)
 
     if kind == "torch-compile":  # a compile cache: rebuilt from the weights, run on the GPU
         from mopt_ml import compiled
 
         got = compiled.embed(ref_dir, model_dir, family, texts, params.max_length)
+    elif is_openvino(model_dir):  # compiled with the runtime properties the artifact records
+        from mopt_openvino.runtime import embed_folder
+
+        tokenizer = load_tokenizer(model_dir)
+        family.sanitize_tokenizer(tokenizer)
+        got, runtime = embed_folder(model_dir, tokenizer, texts, threads=threads, **kw)
     else:
         tokenizer = load_tokenizer(model_dir)
         family.sanitize_tokenizer(tokenizer)
@@ -182,11 +231,12 @@ def validate(
         "quantization": meta.get("quantization"),
         "texts": {"n": len(texts), "source": params.data or "shipped validation split"},
         "settings": {**kw, "threads": threads or "default"},
+        "runtime": runtime,
         "metrics": numbers,
         "gates": results,
         "passed": not failed,
         "worst": worst,
-        "tools": versions("torch", "transformers", "onnxruntime"),
+        "tools": versions("torch", "transformers", "onnxruntime", *(("openvino",) if runtime else ())),
     }
     write_json(out / "report.json", report)
     summary = (
@@ -205,4 +255,5 @@ def validate(
         **{k: numbers[k] for k in ("min_cosine", "mean_cosine", "max_abs_diff")},
         "top1_agreement": numbers.get("top1_agreement"),
         "n": len(texts),
+        **({"inference_precision": runtime["inference_precision"]} if runtime else {}),
     }

@@ -331,8 +331,9 @@ base = "docker.io/library/python:3.12-slim@sha256:{digest}"
     nodes = {n["id"]: n for n in json.loads(plan.stdout)["nodes"]}
     # triton-repo prefers select over the section's other model artifacts; image when named
     assert nodes["tiny.cpu:triton-repo"]["inputs"]["model"] == ["tiny.cpu:best"]
+    # (`base`: an optional base-image target of the section; none here)
     assert nodes["tiny.cpu:image"]["inputs"] == {
-        "serve": ["tiny.cpu:triton-repo"], "model": ["tiny.cpu:best"], "files": []
+        "serve": ["tiny.cpu:triton-repo"], "model": ["tiny.cpu:best"], "files": [], "base": []
     }
     # select gathers every candidate (any kind producing a tested format, in section order)
     # and every validate / bench of the section in one node

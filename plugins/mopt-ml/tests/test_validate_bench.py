@@ -77,9 +77,8 @@ def test_bench_times_the_artifact_and_the_pytorch_baseline(runner: Any, qwen3_ch
         "seq_lens": [16, 32],
         "threads": 1,
         "warmup": 1,
-        "min_iters": 2,
-        "min_window_s": 0.02,
-        "max_windows": 3,
+        "min_samples": 6,
+        "max_samples": 8,
         "max_seconds": 2.0,
     }
     out, meta = runner.run(
@@ -97,7 +96,7 @@ def test_bench_times_the_artifact_and_the_pytorch_baseline(runner: Any, qwen3_ch
         assert [(p["batch"], p["seq"]) for p in r["points"]] == [(1, 16), (4, 16), (1, 32), (4, 32)]
         for p in r["points"]:
             assert 0 < p["p50_ms"] <= p["p90_ms"] <= p["p99_ms"]
-            assert p["samples"] >= 2 and p["tokens_per_s"] == pytest.approx(
+            assert 6 <= p["samples"] <= 8 and p["tokens_per_s"] == pytest.approx(
                 p["batch"] * p["seq"] / p["p50_ms"] * 1000
             )
         assert r["peak_rss_mb"] >= r["rss_loaded_mb"] > r["rss_start_mb"] > 0
@@ -109,3 +108,30 @@ def test_bench_times_the_artifact_and_the_pytorch_baseline(runner: Any, qwen3_ch
     assert "<script" not in html and "http://" not in html.replace("http://www.w3.org/2000/svg", "")
     assert "https://" not in html
     assert meta["points"] == 4 and set(meta["p50_ms"]) == {"1x16", "4x16", "1x32", "4x32"}
+
+
+def test_validate_reuses_the_reference_per_weights_and_texts(
+    tmp_path: Path, qwen3_chain: dict[str, Any]
+) -> None:
+    import numpy as np
+
+    from mopt_ml.families import as_family
+    from mopt_ml.validate import reference_embeddings
+
+    family = as_family(qwen3_chain["family"])
+    weights = qwen3_chain["weights"]
+    kw = {"max_length": 32, "batch_size": 4, "pad_to": None}
+    texts = ["first sentence", "a second, longer sentence", "third"]
+    fresh = reference_embeddings(family, weights, texts, kw, None)
+    first = reference_embeddings(family, weights, texts, kw, (tmp_path, "digest-a"))
+    files = sorted(tmp_path.glob("reference-*.npy"))
+    assert len(files) == 1 and np.array_equal(first, fresh)
+    np.save(files[0], np.zeros_like(fresh))  # the second call must return the cached file
+    assert not reference_embeddings(family, weights, texts, kw, (tmp_path, "digest-a")).any()
+    # other weights, texts or settings: their own entries, computed afresh
+    other = reference_embeddings(family, weights, texts, kw, (tmp_path, "digest-b"))
+    assert np.array_equal(other, fresh)
+    reference_embeddings(family, weights, texts[:2], kw, (tmp_path, "digest-a"))
+    reference_embeddings(family, weights, texts, {**kw, "max_length": 16}, (tmp_path, "digest-a"))
+    assert len(list(tmp_path.glob("reference-*.npy"))) == 4
+    assert not list(tmp_path.glob(".reference-*"))  # no partial files left behind

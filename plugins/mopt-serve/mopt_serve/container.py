@@ -352,6 +352,8 @@ class ContainerCheckKind(TargetKind):
     after kill -9 of the server; the container is removed in every case."""
 
     name = "container-check"
+    # drives the docker daemon (its socket, --network host): outside the sandbox
+    sandbox = False
     version = "1"
     description = "run the image in docker; health, embeddings vs fp32, /metrics, load test, kill -9 recovery"
     consumes = (

@@ -129,6 +129,8 @@ class ModelOptPtqKind(TargetKind):
     """FP8 / INT8-SQ / INT4-AWQ / W4A8-AWQ / NVFP4 checkpoint via ModelOpt PTQ."""
 
     name = "modelopt-ptq"
+    # GPU kind not yet run under bubblewrap on a GPU machine: a plain worker process
+    sandbox = False
     version = "1"
     description = "quantized HF checkpoint via nvidia-modelopt mtq.quantize + export_hf_checkpoint"
     memory_model = "none"

@@ -655,6 +655,9 @@ class ServeCheckKind(TargetKind):
     """Start the vLLM config, check health / models / embeddings / metrics / memory, load-test it."""
 
     name = "serve-check"
+    # vLLM writes ~/.cache/vllm and needs the GPU; not yet run under bubblewrap on a GPU
+    # machine, so it runs in a plain worker process (the input check still applies)
+    sandbox = False
     version = "2"
     description = (
         "start vllm serve, check /health, /v1/models, embeddings vs fp32, /metrics, memory; load test"

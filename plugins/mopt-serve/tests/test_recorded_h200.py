@@ -35,11 +35,12 @@ from mopt_serve.serve_check import (
     serve_command,
     step_from_latencies,
 )
+from mopt_serve.vllm import VllmKind
 
-from mopt import plugin_env as _env
 from mopt.api import Artifact
+from mopt.api import plugin_env as _env
 from mopt.builtin.hardware import PROFILES
-from mopt.check import workload_for
+from mopt.check import role_values, workload_for
 from mopt.estimate import ModelDims, estimate
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -148,7 +149,7 @@ def test_mopt_check_gives_vllms_kv_token_capacity_within_5_percent():
         params = {
             k.replace("-", "_"): v for k, v in yaml.safe_load((DATA / vdir / "vllm.yaml").read_text()).items()
         }
-        spec = workload_for(params, dims, h200, "vllm")
+        spec = workload_for(role_values(VllmKind, params), dims, h200, "vllm")
         assert spec is not None
         e = estimate(dims, spec[0], h200.memory_gb)
         measured = recorded(name)["vllm_log"]["kv_cache_tokens"]

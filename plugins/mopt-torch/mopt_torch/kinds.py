@@ -129,6 +129,8 @@ class TorchCompileKind(TargetKind):
     embedding module for each (batch, seq) bucket; consumers start warm with `mopt_torch.warm`."""
 
     name = "torch-compile"
+    # GPU kind not yet run under bubblewrap on a GPU machine: a plain worker process
+    sandbox = False
     version = "1"
     description = (
         "torch.compile cache artifact (save_cache_artifacts) for shape buckets; warm start elsewhere"
@@ -309,6 +311,8 @@ class AotiKind(TargetKind):
     """`torch.export` + AOTInductor package with a dynamic batch and sequence length."""
 
     name = "aoti"
+    # GPU kind not yet run under bubblewrap on a GPU machine: a plain worker process
+    sandbox = False
     version = "1"
     description = (
         "torch.export + AOTInductor package (model.pt2), dynamic batch/seq; load-checked in a child process"

@@ -1,0 +1,20 @@
+"""Registration of this plugin's target kinds (entry point `mopt-openvino`); light imports only."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from mopt.api import hookimpl
+
+from mopt_openvino.convert import OpenVinoKind
+from mopt_openvino.nncf_quantize import NncfQuantizeKind
+
+TARGETS = (OpenVinoKind, NncfQuantizeKind)
+
+
+@hookimpl
+def mopt_register_targets(register: Callable[[Any], None]) -> None:
+    """openvino, nncf-quantize."""
+    for kind in TARGETS:
+        register(kind)
