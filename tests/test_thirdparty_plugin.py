@@ -49,9 +49,8 @@ on_fail = "record"
 batch_sizes = [1]
 seq_lens = [16]
 warmup = 1
-min_iters = 2
-min_window_s = 0.05
-max_windows = 2
+min_samples = 6
+max_samples = 8
 max_seconds = 0.3
 baseline = false
 
