@@ -11,7 +11,7 @@ import importlib.metadata as md
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import pluggy
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
@@ -39,6 +39,7 @@ __all__ = [
     "FORMATS",
     "MODE_EXEC",
     "MODE_FILE",
+    "ActionNode",
     "Artifact",
     "BuildContext",
     "BuildFailed",
@@ -46,6 +47,7 @@ __all__ = [
     "CheckContext",
     "ConfigError",
     "Executor",
+    "ExecutorSession",
     "ExportSpec",
     "Family",
     "Finding",
@@ -65,6 +67,7 @@ __all__ = [
     "TransformersFamily",
     "TreeEntry",
     "built_target",
+    "gpu_matches",
     "hash_tree",
     "hookimpl",
     "iter_files",
@@ -72,8 +75,11 @@ __all__ = [
     "package_versions",
     "param_roles",
     "plugin_env",
+    "plugin_registry",
+    "probe_gpus",
     "quiet_transformers",
     "run_process",
+    "run_remote_spawn",
     "tokenize",
     "torch_dtype",
 ]
@@ -321,6 +327,10 @@ class TargetKind:
     #: keeping state outside the project (buildah, docker: /etc/containers, /var/lib/containers),
     #: which then run in a plain worker process (the input check still applies)
     sandbox: ClassVar[bool] = True
+    #: heavy modules `run()` imports (e.g. ("torch", "transformers")): the build's fork
+    #: server imports them once and forks the workers that run this kind from it, instead
+    #: of every worker importing them; names only, never imported by mopt itself
+    preload: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -535,18 +545,118 @@ class HardwareProfile(BaseModel):
 
 
 class Executor:
-    """Runs cache misses of a build. `Settings` validates `[executor]` in mopt.toml.
+    """Runs the cache misses of a build somewhere else than this machine's worker pool.
+    `Settings` validates `[executor]` in mopt.toml.
 
-    An executor other than `local` implements
-    `build(engine, ids, *, settings, remote, jobs, keep_going, reporter, materialize)`
-    returning `{node id: mopt.build.NodeState}`: the engine has keyed nothing yet; the
-    executor uses `engine.parts/hit/kind/source/record`, `mopt.keys.action_key`, and
-    the remote cache to exchange inputs and outputs with its workers.
+    The `local` executor is mopt's own (each action a Spawn run by a warm worker process,
+    optionally in bubblewrap). Any other executor implements
+    `build(session: ExecutorSession, *, settings) -> session.states()` and runs the
+    actions it is given as remote spawns, Bazel's remote execution in mopt's terms:
+
+    - the session keys each action and takes hits from the local store and the remote
+      cache (`readiness`, `key`, `cached`), exactly as a local build would;
+    - for a miss, `spawn(node_id)` returns a `RemoteSpawn` as JSON (the kind, its params,
+      the hardware, the input trees by digest), its inputs already on the remote cache;
+    - the executor runs it wherever it places it (its own business: `node(node_id)` gives
+      the kind class, params and hardware profile to decide with), by calling
+      `run_remote_spawn(spawn_json, worker)` in a process there; that fetches the inputs,
+      runs the kind through the same function the local workers run, and pushes the
+      outputs to the remote cache;
+    - the executor hands the JSON result back with `finished(node_id, result)`, or ends a
+      node with `done(node_id, "blocked" | "unbuildable" | "failed", reason)`; the session
+      records, materializes and reports, and `states()` is what `build` returns.
+
+    `started`, `tick`, `start` and `stop` drive the progress lines. Nothing else of the
+    engine is the executor's to touch.
     """
 
     name: ClassVar[str]
     description: ClassVar[str] = ""
     Settings: ClassVar[type[BaseModel]] = NoParams
+
+
+@dataclass(frozen=True)
+class ActionNode:
+    """One action of a build, as an executor sees it (`ExecutorSession.node`)."""
+
+    id: str
+    label: str
+    kind: str
+    #: the `TargetKind` subclass (resources, requirements, exclusive: for placement)
+    kind_class: Any
+    #: the kind's validated `Params`
+    params: Any
+    hardware: HardwareProfile
+    model_name: str
+    #: slot → ids of the actions whose outputs it reads
+    inputs: dict[str, list[str]]
+
+
+class ExecutorSession(Protocol):
+    """What `Executor.build` gets: one build's actions, and where their results go.
+
+    Call order per action: `readiness` until "ready" (or "blocked": `done`), `key`,
+    `cached` (True: done, a hit), else `spawn` → run it → `started` before, `finished`
+    after (or `done` with a reason). `ids` are in dependency order."""
+
+    ids: list[str]
+    keep_going: bool
+    #: plugin names disabled on the driver (pass on to `run_remote_spawn`)
+    disabled_plugins: list[str]
+
+    def node(self, node_id: str) -> ActionNode: ...
+    def status(self, node_id: str) -> str: ...
+    def readiness(self, node_id: str) -> tuple[str, str]: ...
+    def key(self, node_id: str) -> str: ...
+    def cached(self, node_id: str) -> bool: ...
+    def spawn(self, node_id: str) -> str: ...
+    def started(self, node_id: str) -> None: ...
+    def finished(self, node_id: str, result: dict[str, Any], *, duration: float | None = None) -> bool: ...
+    def done(self, node_id: str, status: str, reason: str = "") -> None: ...
+    def remote_connection(self) -> dict[str, Any] | None: ...
+    def remote_writable(self) -> bool: ...
+    def start(self) -> None: ...
+    def tick(self) -> None: ...
+    def stop(self) -> None: ...
+    def states(self) -> dict[str, Any]: ...
+
+
+def run_remote_spawn(spawn_json: str, worker: dict[str, Any], *, executor: str = "remote") -> dict[str, Any]:
+    """Run one `ExecutorSession.spawn` result in this process (on a remote worker); never
+    raises for a failing action.
+
+    `worker`: `store` (this machine's local store folder, `~` expanded here), `remote`
+    (`ExecutorSession.remote_connection()`), `disable_plugins` (names). It fetches the
+    inputs from the remote cache (each blob re-hashed), checks the kind's tool versions
+    against the key's, runs the kind, checks its inputs did not change, pushes the outputs
+    (blobs first, the entry last) and returns the result for `ExecutorSession.finished`."""
+    from mopt.executor import run_remote_spawn as run
+
+    return run(spawn_json, worker, executor=executor)
+
+
+def plugin_registry(project_dir: Path | None = None) -> Any:
+    """The registry of installed plugins, less those the project at `project_dir` (default:
+    the current folder) disables: `.targets`, `.families`, `.hardware`, `.executors`."""
+    from mopt.config import load_project
+    from mopt.plugins import get_registry
+
+    return get_registry(load_project(project_dir or Path.cwd()).config.plugins.disable)
+
+
+def probe_gpus() -> Any:
+    """The NVIDIA GPUs visible here: `.visible` (each with `.index`, `.name`, `.cc`) and
+    `.error` (why none, if none)."""
+    from mopt import machine
+
+    return machine.probe_gpus()
+
+
+def gpu_matches(gpu: Any, profile: HardwareProfile) -> str | None:
+    """None when `gpu` (from `probe_gpus`) is what `profile` describes, else why not."""
+    from mopt import machine
+
+    return machine.gpu_matches(gpu, profile)
 
 
 @dataclass(frozen=True)

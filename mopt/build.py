@@ -591,16 +591,11 @@ class Engine:
                     table="executor",
                     key=".".join(str(x) for x in e["loc"]) or None,
                 ) from None
-            result: dict[str, NodeState] = ex_cls().build(
-                self,
-                ids,
-                settings=settings,
-                remote=self.remote,
-                jobs=jobs,
-                keep_going=keep_going,
-                reporter=reporter or Reporter(),
-                materialize=self._want,
-            )
+            from mopt.executor import BuildSession
+
+            session = BuildSession(self, ids, remote=self.remote, keep_going=keep_going,
+                                   reporter=reporter or Reporter(), materialize=self._want, jobs=jobs)
+            result: dict[str, NodeState] = ex_cls().build(session, settings=settings) or session.states()
             self.store.state.flush()
             self.flush_index()
             return result
@@ -893,6 +888,7 @@ class Engine:
                     cache_dir=str(self._cache_dir(node.kind)),
                     network=bool(getattr(kind, "network", True)),
                     sandboxed=bool(getattr(kind, "sandbox", True)),
+                    preload=tuple(getattr(kind, "preload", ())),
                     disabled_plugins=tuple(getattr(self.registry, "disabled", ()) or ()),
                 )
                 res = stack.enter_context(self.runner.exec(spawn, on_line=lambda line: _set_last(st, line),

@@ -89,6 +89,9 @@ class Spawn:
     #: the kind may run in the sandbox (`TargetKind.sandbox`); False: a plain worker process
     sandboxed: bool = True
     disabled_plugins: tuple[str, ...] = ()
+    #: modules the kind's run() imports (`TargetKind.preload`): a zygote imports them
+    #: before it forks the worker that runs this spawn
+    preload: tuple[str, ...] = ()
     #: written by the runner: where the action writes its output, scratch and log
     out: str = ""
     tmp: str = ""
@@ -368,38 +371,70 @@ def resolve_sandbox(mode: str) -> tuple[bool, str]:
 
 
 class _Worker:
-    """One warm worker process and our end of its socket."""
+    """One warm worker process and our end of its socket.
 
-    def __init__(self, argv: list[str], child_fd: int, sock: socket.socket, scratch: Path, ctx: Any) -> None:
+    `proc` is a `subprocess.Popen` (a worker exec'd by us) or a `_ForkedProc` (a worker
+    forked by a zygote); both answer `pid`, `poll()`, `wait(timeout)` and `kill()`."""
+
+    def __init__(self, proc: Any, sock: socket.socket, scratch: Path, ctx: Any, *,
+                 sandboxed: bool, errlog: Any = None, preloaded: frozenset[str] = frozenset()) -> None:
         self.sock = sock
         self.conn = Connection(os.dup(sock.fileno()))
         self.scratch = scratch
         self._scratch_ctx = ctx
-        self.errlog = open(scratch / "worker.log", "ab")  # noqa: SIM115 (lives as long as the worker)
-        self.proc = subprocess.Popen(
-            argv,
-            pass_fds=(child_fd,),
-            stdin=subprocess.DEVNULL,
-            stdout=self.errlog,
-            stderr=self.errlog,
-            start_new_session=True,  # Ctrl-C reaches mopt only; mopt stops the workers
-            env={**os.environ, "MOPT_WORKER": "1"},
-        )
-        os.close(child_fd)
+        self.errlog = errlog
+        self.proc = proc
         self.alive = True
         self.plugins: set[str] = set()  # whose kinds it ran (their imports are warm in it)
         self.last_used = 0.0
-        self.sandboxed = os.path.basename(argv[0]) == "bwrap"
+        self.sandboxed = sandboxed
+        #: the modules its zygote had imported when it forked it (warm in it)
+        self.preloaded = preloaded
+        #: modules of the kinds it ran (imported by them)
+        self.imported: set[str] = set()
 
-    def kill(self) -> None:
-        # the whole process group, also right after the worker itself died: its pid stays
-        # reserved as the group's id while any member lives (children it left behind)
+    @classmethod
+    def exec(cls, argv: list[str], child_fd: int, sock: socket.socket, scratch: Path, ctx: Any) -> _Worker:
+        errlog = open(scratch / "worker.log", "ab")  # noqa: SIM115 (lives as long as the worker)
+        try:
+            proc = subprocess.Popen(
+                argv,
+                pass_fds=(child_fd,),
+                stdin=subprocess.DEVNULL,
+                stdout=errlog,
+                stderr=errlog,
+                start_new_session=True,  # Ctrl-C reaches mopt only; mopt stops the workers
+                env={**os.environ, "MOPT_WORKER": "1"},
+            )
+        except BaseException:
+            errlog.close()
+            raise
+        finally:
+            os.close(child_fd)
+        return cls(proc, sock, scratch, ctx, sandboxed=os.path.basename(argv[0]) == "bwrap", errlog=errlog)
+
+    def has(self, modules: tuple[str, ...]) -> bool:
+        """Whether `modules` are already imported in this worker (warm)."""
+        return all(m in self.preloaded or m in self.imported for m in modules)
+
+    def _killpg(self) -> None:
+        """SIGKILL the worker's process group, also right after the worker itself died: its
+        pid stays reserved as the group's id while any member lives (children it left
+        behind). A forked worker's group is killed by its zygote (in a sandbox its pids
+        are the sandbox's own)."""
+        if isinstance(self.proc, _ForkedProc):
+            self.proc.kill()
+            return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def kill(self) -> None:
+        self._killpg()
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 self.proc.kill()
-        self.proc.wait()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=30)
         self.alive = False
 
     def close(self) -> None:
@@ -412,10 +447,10 @@ class _Worker:
             self.proc.wait(timeout=2)
         except subprocess.TimeoutExpired:
             self.kill()
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)  # anything left in its process group
+        self._killpg()  # anything left in its process group
         self.alive = False
-        self.errlog.close()
+        if self.errlog is not None:
+            self.errlog.close()
         with contextlib.suppress(Exception):
             self._scratch_ctx.__exit__(None, None, None)
 
@@ -477,6 +512,16 @@ class ProcessRunner(SpawnRunner):
     Workers are started on first use (a no-op build starts none), reused across actions
     of any kind, and at most `max_workers` live at once. Sandboxed workers differ by
     whether they have the network, so a pool may hold both sorts.
+
+    Where it can (`zygote_reason`), the pool forks its workers from a fork server, one
+    per sort (a "zygote", as Android's): a process started like a worker that imports the
+    modules the actions' kinds declare (`TargetKind.preload`: torch, transformers, ...)
+    once, then forks a worker per request. So torch is imported once per build and sort,
+    not once per worker; a worker that lacks a module the next action needs is replaced
+    by a fresh fork (milliseconds) rather than made to import it (seconds). Under
+    bubblewrap the zygote runs inside the sandbox and each worker it forks restricts its
+    own writes to its scratch folder and the store's `cache/` with Landlock, so workers
+    of one sandbox cannot write into each other's folders.
     """
 
     def __init__(
@@ -488,6 +533,7 @@ class ProcessRunner(SpawnRunner):
         writable: tuple[str, ...] = (),
         scratch: Callable[[], Any] | None = None,
         disabled_plugins: tuple[str, ...] = (),
+        zygote: bool | None = None,
     ) -> None:
         self.name = "bwrap" if sandbox else "process"
         self.tmp_dir = Path(tmp_dir)
@@ -496,6 +542,9 @@ class ProcessRunner(SpawnRunner):
         self.writable = tuple(writable)
         self._scratch = scratch
         self.disabled_plugins = tuple(disabled_plugins)
+        #: fork workers from a zygote (None: where `zygote_reason` finds nothing against it)
+        self.zygote = zygote
+        self._zygotes: dict[str, _Zygote] = {}
         self._idle: list[tuple[str, _Worker]] = []
         self._busy: set[_Worker] = set()
         self._starting = 0
@@ -513,8 +562,15 @@ class ProcessRunner(SpawnRunner):
             return "host"
         return "net" if network else "nonet"
 
-    def _argv(self, child_fd: int, scratch: Path, sort: str) -> list[str]:
-        py = [sys.executable, "-m", "mopt.runner", str(child_fd), str(os.getpid())]
+    def _forks(self, sort: str) -> bool:
+        """Whether workers of `sort` are forked by a zygote."""
+        if self.zygote is False:
+            return False
+        return zygote_reason(sort != "host") is None
+
+    def _argv(self, child_fd: int, scratch: Path, sort: str, role: str = "worker") -> list[str]:
+        py = [sys.executable, "-m", "mopt.runner", *(["--zygote"] if role == "zygote" else []),
+              str(child_fd), str(os.getpid())]
         if sort == "host":
             return py
         bwrap = bwrap_path()
@@ -533,14 +589,27 @@ class ProcessRunner(SpawnRunner):
         argv += ["--unshare-pid", "--die-with-parent", "--new-session", "--chdir", str(scratch), "--"]
         return argv + py[:-1] + ["0"]  # the parent is bubblewrap's init: no pid check
 
-    def _start(self, sort: str) -> _Worker:
+    def _new_scratch(self) -> tuple[Any, Path]:
         ctx = self._scratch() if self._scratch is not None else _TmpScratch(self.tmp_dir)
-        scratch = Path(ctx.__enter__())
+        return ctx, Path(ctx.__enter__())
+
+    def _start(self, sort: str, needs: tuple[str, ...] = ()) -> _Worker:
+        if self._forks(sort):
+            z = self._zygotes.get(sort)
+            if z is None or not z.alive:
+                ctx, root = self._new_scratch()
+                try:
+                    z = self._zygotes[sort] = _Zygote(self, sort, root, ctx)
+                except BaseException:
+                    ctx.__exit__(None, None, None)
+                    raise
+            return z.fork(needs)
+        ctx, scratch = self._new_scratch()
         parent, child = socket.socketpair()
         try:
             fd = os.dup(child.fileno())
             argv = self._argv(fd, scratch, sort) + list(self.disabled_plugins)
-            w = _Worker(argv, fd, parent, scratch, ctx)
+            w = _Worker.exec(argv, fd, parent, scratch, ctx)
         except BaseException:
             parent.close()
             ctx.__exit__(None, None, None)
@@ -549,17 +618,17 @@ class ProcessRunner(SpawnRunner):
             child.close()
         return w
 
-    def _spawn(self, key: str, spare: bool) -> Future[_Worker]:
+    def _spawn(self, key: str, spare: bool, needs: tuple[str, ...] = ()) -> Future[_Worker]:
         """Start a worker on the spawner thread (counted as starting until it is up).
 
-        One long-lived thread forks every worker: PR_SET_PDEATHSIG fires when the *thread*
-        that forked a process ends, so a worker must not be forked by a short-lived one.
+        One long-lived thread forks every worker and zygote: PR_SET_PDEATHSIG fires when
+        the *thread* that forked a process ends, so none may be forked by a short-lived one.
         """
         self._starting += 1
 
         def start() -> _Worker:
             try:
-                w = self._start(key)
+                w = self._start(key, needs)
             finally:
                 with self._cond:
                     self._starting -= 1
@@ -570,27 +639,32 @@ class ProcessRunner(SpawnRunner):
 
         return self._spawner.submit(start)
 
-    def _acquire(self, key: str, plugin: str = "") -> _Worker:
+    def _acquire(self, key: str, plugin: str = "", needs: tuple[str, ...] = ()) -> _Worker:
         with self._cond:
             while True:
                 if self._closed:
                     raise RuntimeError("the action runner was shut down")
-                # the worker that already ran this plugin's kinds most recently: its imports
-                # (torch, onnxruntime) are warm; a never-used spare only when none has
+                # a worker that has the kind's modules warm, then the one that already ran
+                # this plugin's kinds most recently; a never-used spare only when none has
                 fits = [
-                    (plugin in w.plugins, w.last_used, i)
+                    (w.has(needs), plugin in w.plugins, w.last_used, i)
                     for i, (k, w) in enumerate(self._idle)
                     if k == key and w.proc.poll() is None
                 ]
+                forks = self._forks(key)
                 if fits:
-                    _, _, i = max(fits)
-                    w = self._idle.pop(i)[1]
-                    self._busy.add(w)
-                    self._keep_spare(key)
-                    return w
+                    warm, _, _, i = max(fits)
+                    if warm or not forks:
+                        w = self._idle.pop(i)[1]
+                        self._busy.add(w)
+                        self._keep_spare(key, needs)
+                        return w
+                    # forked workers are cheap: a fresh one from the zygote (which imports
+                    # the modules once) beats importing them here, in one worker of several
+                    self._idle.pop(i)[1].close()
                 total = len(self._idle) + len(self._busy) + self._starting
                 if total < self.max_workers:
-                    fut = self._spawn(key, spare=False)
+                    fut = self._spawn(key, spare=False, needs=needs)
                     break
                 if self._idle:  # only workers of the other sort are idle: make room
                     _k, old = self._idle.pop(0)
@@ -600,15 +674,15 @@ class ProcessRunner(SpawnRunner):
         w = fut.result()
         with self._cond:
             self._busy.add(w)
-            self._keep_spare(key)
+            self._keep_spare(key, needs)
         return w
 
-    def _keep_spare(self, key: str) -> None:
+    def _keep_spare(self, key: str, needs: tuple[str, ...] = ()) -> None:
         """Start one more worker in the background while there is room, so that the next
         action that can run beside this one finds a warm worker (called with the lock)."""
         total = len(self._idle) + len(self._busy) + self._starting
         if total < self.max_workers and not self._starting and not any(k == key for k, _ in self._idle):
-            self._spawn(key, spare=True)
+            self._spawn(key, spare=True, needs=needs)
 
     def _release(self, w: _Worker, key: str) -> None:
         with self._cond:
@@ -625,8 +699,9 @@ class ProcessRunner(SpawnRunner):
         self, spawn: Spawn, *, on_line: Callable[[str], None] | None = None, lock_fd: int | None = None
     ) -> Iterator[SpawnResult]:
         key = self._sort(self.sandbox, spawn.sandboxed, spawn.network)
-        w = self._acquire(key, spawn.plugin)
+        w = self._acquire(key, spawn.plugin, spawn.preload)
         w.plugins.add(spawn.plugin)
+        w.imported.update(spawn.preload)
         w.last_used = time.monotonic()
         out, tmp, log = _workdir(w.scratch)
         spawn = replace(spawn, out=str(out), tmp=str(tmp), log=str(log))
@@ -654,6 +729,8 @@ class ProcessRunner(SpawnRunner):
             w.kill()
         for w in idle:
             w.close()
+        for z in list(self._zygotes.values()):
+            z.close()
         _RUNNERS.discard(self)
 
     def kill(self) -> None:
@@ -664,17 +741,200 @@ class ProcessRunner(SpawnRunner):
         for w in workers:
             with contextlib.suppress(Exception):
                 w.kill()
+        for z in list(self._zygotes.values()):
+            with contextlib.suppress(Exception):
+                z.kill()
+
+
+# ---------------------------------------------------------------------- the zygote (fork server)
+
+
+def zygote_reason(sandboxed: bool) -> str | None:
+    """Why workers are NOT forked from a zygote here (None: they are).
+
+    Off with MOPT_ZYGOTE=0; Linux only (fork with the inherited state is what Linux
+    offers; elsewhere `fork` after imports such as torch's is unsafe); in a sandbox it
+    needs Landlock (Linux 5.13+, `landlock` in the kernel's LSM list), because the workers
+    of one sandbox share its mounts and must fence themselves off from each other."""
+    if os.environ.get("MOPT_ZYGOTE", "1") == "0":
+        return "MOPT_ZYGOTE=0"
+    if not sys.platform.startswith("linux"):
+        return "not Linux"
+    if sandboxed and landlock_abi() < 1:
+        return "Landlock is not available (needed to keep forked sandboxed workers apart)"
+    return None
+
+
+class _ForkedProc:
+    """A worker forked by a zygote, as `_Worker` sees it (Popen's `pid / poll / wait / kill`):
+    its exit status comes from the zygote, which is its parent."""
+
+    def __init__(self, zygote: _Zygote, pid: int) -> None:
+        self.zygote = zygote
+        self.pid = pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.zygote.status(self.pid)
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = self.zygote.wait(self.pid, timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout or 0)
+        return code
+
+    def kill(self) -> None:
+        """SIGKILL the worker's process group (the zygote does it: it is the parent)."""
+        self.zygote.send(("kill", self.pid))
+
+
+class _Zygote:
+    """mopt's side of one fork server: start it, ask it for workers, learn how they ended."""
+
+    def __init__(self, runner: ProcessRunner, sort: str, root: Path, ctx: Any) -> None:
+        self.runner = runner
+        self.sort = sort
+        self.root = root
+        self._ctx = ctx
+        self.sock, child = socket.socketpair()
+        self.conn = Connection(os.dup(self.sock.fileno()))
+        self.send_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._status: dict[int, int] = {}
+        self._replies: list[Any] = []
+        self.alive = True
+        self.errlog = open(root / "zygote.log", "ab")  # noqa: SIM115 (lives as long as the zygote)
+        try:
+            fd = os.dup(child.fileno())
+            argv = runner._argv(fd, root, sort, role="zygote") + list(runner.disabled_plugins)
+            try:
+                self.proc = subprocess.Popen(
+                    argv,
+                    pass_fds=(fd,),
+                    stdin=subprocess.DEVNULL,
+                    stdout=self.errlog,
+                    stderr=self.errlog,
+                    start_new_session=True,
+                    env={**os.environ, "MOPT_WORKER": "1"},
+                )
+            finally:
+                os.close(fd)
+        except BaseException:
+            self.errlog.close()
+            self.sock.close()
+            raise
+        finally:
+            child.close()
+        self._reader = threading.Thread(target=self._read, name=f"mopt-zygote-{sort}", daemon=True)
+        self._reader.start()
+
+    def send(self, msg: Any, fds: list[int] | None = None) -> None:
+        with self.send_lock, contextlib.suppress(OSError):
+            self.conn.send(msg)
+            if fds:
+                sendfds(self.sock, fds)
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                break
+            with self._cond:
+                if msg[0] == "exit":
+                    self._status[msg[1]] = msg[2]
+                else:
+                    self._replies.append(msg)
+                self._cond.notify_all()
+        with self._cond:  # the zygote is gone, and with it (PR_SET_PDEATHSIG) its workers
+            self.alive = False
+            self._cond.notify_all()
+
+    def status(self, pid: int) -> int | None:
+        with self._cond:
+            if pid in self._status:
+                return self._status[pid]
+            return None if self.alive else -signal.SIGKILL
+
+    def wait(self, pid: int, timeout: float | None) -> int | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while pid not in self._status and self.alive:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return None
+                self._cond.wait(left)
+        return self.status(pid)
+
+    def fork(self, needs: tuple[str, ...]) -> _Worker:
+        """A new worker (called on the runner's spawner thread only)."""
+        scratch = Path(tempfile.mkdtemp(prefix="w-", dir=self.root))
+        ctx = _TmpScratch(self.root, scratch)
+        parent, child = socket.socketpair()
+        try:
+            landlock = self.sort != "host"
+            self.send(("fork", str(scratch), tuple(needs), self.runner.writable, landlock), [child.fileno()])
+            with self._cond:
+                while not self._replies and self.alive:
+                    self._cond.wait()
+                if not self._replies:
+                    raise RuntimeError(f"the action runner's fork server died (see {self.root / 'zygote.log'})")
+                reply = self._replies.pop(0)
+            if reply[0] != "forked":
+                raise RuntimeError(f"the action runner's fork server could not fork a worker: {reply[1]}")
+            return _Worker(_ForkedProc(self, reply[1]), parent, scratch, ctx, sandboxed=False,
+                           preloaded=frozenset(reply[2]))
+        except BaseException:
+            parent.close()
+            ctx.__exit__(None, None, None)
+            raise
+        finally:
+            child.close()
+
+    def close(self) -> None:
+        """Ask the zygote to end (it kills what it forked); kill it if it does not."""
+        with contextlib.suppress(OSError):
+            self.conn.close()
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.kill()
+        self._end()
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            self.proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+        self._end()
+
+    def _end(self) -> None:
+        with self._cond:
+            self.alive = False
+            self._cond.notify_all()
+        if not self.errlog.closed:
+            self.errlog.close()
+        with contextlib.suppress(Exception):
+            self._ctx.__exit__(None, None, None)
 
 
 class _TmpScratch:
     """A worker's scratch folder when no store provides one (tests, the benchmark)."""
 
-    def __init__(self, parent: Path) -> None:
+    def __init__(self, parent: Path, path: Path | None = None) -> None:
         self.parent = parent
-        self.path: Path | None = None
+        self.path: Path | None = path
 
     def __enter__(self) -> Path:
-        self.path = Path(tempfile.mkdtemp(prefix="worker-", dir=self.parent))
+        if self.path is None:
+            self.path = Path(tempfile.mkdtemp(prefix="worker-", dir=self.parent))
         return self.path
 
     def __exit__(self, *exc: object) -> None:
@@ -777,18 +1037,14 @@ class _Worker_:
         self.sock = socket.socket(fileno=fd)
         self.conn = Connection(os.dup(fd))
         self.send_lock = threading.Lock()
-        self.registries: dict[tuple[str, ...], Any] = {}
 
     def send(self, msg: Any) -> None:
         with self.send_lock:
             self.conn.send(msg)
 
-    def registry(self, disabled: tuple[str, ...]) -> Any:
-        from mopt.plugins import get_registry
-
-        if disabled not in self.registries:
-            self.registries[disabled] = get_registry(disabled)
-        return self.registries[disabled]
+    @staticmethod
+    def registry(disabled: tuple[str, ...]) -> Any:
+        return _registry(disabled)
 
     def serve(self) -> None:
         from mopt import procs
@@ -872,20 +1128,212 @@ def _restore_output(saved: tuple[int, int]) -> None:
     os.close(saved[1])
 
 
-def worker_main(argv: list[str]) -> int:
-    fd, ppid = int(argv[0]), int(argv[1])
+_REGISTRIES: dict[tuple[str, ...], Any] = {}
+
+
+def _registry(disabled: tuple[str, ...]) -> Any:
+    """The plugin registry (loaded once per process; a forked worker inherits its zygote's)."""
+    from mopt.plugins import get_registry
+
+    if disabled not in _REGISTRIES:
+        _REGISTRIES[disabled] = get_registry(disabled)
+    return _REGISTRIES[disabled]
+
+
+def _become_worker(ppid: int) -> bool:
+    """What every worker does first: die with its parent, adopt its actions' orphans,
+    leave Ctrl-C to mopt, trace segfaults into fd 2. False: the parent is already gone."""
     set_pdeathsig(signal.SIGKILL)
     with contextlib.suppress(Exception):  # orphans of an action's processes become ours to end
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     if ppid and os.getppid() != ppid:
-        return 0  # mopt died before the line above took effect
+        return False  # the parent died before the line above took effect
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # mopt decides when an action stops
     faulthandler.enable()  # a segfault's Python trace goes to fd 2: the action's log
+    return True
+
+
+def worker_main(argv: list[str]) -> int:
+    if argv[:1] == ["--zygote"]:
+        return zygote_main(argv[1:])
+    fd, ppid = int(argv[0]), int(argv[1])
+    if not _become_worker(ppid):
+        return 0
     worker = _Worker_(fd)
     # load the plugins now, while mopt is still busy elsewhere: the first action then
     # finds a warm worker
     worker.registry(tuple(argv[2:]))
     worker.serve()
+    return 0
+
+
+# ---------------------------------------------------------------------- Landlock
+
+
+_LANDLOCK_CREATE_RULESET_VERSION = 1
+_LANDLOCK_RULE_PATH_BENEATH = 1
+_PR_SET_NO_NEW_PRIVS = 38
+_SYS_LANDLOCK = (444, 445, 446)  # create_ruleset, add_rule, restrict_self (every arch)
+
+
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version (0: none)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return max(0, int(libc.syscall(_SYS_LANDLOCK[0], None, ctypes.c_size_t(0),
+                                       ctypes.c_uint32(_LANDLOCK_CREATE_RULESET_VERSION))))
+    except Exception:
+        return 0
+
+
+class _PathBeneath(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+def landlock_writes(allowed: list[str]) -> None:
+    """Forbid this process and everything it starts to create, change, rename or remove
+    files anywhere but beneath `allowed` (reading and executing stay as they are).
+    Raises OSError when the kernel refuses."""
+    abi = landlock_abi()
+    if abi < 1:
+        raise OSError("Landlock is not available")
+    # WRITE_FILE, REMOVE_DIR, REMOVE_FILE, MAKE_CHAR .. MAKE_SYM; REFER (ABI 2); TRUNCATE (ABI 3)
+    rights = (1 << 1) | sum(1 << b for b in range(4, 13))
+    if abi >= 2:
+        rights |= 1 << 13
+    if abi >= 3:
+        rights |= 1 << 14
+    libc = ctypes.CDLL(None, use_errno=True)
+    attr = ctypes.c_uint64(rights)  # struct landlock_ruleset_attr's first field, handled_access_fs
+    rfd = libc.syscall(_SYS_LANDLOCK[0], ctypes.byref(attr), ctypes.c_size_t(8), ctypes.c_uint32(0))
+    if rfd < 0:
+        raise OSError(ctypes.get_errno(), "landlock_create_ruleset")
+    try:
+        for path in allowed:
+            try:
+                pfd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except OSError:
+                continue  # not there: nothing to allow
+            try:
+                rule = _PathBeneath(rights, pfd)
+                if libc.syscall(_SYS_LANDLOCK[1], ctypes.c_int(rfd), ctypes.c_int(_LANDLOCK_RULE_PATH_BENEATH),
+                                ctypes.byref(rule), ctypes.c_uint32(0)) != 0:
+                    raise OSError(ctypes.get_errno(), f"landlock_add_rule {path}")
+            finally:
+                os.close(pfd)
+        if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "PR_SET_NO_NEW_PRIVS")
+        if libc.syscall(_SYS_LANDLOCK[2], ctypes.c_int(rfd), ctypes.c_uint32(0)) != 0:
+            raise OSError(ctypes.get_errno(), "landlock_restrict_self")
+    finally:
+        os.close(rfd)
+
+
+# ---------------------------------------------------------------------- the zygote process
+
+
+def zygote_main(argv: list[str]) -> int:
+    """The fork server: load the plugins, then serve `fork` / `kill` requests until EOF.
+
+    It never runs an action itself and starts no thread of its own, so a fork copies a
+    process that holds no lock of another thread. The modules a request names are
+    imported here first (once; an import that fails is left to the action, which then
+    meets the error itself). It reports every forked worker's end (`exit`, pid,
+    Popen-style return code) and kills that worker's process group then."""
+    fd, ppid = int(argv[0]), int(argv[1])
+    if not _become_worker(ppid):
+        return 0
+    sock = socket.socket(fileno=fd)
+    conn = Connection(os.dup(fd))
+    disabled = tuple(argv[2:])
+    _registry(disabled)
+    zygote_pid = os.getpid()
+    loaded: list[str] = []
+    failed: set[str] = set()
+    workers: set[int] = set()
+
+    def reap() -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            if pid in workers:
+                workers.discard(pid)
+                with contextlib.suppress(OSError):
+                    os.killpg(pid, signal.SIGKILL)  # what it left behind in its group
+                code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+                conn.send(("exit", pid, code))
+
+    try:
+        while True:
+            ready = conn.poll(0.1)
+            reap()
+            if not ready:
+                continue
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                break
+            if msg[0] == "kill":
+                with contextlib.suppress(OSError):
+                    os.killpg(msg[1], signal.SIGKILL)
+                with contextlib.suppress(OSError):
+                    os.kill(msg[1], signal.SIGKILL)
+                continue
+            if msg[0] != "fork":
+                break
+            _, scratch, needs, writable, landlock = msg
+            wfd = recvfds(sock, 1)[0]
+            for mod in needs:
+                if mod not in loaded and mod not in failed:
+                    try:
+                        __import__(mod)
+                        loaded.append(mod)
+                    except BaseException as exc:  # the action meets it again, in its log
+                        failed.add(mod)
+                        print(f"mopt zygote: preloading {mod} failed: {exc!r}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            try:
+                pid = os.fork()
+            except OSError as exc:
+                os.close(wfd)
+                conn.send(("error", f"fork: {exc}"))
+                continue
+            if pid == 0:  # the worker
+                code = 0
+                try:
+                    conn.close()
+                    sock.close()
+                    os.setsid()  # a process group of its own: killed as one
+                    if not _become_worker(zygote_pid):
+                        os._exit(0)
+                    if landlock:
+                        landlock_writes([scratch, *writable, "/dev"])
+                        os.chdir(scratch)
+                    _Worker_(wfd).serve()
+                except BaseException:
+                    traceback.print_exc()
+                    code = 70
+                finally:
+                    with contextlib.suppress(Exception):
+                        sys.stdout.flush()
+                        sys.stderr.flush()
+                    os._exit(code)
+            os.close(wfd)
+            workers.add(pid)
+            conn.send(("forked", pid, list(loaded)))
+    finally:
+        for pid in list(workers):
+            with contextlib.suppress(OSError):
+                os.killpg(pid, signal.SIGKILL)
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        _end_leftovers()
     return 0
 
 

@@ -14,10 +14,6 @@ SCANNED = sorted(p for p in (ROOT / "plugins").iterdir() if (p / "pyproject.toml
     ROOT / "tests" / "fixture_plugin",
     ROOT / "tests" / "thirdparty_plugin",
 ]
-#: TEMPORARY: mopt-ray still drives the engine's insides (mopt.build, mopt.store, mopt.keys,
-#: mopt.remote, ...) until the executor rewrite (issue #13, Spawn / SpawnRunner in
-#: mopt/runner.py) gives executors their narrow API; remove this entry when that merges.
-EXEMPT = {"plugins/mopt-ray"}
 
 
 def _mopt_imports(path: Path) -> list[tuple[int, str]]:
@@ -42,9 +38,6 @@ def _sources(folder: Path) -> list[Path]:
 def test_plugins_import_only_the_api() -> None:
     bad = []
     for folder in SCANNED:
-        rel = folder.relative_to(ROOT).as_posix()
-        if rel in EXEMPT:
-            continue
         for path in _sources(folder):
             for line, mod in _mopt_imports(path):
                 if mod not in ALLOWED:
@@ -65,6 +58,7 @@ def test_the_scan_sees_function_level_and_from_imports(tmp_path: Path) -> None:
                                 (4, "mopt.build"), (5, "mopt.keys")]  # fmt: skip
 
 
-def test_every_scanned_folder_exists_and_the_exemption_is_only_ray() -> None:
+def test_every_scanned_folder_exists_and_the_first_party_plugins_are_scanned() -> None:
     assert all(f.is_dir() for f in SCANNED)
-    assert {"plugins/mopt-ray"} == EXEMPT
+    names = {f.relative_to(ROOT).as_posix() for f in SCANNED}
+    assert {"plugins/mopt-ray", "plugins/mopt-image", "plugins/mopt-ml"} <= names

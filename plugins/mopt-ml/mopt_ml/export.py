@@ -37,6 +37,8 @@ class OnnxKind(TargetKind):
     (int64, dynamic batch and sequence), one output `mopt_embedding` (pooled, L2-normalised,
     float32). Checked against PyTorch on the shipped validation sentences."""
 
+    preload = ("torch", "transformers", "onnx")  # imported once by the build's fork server
+
     name = "onnx"
     version = "1"
     description = "ONNX graph (fp32) of the pooled embedding, checked against PyTorch"
@@ -246,6 +248,8 @@ def _name_dynamic_axes(model: Any, hidden: int | None) -> None:
 class OnnxSlimKind(TargetKind):
     """Simplify the graph with onnxslim (constant folding, dead code, fusions); the result must
     compute what the input graph computes on the shipped validation sentences."""
+
+    preload = ("onnx", "onnxslim")  # imported once by the build's fork server
 
     name = "onnx-slim"
     version = "1"

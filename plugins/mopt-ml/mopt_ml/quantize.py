@@ -32,6 +32,8 @@ class OrtQuantizeKind(TargetKind):
     """ONNX Runtime INT8 quantization of an fp32 graph (onnx-slim or onnx), optionally
     smoothed first."""
 
+    preload = ("onnx", "onnxruntime")  # imported once by the build's fork server
+
     name = "ort-quantize"
     version = "1"
     description = "ONNX Runtime INT8 (dynamic/static), per-channel, SmoothQuant-style smoothing"

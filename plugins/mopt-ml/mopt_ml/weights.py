@@ -29,6 +29,8 @@ class WeightsKind(TargetKind):
     dtype cast, tied weights stored once, training-only tensors dropped, config.json
     normalised, tokenizer checked, and a manifest.json of every tensor."""
 
+    preload = ("torch", "transformers")  # imported once by the build's fork server
+
     name = "weights"
     version = "1"
     description = "canonical safetensors checkpoint + tokenizer + manifest"

@@ -29,6 +29,8 @@ class OpenVinoKind(TargetKind):
     """OpenVINO IR of the pooled embedding (inputs input_ids / attention_mask, output
     mopt_embedding), checked against its input on the shipped validation sentences."""
 
+    preload = ("openvino",)  # imported once by the build's fork server
+
     name = "openvino"
     version = "1"
     description = "OpenVINO IR (fp32 weights; f32 or bf16 inference precision), from ONNX or the weights"

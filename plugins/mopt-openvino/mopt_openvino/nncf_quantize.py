@@ -25,6 +25,8 @@ class NncfQuantizeKind(TargetKind):
     """NNCF post-training INT8 of an `openvino` IR, calibrated on the recipe's calibration
     texts; a quick check against the fp32 IR is logged (validate gates)."""
 
+    preload = ("openvino", "nncf")  # imported once by the build's fork server
+
     name = "nncf-quantize"
     version = "1"
     description = "OpenVINO IR, INT8 by NNCF post-training quantization (SmoothQuant, static activations)"

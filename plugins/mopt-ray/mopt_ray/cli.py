@@ -24,13 +24,10 @@ def register(app: click.Group) -> None:
 
         GPUs matching a hardware profile become the custom resource mopt:<profile>; CPU
         profiles need none (every Ray node runs CPU and hardware-independent actions)."""
-        from pathlib import Path
-
-        from mopt.config import load_project
-        from mopt.plugins import get_registry
+        from mopt.api import plugin_registry
         from mopt_ray.placement import local_resources
 
-        registry = get_registry(load_project(Path.cwd()).config.plugins.disable)
+        registry = plugin_registry()
         res, notes = local_resources(registry)
         text = json.dumps(_ints(res), sort_keys=True)
         if print_resources:

@@ -107,15 +107,14 @@ def local_resources(registry: Any) -> tuple[dict[str, float], list[str]]:
     """The `ray start --resources` JSON for this machine, and notes on how it was found.
 
     One `mopt:<profile>` unit per group of `gpu_count` visible GPUs matching a GPU profile.
-    CPU profiles need no resource. Without `mopt.machine`'s GPU detection: nothing.
+    CPU profiles need no resource. Without GPU detection (`mopt.api.probe_gpus`): nothing.
     """
     notes: list[str] = []
-    try:
-        from mopt import machine
+    from mopt.api import gpu_matches, probe_gpus
 
-        probe = machine.probe_gpus()
-        gpu_matches = machine.gpu_matches
-    except (ImportError, AttributeError) as exc:  # detection not available in this mopt
+    try:
+        probe = probe_gpus()
+    except (ImportError, AttributeError, OSError) as exc:  # detection not available here
         return {}, [f"GPU detection unavailable ({exc}); offering CPU-only work"]
     if not probe.visible:
         notes.append(f"no NVIDIA GPU visible ({probe.error or 'none found'}); offering CPU-only work")

@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import Field
 
-from mopt.api import Executor, Params, hookimpl
+from mopt.api import Executor, ExecutorSession, MoptError, Params, hookimpl
 
 
 class RayExecutor(Executor):
@@ -38,61 +38,36 @@ class RayExecutor(Executor):
         )
         runtime_env: dict[str, Any] = Field(default={}, description="Ray runtime_env for the tasks")
 
-    def build(
-        self,
-        engine: Any,
-        ids: list[str],
-        *,
-        settings: Any = None,
-        remote: Any = None,
-        jobs: int | None = None,
-        keep_going: bool = False,
-        reporter: Any = None,
-        materialize: set[str] | None = None,
-    ) -> dict[str, Any]:
-        """Build `ids` of `engine`'s graph on the cluster; return each node's `NodeState`.
+    def build(self, session: ExecutorSession, *, settings: Any = None) -> dict[str, Any]:
+        """Build the session's actions on the cluster; return `session.states()`.
 
-        `settings` defaults to `[executor]` of the engine's project, `remote` to a
-        `RemoteCache` from its `[remote]` settings (required: workers exchange artifacts
-        through it). `jobs` is ignored (Ray's resources bound the parallelism).
-        """
-        from mopt.errors import MoptError
-        from mopt.remote import RemoteCache
+        `settings` defaults to the `Settings` defaults. The session must have a writable
+        remote cache: workers exchange artifacts through it."""
         from mopt_ray.scheduler import RayBuild
 
         if settings is None:
-            settings = self.Settings.model_validate(dict(engine.project.config.executor))
+            settings = self.Settings()
         elif isinstance(settings, dict):
             settings = self.Settings.model_validate(settings)
-        if remote is None:
-            remote = RemoteCache.from_settings(engine.project.config.remote, engine.store)
-        if remote is None:
+        if session.remote_connection() is None:
             raise MoptError(
                 "the ray executor needs a remote cache: workers read inputs and write outputs there",
                 table="remote",
                 key="url",
                 hint='set [remote] url = "s3://bucket/prefix" (or another URL every worker can reach)',
             )
-        if not remote.push_enabled:
+        if not session.remote_writable():
             raise MoptError(
                 "the ray executor writes to the remote cache, but [remote] push = false",
                 table="remote",
                 key="push",
                 hint="set push = true (workers and the driver upload artifacts there)",
             )
-        connect(settings, engine.registry)
-        return RayBuild(
-            engine,
-            ids,
-            remote=remote,
-            settings=settings,
-            keep_going=keep_going,
-            reporter=reporter,
-            materialize=materialize,
-        ).run()
+        connect(settings)
+        return RayBuild(session, settings).run()
 
 
-def connect(settings: Any, registry: Any = None) -> None:
+def connect(settings: Any) -> None:
     """Connect to the cluster named by `settings.address` unless already connected.
 
     `address = "local"` starts a one-node cluster here, offering the `mopt:<profile>`
@@ -100,16 +75,15 @@ def connect(settings: Any, registry: Any = None) -> None:
     """
     import ray
 
-    from mopt.errors import MoptError
-
     if ray.is_initialized():
         return
     kw: dict[str, Any] = {"namespace": settings.namespace, "log_to_driver": False}
     if settings.address == "local":
+        from mopt.api import plugin_registry
         from mopt_ray.placement import local_resources
 
         kw["address"] = "local"
-        kw["resources"] = local_resources(registry)[0] if registry is not None else {}
+        kw["resources"] = local_resources(plugin_registry())[0]
     else:
         kw["address"] = settings.address
     try:

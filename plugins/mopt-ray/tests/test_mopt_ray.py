@@ -24,6 +24,7 @@ from mopt_ray.plugin import RayExecutor  # noqa: E402
 
 from mopt.build import Engine  # noqa: E402
 from mopt.cli import Session  # noqa: E402
+from mopt.executor import BuildSession  # noqa: E402
 from mopt.remote import RemoteCache  # noqa: E402
 
 TOY_MODEL = Path(__file__).resolve().parents[3] / "tests" / "data" / "toy-model"
@@ -118,10 +119,8 @@ def ray_build(
     remote = RemoteCache(remote_url, engine.store, options=options)
     ids = session.graph.select(selectors or [])
     states = RayExecutor().build(
-        engine,
-        ids,
+        BuildSession(engine, ids, remote=remote),
         settings=RayExecutor.Settings(worker_store=str(worker_store), **settings),
-        remote=remote,
     )
     return states, engine, remote
 

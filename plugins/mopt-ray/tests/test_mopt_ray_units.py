@@ -122,6 +122,7 @@ def test_needs_a_writable_remote_cache(tmp_path: Path) -> None:
     from mopt.build import Engine
     from mopt.cli import Session
     from mopt.errors import MoptError
+    from mopt.executor import BuildSession
 
     (tmp_path / "mopt.toml").write_text('[store]\npath = ".mopt"\n')
     (tmp_path / "r.toml").write_text(
@@ -130,10 +131,11 @@ def test_needs_a_writable_remote_cache(tmp_path: Path) -> None:
     )
     engine = Engine(Session(tmp_path / "r.toml"))
     with pytest.raises(MoptError, match=r"\[remote\] url: the ray executor needs a remote cache"):
-        RayExecutor().build(engine, list(engine.graph.nodes))
+        RayExecutor().build(BuildSession(engine, list(engine.graph.nodes), remote=engine.remote))
     (tmp_path / "mopt.toml").write_text(
         f'[store]\npath = ".mopt"\n[remote]\nurl = "file://{tmp_path}/remote"\npush = false\n'
     )
     engine = Engine(Session(tmp_path / "r.toml"))
     with pytest.raises(MoptError, match=r"\[remote\] push: .* push = false"):
-        RayExecutor().build(engine, list(engine.graph.nodes), settings={"kind": "ray"})
+        RayExecutor().build(BuildSession(engine, list(engine.graph.nodes), remote=engine.remote),
+                            settings={"kind": "ray"})

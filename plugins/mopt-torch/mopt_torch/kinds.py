@@ -128,6 +128,8 @@ class TorchCompileKind(TargetKind):
     """A compile-cache artifact: `torch.compiler.save_cache_artifacts()` after compiling the
     embedding module for each (batch, seq) bucket; consumers start warm with `mopt_torch.warm`."""
 
+    preload = ("torch",)  # imported once by the build's fork server
+
     name = "torch-compile"
     # GPU kind not yet run under bubblewrap on a GPU machine: a plain worker process
     sandbox = False
@@ -309,6 +311,8 @@ class TorchCompileKind(TargetKind):
 
 class AotiKind(TargetKind):
     """`torch.export` + AOTInductor package with a dynamic batch and sequence length."""
+
+    preload = ("torch",)  # imported once by the build's fork server
 
     name = "aoti"
     # GPU kind not yet run under bubblewrap on a GPU machine: a plain worker process

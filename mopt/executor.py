@@ -1,0 +1,617 @@
+"""What an executor other than `local` gets (see `mopt.api.Executor`): a `BuildSession` on
+the driver, `run_remote_spawn` on the machine that runs an action.
+
+Bazel's remote execution, in mopt's terms: the driver keys each action, takes hits from
+the local store and the remote cache, and hands the executor the misses as `RemoteSpawn`s
+(plain JSON: the kind, its params, the input trees by digest, already on the remote
+cache). Wherever the executor runs one, `run_remote_spawn` fetches the inputs from the
+remote cache into a local store, runs the kind through `mopt.runner.execute_spawn` (the
+function the local executor's workers run), checks that the inputs did not change, and
+pushes the outputs (blobs first, the action entry last). Its result goes back to the
+session (`finished`), which records it like a local build: the build/ folders, the lock
+file and the reporter's lines are the session's business, never the executor's.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+import time
+import traceback
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from mopt.api import ActionNode, Artifact, HardwareProfile, Missing
+from mopt.build import NodeState, Reporter, built_inputs, readiness
+from mopt.errors import MoptError
+from mopt.keys import action_key
+from mopt.runner import InputWatch, Spawn, execute_spawn
+from mopt.store import ActionEntry, Store
+
+LOG_TAIL_BYTES = 64 * 1024
+
+
+# ---------------------------------------------------------------------- the spec and the result
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class InputSpec(_Model):
+    """One input artifact: its tree digest, and what produced it."""
+
+    tree: str
+    kind: str
+    target: str
+    meta: dict[str, Any] = Field(default_factory=dict)
+    label: str = ""
+    input_labels: dict[str, list[str]] = Field(default_factory=dict)
+
+
+class FileSpec(_Model):
+    """A declared input file (`TargetKind.input_files`), relative to the project folder."""
+
+    rel: str
+    digest: str
+    tree: bool = False  # a folder (tree digest) rather than a file (blob digest)
+
+
+class RemoteSpawn(_Model):
+    """One action as any machine can run it, through the remote cache (JSON)."""
+
+    key: str
+    node_id: str
+    kind: str
+    params: dict[str, Any]
+    parts: dict[str, Any]
+    inputs: dict[str, list[InputSpec]] = Field(default_factory=dict)
+    model_name: str
+    family: str | None = None
+    task: str
+    hardware: dict[str, Any]
+    section: str
+    label: str
+    #: partial slots' inputs that are not there (mopt.api.Missing as dicts)
+    missing: dict[str, list[dict[str, Any]]] = Field(default_factory=dict)
+    source_tree: str | None = None
+    files: list[FileSpec] = Field(default_factory=list)
+    recipe: str = ""
+    offline: bool = False
+
+
+@dataclass
+class RemoteResult:
+    """What came of a remote spawn: built (or found already built), failed, or unbuildable there."""
+
+    status: str  # built | cached | failed | unbuildable
+    entry: ActionEntry | None = None
+    reason: str = ""
+    duration: float = 0.0
+    log_tail: str = ""
+    host: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "status": self.status,
+            "entry": None if self.entry is None else self.entry.model_dump(mode="json"),
+            "reason": self.reason,
+            "duration": self.duration,
+            "log_tail": self.log_tail,
+            "host": self.host,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> RemoteResult:
+        entry = d.get("entry")
+        return cls(
+            status=str(d["status"]),
+            entry=None if entry is None else ActionEntry.model_validate(entry),
+            reason=str(d.get("reason") or ""),
+            duration=float(d.get("duration") or 0.0),
+            log_tail=str(d.get("log_tail") or ""),
+            host=str(d.get("host") or ""),
+        )
+
+
+# ---------------------------------------------------------------------- the driver side
+
+
+class BuildSession:
+    """The driver's side of a build on another executor (`mopt.api.ExecutorSession`)."""
+
+    def __init__(
+        self,
+        engine: Any,
+        ids: list[str],
+        *,
+        remote: Any,
+        keep_going: bool = False,
+        reporter: Reporter | None = None,
+        materialize: set[str] | None = None,
+        jobs: int | None = None,
+    ) -> None:
+        self._engine = engine
+        self._graph = engine.graph
+        self.ids = list(ids)
+        self.remote = remote
+        self.keep_going = keep_going
+        self.jobs = jobs
+        self.reporter = reporter or Reporter()
+        self._want = set(ids) if materialize is None else set(materialize)
+        self._states = {i: NodeState(self._graph.nodes[i]) for i in ids}
+        self._outputs: dict[str, str] = {}
+        self._meta: dict[str, dict[str, Any]] = {}
+        self._on_remote: set[str] = set()  # node ids whose entry is known to be on the remote
+        self._sources: dict[str, str] = {}  # model name → source tree digest, uploaded
+        self.disabled_plugins = list(engine.project.config.plugins.disable)
+        self.store_tmp = engine.store.tmp_dir
+
+    # -- what the executor reads
+
+    def node(self, node_id: str) -> ActionNode:
+        n = self._graph.nodes[node_id]
+        return ActionNode(
+            id=n.id,
+            label=n.label,
+            kind=n.kind,
+            kind_class=type(self._engine.kind(n.kind)),
+            params=n.target.params,
+            hardware=n.hardware,
+            model_name=n.model.name,
+            inputs={s: list(ds) for s, ds in n.inputs.items()},
+        )
+
+    def status(self, node_id: str) -> str:
+        return self._states[node_id].status
+
+    def remote_connection(self) -> dict[str, Any] | None:
+        """How a worker reaches the remote cache (URL and options: pass to `run_remote_spawn`);
+        None without `[remote] url`."""
+        return None if self.remote is None else dict(self.remote.connection())
+
+    def remote_writable(self) -> bool:
+        """Whether outputs may be pushed to the remote cache (`[remote] push`)."""
+        return self.remote is not None and bool(self.remote.push_enabled)
+
+    # -- the steps of one action
+
+    def readiness(self, node_id: str) -> tuple[str, str]:
+        """("ready" | "wait" | "blocked", why blocked): as the local scheduler decides it."""
+        st = self._states[node_id]
+        state, why, missing = readiness(st.node, self._states, self._outputs, self._graph)
+        if state == "ready":
+            st.missing = missing
+        return state, why
+
+    def key(self, node_id: str) -> str:
+        """The action key of a ready node (its inputs' outputs are known)."""
+        st = self._states[node_id]
+        st.parts = self._engine.parts(st.node, built_inputs(st.node, self._outputs), st.missing)
+        st.key = action_key(st.parts)
+        return st.key
+
+    def cached(self, node_id: str) -> bool:
+        """Finish the node as a hit of the local store or the remote cache, if it is one.
+
+        The remote's entry is verified (its manifest fetched, its blobs' presence checked),
+        so an entry whose blobs went is a miss; its bytes are downloaded only when the node
+        is to be materialized under build/."""
+        st = self._states[node_id]
+        assert st.key is not None, "key() first"
+        entry = self._engine.hit(st.key)
+        if entry is not None:
+            return self._finish(st, entry, "cached", local=True)
+        entry = self.remote.fetch_entry(st.key, verify=True)
+        return entry is not None and self._finish(st, entry, "cached", local=False)
+
+    def spawn(self, node_id: str) -> str:
+        """The node as a `RemoteSpawn` (JSON), its inputs made available on the remote cache
+        first (local-only hits pushed; the model source and declared input files uploaded).
+
+        Raises `MoptError` / `OSError` / `ValueError` for inputs that cannot be shared, and
+        the remote cache's own errors when it refuses an upload."""
+        st = self._states[node_id]
+        node = st.node
+        engine = self._engine
+        assert st.key is not None and st.parts is not None
+        kind = engine.kind(node.kind)
+        inputs: dict[str, list[InputSpec]] = {}
+        for slot, dep_ids in node.inputs.items():
+            arts = []
+            for d in dep_ids:
+                if d not in self._outputs:  # a partial slot's missing input
+                    continue
+                self._ensure_on_remote(d)
+                dep = self._graph.nodes[d]
+                arts.append(
+                    InputSpec(
+                        tree=self._outputs[d],
+                        kind=dep.kind,
+                        target=dep.target.name,
+                        meta=self._meta[d],
+                        label=dep.label,
+                        input_labels=self._graph.input_labels(dep),
+                    )
+                )
+            inputs[slot] = arts
+        source_tree = self._upload_source(node.model.name) if kind.uses_source else None
+        files = []
+        project_dir = Path(engine.recipe.project_dir).resolve()
+        for f in kind.input_files(node.target.params, engine.recipe.project_dir):
+            path = Path(f).resolve()
+            try:
+                rel = path.relative_to(project_dir).as_posix()
+            except ValueError:
+                raise MoptError(
+                    f"input file {path} is outside the project folder {project_dir}; remote workers "
+                    "get only files inside it",
+                    hint="move the file into the project",
+                ) from None
+            if path.is_dir():
+                tree, _ = engine.store.put_tree(path)
+                self.remote.push_tree(tree)
+                files.append(FileSpec(rel=rel, digest=tree, tree=True))
+            else:
+                digest = engine.store.put_file(path)
+                self.remote.push_blob(digest)
+                files.append(FileSpec(rel=rel, digest=digest))
+        return RemoteSpawn(
+            key=st.key,
+            node_id=node.id,
+            kind=node.kind,
+            params=node.target.params.model_dump(mode="json"),
+            parts=st.parts,
+            inputs=inputs,
+            model_name=node.model.name,
+            family=node.model.spec.family,
+            task=node.model.spec.task,
+            hardware=node.hardware.model_dump(mode="json"),
+            section=node.section.id,
+            label=node.label,
+            missing={s: [asdict(m) for m in ms] for s, ms in st.missing.items()},
+            source_tree=source_tree,
+            files=files,
+            recipe=str(engine.recipe.path),
+            offline=bool(getattr(engine, "offline", False)),
+        ).model_dump_json()
+
+    def started(self, node_id: str) -> None:
+        st = self._states[node_id]
+        st.status = "running"
+        st.started = time.time()
+        self.reporter.started(st)
+
+    def finished(self, node_id: str, result: dict[str, Any], *, duration: float | None = None) -> bool:
+        """Record what `run_remote_spawn` returned for the node; True when it is built or cached."""
+        st = self._states[node_id]
+        res = RemoteResult.from_json(result)
+        st.duration = duration if duration is not None else time.time() - st.started
+        if res.status in ("built", "cached") and res.entry is not None:
+            if res.entry.key != st.key:
+                self.done(node_id, "failed", f"worker returned an entry for another key ({res.entry.key[:16]})")
+                return False
+            self._on_remote.add(node_id)
+            if res.duration:
+                st.duration = res.duration
+            if not self._finish(st, res.entry, "built" if res.status == "built" else "cached", local=False):
+                st.status = "failed"
+                st.reason = f"built on {res.host}, but its outputs could not be downloaded (see the log)"
+                return False
+            return True
+        if res.log_tail:
+            with tempfile.NamedTemporaryFile("w", delete=False, dir=self.store_tmp, suffix=".log") as fh:
+                fh.write(res.log_tail)
+            try:
+                st.log_path = self._engine.store.keep_failed_log(st.key or "", fh.name)
+            finally:
+                Path(fh.name).unlink(missing_ok=True)
+        self.done(node_id, res.status if res.status == "unbuildable" else "failed", res.reason)
+        return False
+
+    def done(self, node_id: str, status: str, reason: str = "") -> None:
+        """Finish the node without a result: "blocked", "unbuildable" or "failed", and why."""
+        st = self._states[node_id]
+        st.status = status
+        st.reason = reason
+        self.reporter.done(st)
+
+    # -- the build as a whole
+
+    def start(self) -> None:
+        self.reporter.start(self._states)
+
+    def tick(self) -> None:
+        self.reporter.tick()
+
+    def stop(self) -> None:
+        self._engine.store.state.flush()
+        self.reporter.stop()
+
+    def states(self) -> dict[str, NodeState]:
+        """Every node's final state (what `Executor.build` returns)."""
+        return self._states
+
+    # -- inside
+
+    def _ensure_on_remote(self, node_id: str) -> None:
+        """Push an input that only the local store has (a local hit) before a worker needs it."""
+        if node_id in self._on_remote:
+            return
+        st = self._states.get(node_id)
+        if st is None or st.entry is None or st.key is None:
+            raise ValueError(f"input {node_id} has no action entry")
+        self.remote.push(st.key, st.entry)
+        self._on_remote.add(node_id)
+
+    def _upload_source(self, model_name: str) -> str:
+        """Put the model's source checkpoint into the remote CAS (once); return its tree digest."""
+        if model_name not in self._sources:
+            path, digest, _info = self._engine.source(model_name)
+            with self._engine.store.in_use():
+                tree, _ = self._engine.store.put_tree(path)
+            if tree != digest:
+                raise MoptError(f"the source of model {model_name!r} ({path}) changed while building; rebuild")
+            self.remote.push_tree(tree)
+            self._sources[model_name] = tree
+        return self._sources[model_name]
+
+    def _finish(self, st: NodeState, entry: ActionEntry, status: str, *, local: bool) -> bool:
+        """Record a hit or a built entry; download and materialize it if wanted. False when
+        its bytes had to be downloaded and could not be: the node is then a miss."""
+        node = st.node
+        assert st.key is not None and st.parts is not None
+        if not local:
+            self._on_remote.add(node.id)
+        if node.id in self._want:
+            if not local:
+                got = self.remote.pull(st.key, entry)
+                if got is None:
+                    return False
+                entry = got
+            with self._engine.store.in_use():
+                for address in node.addresses:
+                    self._engine.store.materialize(entry.outputs_tree, self._engine.address_path(address))
+        st.entry = entry
+        self._outputs[node.id] = entry.outputs_tree
+        self._meta[node.id] = dict(entry.meta.get("result") or {})
+        self._engine.record(node, st.key, st.parts)
+        self.done(node.id, status, st.reason)
+        return True
+
+
+# ---------------------------------------------------------------------- the worker side
+
+
+def run_remote_spawn(spawn_json: str, worker: dict[str, Any], *, executor: str = "remote") -> dict[str, Any]:
+    """Run one `RemoteSpawn` on this machine, through the remote cache; never raises for a
+    failing action.
+
+    `worker`: `store` (this machine's local store, `~` expanded here), `remote`
+    (`ExecutorSession.remote_connection()`), `disable_plugins` (names). Returns the result
+    as JSON, for `ExecutorSession.finished`. A process killed midway leaves a scratch folder
+    in the local store (swept later) and at most some content-addressed blobs on the
+    remote, never an entry."""
+    from mopt.plugins import get_registry
+    from mopt.remote import RemoteCache, RemoteError
+    from mopt.store import StoreError
+
+    spec = RemoteSpawn.model_validate_json(spawn_json)
+    host = socket.gethostname()
+    store = Store(Path(os.path.expanduser(worker["store"])))
+    try:
+        conn = worker["remote"]
+        remote = RemoteCache(conn["url"], store, push=True, options=conn.get("options") or {})
+        # built meanwhile by someone else (another driver, an earlier attempt)?
+        entry = remote.fetch_entry(spec.key, verify=True)
+        if entry is not None:
+            return RemoteResult("cached", entry=entry, host=host).to_json()
+        registry = get_registry(worker.get("disable_plugins") or ())
+        try:
+            result = _run(spec, store, registry, remote, executor=executor)
+        except (RemoteError, StoreError) as exc:
+            return RemoteResult("failed", reason=f"fetching inputs on {host}: {exc}", host=host).to_json()
+        if result.entry is not None and result.status in ("built", "cached"):
+            try:
+                remote.push(spec.key, result.entry)
+            except (RemoteError, StoreError) as exc:
+                return RemoteResult(
+                    "failed", reason=f"built on {host}, but pushing the outputs failed: {exc}", host=host
+                ).to_json()
+        return result.to_json()
+    finally:
+        store.close()
+
+
+def fingerprint_diff(want: dict[str, Any], have: dict[str, Any]) -> list[str]:
+    """`name a → b` for each tool whose version differs between the key and this machine."""
+    names = sorted(set(want) | set(have))
+    return [f"{n} {want.get(n)!r} → {have.get(n)!r}" for n in names if want.get(n) != have.get(n)]
+
+
+def _run(spec: RemoteSpawn, store: Store, registry: Any, remote: Any, *, executor: str) -> RemoteResult:
+    """Run `spec` into `store` (under the action's lock), its inputs fetched from `remote`."""
+    from mopt.procs import unmet
+
+    host = socket.gethostname()
+    kind_cls = registry.targets.get(spec.kind)
+    if kind_cls is None:
+        return RemoteResult(
+            "unbuildable",
+            reason=f"target kind {spec.kind!r} is not installed on {host} (install its plugin on the workers)",
+            host=host,
+        )
+    kind = kind_cls()
+    hardware = HardwareProfile.model_validate(spec.hardware)
+    want_fp = dict(spec.parts.get("fingerprint") or {})
+    have_fp = dict(kind.fingerprint())
+    if have_fp != want_fp:
+        return RemoteResult(
+            "failed",
+            reason=(
+                f"tools on {host} differ from the ones the action key was made with: "
+                + "; ".join(fingerprint_diff(want_fp, have_fp))
+                + " (install the same versions on the driver and the workers)"
+            ),
+            host=host,
+        )
+    params = kind.Params.model_validate(spec.params)
+    why = unmet(kind.requirements(params, hardware), hardware)
+    if why:
+        return RemoteResult("unbuildable", reason=f"unbuildable on {host}: {why}", host=host)
+
+    def tree_into(tree: str, dest: Path) -> None:
+        remote.fetch_tree(tree)
+        with store.in_use():
+            store.materialize(tree, dest)
+
+    with store.lock(spec.key), ExitStack() as stack:
+        entry = store.ac_entry(spec.key)
+        if entry is not None:
+            return RemoteResult("cached", entry=entry, host=host)
+        # the store keeps a scratch folder from `cleanup_tmp` while in use; removed at the end
+        scratch = stack.enter_context(store.scratch_dir(prefix="action-"))
+        out_dir, tmp_dir, in_dir = scratch / "out", scratch / "tmp", scratch / "in"
+        for d in (out_dir, tmp_dir, in_dir):
+            d.mkdir()
+        log_path = scratch / "log.txt"
+        log_path.touch()
+        t0 = time.time()
+        try:
+            inputs: dict[str, list[Artifact]] = {}
+            for slot, arts in spec.inputs.items():
+                got = []
+                for k, a in enumerate(arts):
+                    dest = in_dir / f"{slot}-{k}"
+                    tree_into(a.tree, dest)
+                    got.append(
+                        Artifact(
+                            dest, a.kind, a.target, a.tree, dict(a.meta), label=a.label,
+                            input_labels={k: list(v) for k, v in a.input_labels.items()},
+                        )
+                    )
+                inputs[slot] = got
+            source = None
+            if spec.source_tree is not None:
+                source = scratch / "source"
+                tree_into(spec.source_tree, source)
+            project_dir = scratch / "project"
+            project_dir.mkdir()
+            for f in spec.files:
+                dest = project_dir / f.rel
+                if f.tree:
+                    tree_into(f.digest, dest)
+                else:
+                    remote.fetch_blob(f.digest)
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(store.blob_path(f.digest), dest)
+                    os.chmod(dest, 0o444)
+            # its inputs must come out of the action as they went in (blobs are hard-linked)
+            digests = {
+                os.path.join(str(in_dir / f"{slot}-{k}"), e.path): e.digest
+                for slot, arts in spec.inputs.items()
+                for k, a in enumerate(arts)
+                for e in store.tree_entries(a.tree)
+            }
+            watched = [in_dir, project_dir, *([source] if source is not None else [])]
+            watch = InputWatch.take(watched, digests)
+            # the one action-running function of mopt (the local executor's workers call it
+            # too); the executor's task is a process of its own, so it runs here
+            res = execute_spawn(
+                Spawn(
+                    key=spec.key,
+                    node_id=spec.node_id,
+                    kind=spec.kind,
+                    plugin=kind_cls.__module__,
+                    params=spec.params,
+                    inputs=inputs,
+                    model_name=spec.model_name,
+                    family=spec.family,
+                    task=spec.task,
+                    source=str(source) if source is not None and kind.uses_source else None,
+                    hardware=spec.hardware,
+                    section=spec.section,
+                    target=spec.label,
+                    project_dir=str(project_dir),
+                    missing={s: [Missing(**m) for m in ms] for s, ms in spec.missing.items()},
+                    env=dict(spec.parts.get("env") or {}),
+                    offline=spec.offline,
+                    out=str(out_dir),
+                    tmp=str(tmp_dir),
+                    log=str(log_path),
+                    logger_prefix=f"mopt.{executor}.action",
+                    host=host,
+                ),
+                registry,
+            )
+            changed = watch.changes(watched, store.state.file_digest)
+            if changed:
+                removed = sum(
+                    store.discard_blob(d) for _p, d in changed if d is not None and not store.verify(d)
+                )
+                why = f"kind {spec.kind!r} changed its input {os.path.relpath(changed[0][0], scratch)}"
+                if removed:
+                    why += f"; {removed} damaged blob(s) removed from {host}'s store"
+                with open(log_path, "a") as fh:
+                    fh.write(f"mopt: FAILED: {why}\n")
+                res = replace(res, status="failed", error=why)
+            if not res.ok:
+                store.keep_failed_log(spec.key, log_path)
+                return RemoteResult(
+                    "failed", reason=res.error, duration=res.duration, log_tail=_tail(log_path), host=host
+                )
+            with store.in_use():
+                tree, _entries = store.put_tree(out_dir)
+                log_digest = store.put_log(log_path)
+                entry = store.ac_put(
+                    spec.key,
+                    ActionEntry(
+                        key=spec.key,
+                        kind=spec.kind,
+                        target=spec.node_id,
+                        outputs_tree=tree,
+                        log=log_digest,
+                        duration_s=res.duration,
+                        fingerprint=want_fp,
+                        host=host,
+                        meta={
+                            "result": res.meta,
+                            "parts": spec.parts,
+                            "reproducible": kind.reproducible,
+                            "recipe": spec.recipe,
+                            "executor": executor,
+                        },
+                    ),
+                )
+            return RemoteResult("built", entry=entry, duration=res.duration, host=host)
+        except BaseException as exc:  # fetching or storing failed: the action fails, not the worker
+            if isinstance(exc, KeyboardInterrupt | SystemExit):
+                raise
+            with open(log_path, "a") as fh:
+                fh.write("mopt: FAILED: " + "".join(traceback.format_exception_only(exc)).strip() + "\n")
+                fh.write(traceback.format_exc())
+            store.keep_failed_log(spec.key, log_path)
+            return RemoteResult(
+                "failed",
+                reason=f"{type(exc).__name__}: {exc}",
+                duration=time.time() - t0,
+                log_tail=_tail(log_path),
+                host=host,
+            )
+
+
+def _tail(path: Path) -> str:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - LOG_TAIL_BYTES))
+            return fh.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
