@@ -12,7 +12,9 @@ one-off start-up (the worker's interpreter and plugins) is reported apart.
     python benchmarks/bench_runner.py -n 100 -r 5
 
 `sandbox = "none"` runs each action in a warm worker process, `"bwrap"` in a warm worker
-inside bubblewrap (skipped where `bwrap` is missing). `--baseline DIR` also runs the mopt
+inside bubblewrap (skipped where `bwrap` is missing); both fork their workers from a zygote
+(fork server), and the "exec" rows (MOPT_ZYGOTE=0) start each worker as a new interpreter
+instead, for comparison. `--baseline DIR` also runs the mopt
 package found under DIR (e.g. `git archive <commit> mopt | tar -x -C DIR`): code from before
 the runner ignores the setting and runs actions in threads of the mopt process.
 """
@@ -42,8 +44,9 @@ def write_project(root: Path, n: int, sandbox: str) -> Path:
     return root / "r.toml"
 
 
-def build(root: Path, *args: str, mopt_path: str | None = None) -> tuple[float, dict]:
+def build(root: Path, *args: str, mopt_path: str | None = None, zygote: bool = True) -> tuple[float, dict]:
     env = dict(os.environ)
+    env["MOPT_ZYGOTE"] = "1" if zygote else "0"
     if mopt_path:  # another checkout's mopt package (e.g. the code before the runner)
         env["PYTHONPATH"] = os.pathsep.join([mopt_path, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     t0 = time.perf_counter()
@@ -60,7 +63,9 @@ def build(root: Path, *args: str, mopt_path: str | None = None) -> tuple[float, 
     return dt, json.loads(proc.stdout)
 
 
-def measure(n: int, reps: int, sandbox: str, jobs: int, mopt_path: str | None) -> tuple[float, float, float]:
+def measure(
+    n: int, reps: int, sandbox: str, jobs: int, mopt_path: str | None, zygote: bool = True
+) -> tuple[float, float, float]:
     """Medians of (clean build, first rebuild: every action a hit, second rebuild: the
     no-op fast path)."""
     clean, hits, noop = [], [], []
@@ -68,13 +73,13 @@ def measure(n: int, reps: int, sandbox: str, jobs: int, mopt_path: str | None) -
         with tempfile.TemporaryDirectory(prefix="mopt-bench-runner-") as tmp:
             root = Path(tmp)
             write_project(root, n, sandbox)
-            dt, data = build(root, "-j", str(jobs), mopt_path=mopt_path)
+            dt, data = build(root, "-j", str(jobs), mopt_path=mopt_path, zygote=zygote)
             if data["counts"].get("built") != n:
                 raise SystemExit(f"expected {n} built actions, got {data['counts']}")
             clean.append(dt)
             for times in (hits, noop):
                 time.sleep(0.3)  # past the no-op stamp's racy window
-                dt, data = build(root, "-j", str(jobs), mopt_path=mopt_path)
+                dt, data = build(root, "-j", str(jobs), mopt_path=mopt_path, zygote=zygote)
                 if data["counts"] != {"cached": n}:
                     raise SystemExit(f"expected a no-op, got {data['counts']}")
                 times.append(dt)
@@ -96,16 +101,18 @@ def main() -> None:
     print("ms/action: the slope between the two clean builds (what one more action costs);")
     print("fixed s: the rest of the clean build of N (start-up, plugins, the first worker)")
     print(
-        f"{'runner':<18} {'clean s':>8} {'ms/action':>10} {'fixed s':>8} {'all hits s':>10} {'no-op s':>8}"
+        f"{'runner':<22} {'clean s':>8} {'ms/action':>10} {'fixed s':>8} {'all hits s':>10} {'no-op s':>8}"
     )
-    runs = [(f"baseline ({mode})", mode, a.baseline) for mode in modes[:1] if a.baseline]
-    runs += [(f"process ({mode})" if mode == "none" else "bwrap", mode, None) for mode in modes]
-    for label, mode, path in runs:
-        clean_small, _, _ = measure(small, a.reps, mode, a.jobs, path)
-        clean, hits, noop = measure(a.n, a.reps, mode, a.jobs, path)
+    runs = [(f"baseline ({mode})", mode, a.baseline, True) for mode in modes[:1] if a.baseline]
+    for mode in modes:
+        name = "process (none)" if mode == "none" else "bwrap"
+        runs += [(f"{name}, zygote", mode, None, True), (f"{name}, exec", mode, None, False)]
+    for label, mode, path, zygote in runs:
+        clean_small, _, _ = measure(small, a.reps, mode, a.jobs, path, zygote)
+        clean, hits, noop = measure(a.n, a.reps, mode, a.jobs, path, zygote)
         slope = (clean - clean_small) / (a.n - small) if a.n > small else clean / a.n
         fixed = clean - slope * a.n
-        print(f"{label:<18} {clean:8.2f} {1000 * slope:10.1f} {fixed:8.2f} {hits:10.3f} {noop:8.3f}")
+        print(f"{label:<22} {clean:8.2f} {1000 * slope:10.1f} {fixed:8.2f} {hits:10.3f} {noop:8.3f}")
     if len(modes) == 1:
         print("bwrap: not installed (apt-get install bubblewrap), sandbox not measured")
 

@@ -434,7 +434,8 @@ class _Worker:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 self.proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=30)
+            # a forked worker's end is reported by its zygote, which may be busy importing
+            self.proc.wait(timeout=5 if isinstance(self.proc, _ForkedProc) else 30)
         self.alive = False
 
     def close(self) -> None:
@@ -787,7 +788,13 @@ class _ForkedProc:
         return code
 
     def kill(self) -> None:
-        """SIGKILL the worker's process group (the zygote does it: it is the parent)."""
+        """SIGKILL the worker's process group: here when its pid is ours to see (a plain
+        zygote), else by the zygote (a sandbox's pids are its own)."""
+        if self.zygote.sort == "host":
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(self.pid, signal.SIGKILL)
         self.zygote.send(("kill", self.pid))
 
 
@@ -1250,8 +1257,20 @@ def zygote_main(argv: list[str]) -> int:
     _registry(disabled)
     zygote_pid = os.getpid()
     loaded: list[str] = []
-    failed: set[str] = set()
+    failed: list[str] = []
     workers: set[int] = set()
+    early: dict[int, int] = {}
+    sending = [False, False]  # in conn.send; a SIGCHLD came meanwhile
+
+    def send(msg: Any) -> None:
+        sending[0] = True
+        try:
+            conn.send(msg)
+        finally:
+            sending[0] = False
+        if sending[1]:
+            sending[1] = False
+            reap()
 
     def reap() -> None:
         while True:
@@ -1261,12 +1280,24 @@ def zygote_main(argv: list[str]) -> int:
                 return
             if pid == 0:
                 return
+            code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
             if pid in workers:
                 workers.discard(pid)
                 with contextlib.suppress(OSError):
                     os.killpg(pid, signal.SIGKILL)  # what it left behind in its group
-                code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-                conn.send(("exit", pid, code))
+                send(("exit", pid, code))
+            else:  # a worker that ended before it was counted, or an adopted orphan
+                early[pid] = code
+
+    def on_sigchld(_sig: int, _frame: Any) -> None:
+        # report a worker's end at once, also while a long import runs here
+        if sending[0]:
+            sending[1] = True
+        else:
+            with contextlib.suppress(OSError):
+                reap()
+
+    signal.signal(signal.SIGCHLD, on_sigchld)
 
     try:
         while True:
@@ -1294,7 +1325,7 @@ def zygote_main(argv: list[str]) -> int:
                         __import__(mod)
                         loaded.append(mod)
                     except BaseException as exc:  # the action meets it again, in its log
-                        failed.add(mod)
+                        failed.append(mod)
                         print(f"mopt zygote: preloading {mod} failed: {exc!r}", file=sys.stderr, flush=True)
             sys.stdout.flush()
             sys.stderr.flush()
@@ -1302,11 +1333,12 @@ def zygote_main(argv: list[str]) -> int:
                 pid = os.fork()
             except OSError as exc:
                 os.close(wfd)
-                conn.send(("error", f"fork: {exc}"))
+                send(("error", f"fork: {exc}"))
                 continue
             if pid == 0:  # the worker
                 code = 0
                 try:
+                    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # its children are its own
                     conn.close()
                     sock.close()
                     os.setsid()  # a process group of its own: killed as one
@@ -1326,7 +1358,13 @@ def zygote_main(argv: list[str]) -> int:
                     os._exit(code)
             os.close(wfd)
             workers.add(pid)
-            conn.send(("forked", pid, list(loaded)))
+            # modules that failed to import count as preloaded: a new fork would not have them either
+            send(("forked", pid, loaded + failed))
+            if pid in early:
+                workers.discard(pid)
+                with contextlib.suppress(OSError):
+                    os.killpg(pid, signal.SIGKILL)
+                send(("exit", pid, early.pop(pid)))
     finally:
         for pid in list(workers):
             with contextlib.suppress(OSError):

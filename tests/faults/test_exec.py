@@ -380,3 +380,38 @@ def test_a_killed_builds_orphan_keeps_the_lock_until_it_is_gone(proj: Proj) -> N
         assert events.index(("orphan-end", a)) < events.index(("start", b)), events
     assert ("end", a) not in events  # the killed build's shell itself died at once
     proj.check()
+
+
+# ---------------------------------------------------------------------- the fork server (zygote)
+
+
+@pytest.mark.parametrize("sandbox", SANDBOXES)
+@pytest.mark.parametrize("zygote", ["1", "0"])
+def test_workers_are_forked_from_a_zygote_that_preloaded_the_kinds_modules(
+    tmp_path: Path, sandbox: str, zygote: str
+) -> None:
+    # toy-misbehave declares preload = ("wave",), which nothing else imports: a forked worker
+    # has it before run() starts; an exec'd one (MOPT_ZYGOTE=0) does not
+    p = Proj(tmp_path, sandbox)
+    p.recipe('targets = ["probe"]\n\n[toy.cpu.probe]\nkind = "toy-misbehave"\nhow = "probe"\n')
+    proc = p.build("--json", env={**os.environ, "MOPT_ZYGOTE": zygote})
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads((p.dir / "build" / "toy" / "cpu" / "probe" / "seen.json").read_text())
+    assert seen["preloaded"] is (zygote == "1")
+    assert ("--zygote" in seen["parent"]) is (zygote == "1"), seen
+    p.check()
+
+
+@pytest.mark.skipif(not HAS_BWRAP, reason="no usable bwrap")
+def test_in_the_sandbox_an_action_cannot_write_beside_its_own_folders(tmp_path: Path) -> None:
+    # the folder above a worker's scratch holds the other workers' scratch (forked workers
+    # share their zygote's sandbox; Landlock fences each in) or is read-only (exec'd ones)
+    p = Proj(tmp_path, "bwrap")
+    argv = ["sh", "-c", "touch {out}/../../../beside && echo x > {out}/f"]
+    p.recipe(f'targets = ["beside"]\n\n[toy.cpu.beside]\nkind = "command"\nargv = {json.dumps(argv)}\n')
+    code, data, _ = p.build_json()
+    assert code == 1
+    log = Path(node(data, "toy.cpu:beside")["log"]).read_text()
+    assert "Permission denied" in log or "Read-only file system" in log, log
+    assert not list((p.dir / ".mopt").rglob("beside"))
+    p.check()

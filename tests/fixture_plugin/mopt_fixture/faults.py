@@ -26,7 +26,14 @@ class ToyMisbehave(TargetKind):
         torch: bool = False
         port: int = 0
 
+    #: a module nothing else of mopt imports: whether it is there when run() starts tells
+    #: that the worker was forked from a zygote that preloaded it
+    preload = ("wave",)
+
     def run(self, ctx: BuildContext) -> dict[str, Any]:
+        import sys
+
+        preloaded = "wave" in sys.modules
         how = ctx.params.how
         ctx.log(f"misbehaving: {how}")
         if how == "segfault":
@@ -58,7 +65,10 @@ class ToyMisbehave(TargetKind):
 
             with socket.create_connection(("127.0.0.1", ctx.params.port), timeout=5) as s:
                 s.sendall(b"hello")
-        seen: dict[str, Any] = {"leak": os.environ.get("MOPT_FIXTURE_LEAK"), "cwd": os.getcwd()}
+        seen: dict[str, Any] = {"leak": os.environ.get("MOPT_FIXTURE_LEAK"), "cwd": os.getcwd(),
+                                "preloaded": preloaded}
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as fh:
+            seen["parent"] = fh.read().replace(b"\0", b" ").decode()
         if ctx.params.torch and how == "probe":
             import torch
 
