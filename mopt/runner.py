@@ -423,7 +423,8 @@ class _Worker:
         behind). A forked worker's group is killed by its zygote (in a sandbox its pids
         are the sandbox's own)."""
         if isinstance(self.proc, _ForkedProc):
-            self.proc.kill()
+            if self.proc.poll() is None:  # else its zygote killed the group when it reaped it
+                self.proc.kill()
             return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)

@@ -37,7 +37,7 @@ class OnnxKind(TargetKind):
     (int64, dynamic batch and sequence), one output `mopt_embedding` (pooled, L2-normalised,
     float32). Checked against PyTorch on the shipped validation sentences."""
 
-    preload = ("torch", "transformers", "onnx")  # imported once by the build's fork server
+    preload = ("torch", "transformers", "transformers.modeling_utils", "onnx")  # imported once by the build's fork server
 
     name = "onnx"
     version = "1"

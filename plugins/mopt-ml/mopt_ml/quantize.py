@@ -32,7 +32,7 @@ class OrtQuantizeKind(TargetKind):
     """ONNX Runtime INT8 quantization of an fp32 graph (onnx-slim or onnx), optionally
     smoothed first."""
 
-    preload = ("onnx", "onnxruntime")  # imported once by the build's fork server
+    preload = ("onnx", "onnxruntime", "onnxruntime.quantization")  # imported once by the build's fork server
 
     name = "ort-quantize"
     version = "1"

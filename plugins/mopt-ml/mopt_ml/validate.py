@@ -71,7 +71,7 @@ class ArtifactTester(TargetKind):
     """Base of the kinds that test one artifact against the PyTorch reference (`validate`,
     `bench`): fanned out over the section's artifacts, reading an optional `data` file."""
 
-    preload = ("torch", "transformers", "onnxruntime")  # imported once by the build's fork server
+    preload = ("torch", "transformers", "transformers.modeling_utils", "onnxruntime")  # imported once by the build's fork server
 
     consumes = (
         Input("model", formats=TESTED_FORMATS, fanout=True),

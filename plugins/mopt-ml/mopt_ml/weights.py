@@ -29,7 +29,7 @@ class WeightsKind(TargetKind):
     dtype cast, tied weights stored once, training-only tensors dropped, config.json
     normalised, tokenizer checked, and a manifest.json of every tensor."""
 
-    preload = ("torch", "transformers")  # imported once by the build's fork server
+    preload = ("torch", "transformers", "transformers.modeling_utils")  # imported once by the build's fork server
 
     name = "weights"
     version = "1"
