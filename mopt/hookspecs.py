@@ -36,10 +36,4 @@ def mopt_register_sources(register: Callable[[Any], None]) -> None:
 
 @hookspec
 def mopt_register_executors(register: Callable[[Any], None]) -> None:
-    """Register executors: `register(ExecutorClass)` for each `mopt.api.Executor` subclass.
-
-    An executor implements `build(session, *, settings) -> session.states()`: the session
-    (`mopt.api.ExecutorSession`) keys each action and takes its hits; the executor runs each
-    miss (`session.spawn(id)`, a JSON remote spawn) on a machine of its choice with
-    `mopt.api.run_remote_spawn` and hands the result back with `session.finished(id, result)`,
-    or ends the action with `session.done(id, status, reason)`."""
+    """Register executors: `register(ExecutorClass)` per `mopt.api.Executor` subclass; its `build(session, *, settings)` runs each miss `session.spawn(id)` describes with `mopt.api.run_remote_spawn` and hands the result to `session.finished` (or ends it with `session.done`)."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import faulthandler
+import gc
 import json
 import logging
 import os
@@ -1330,6 +1331,9 @@ def zygote_main(argv: list[str]) -> int:
                         print(f"mopt zygote: preloading {mod} failed: {exc!r}", file=sys.stderr, flush=True)
             sys.stdout.flush()
             sys.stderr.flush()
+            # what is imported so far is never collected in a fork: the collector would touch
+            # (and so copy) every page of it in each worker
+            gc.freeze()
             try:
                 pid = os.fork()
             except OSError as exc:
