@@ -7,13 +7,16 @@ may write (`out`, `tmp`, `log`, filled in by the runner). `execute_spawn` is the
 function that turns a spawn into a `BuildContext` and runs the kind; every runner ends
 there, in a process of its own:
 
-* `ProcessRunner`: a pool of warm worker processes (`python -m mopt.runner`) on this
-  machine, so heavy imports (torch) are paid once per worker, not once per action;
+* `ProcessRunner`: a pool of warm worker processes on this machine, forked from a fork
+  server (`python -m mopt.runner --zygote`, one per sort of worker) that has imported the
+  modules the kinds declare (`TargetKind.preload`), so heavy imports (torch) are paid once
+  per build, not once per worker or action (`MOPT_ZYGOTE=0`: each worker is a new
+  `python -m mopt.runner`);
 * the same pool with `sandbox=True`: each worker runs inside bubblewrap with the whole
   filesystem read-only except its own scratch folder and the store's `cache/` (the GPU
   devices bound in; no network for kinds with `network = False`);
-* Ray (plugins/mopt-ray): a Ray task is already a process of its own; it calls
-  `execute_spawn` directly (`InProcessRunner` does the same here, for the benchmark).
+* other executors (plugins/mopt-ray): `mopt.executor.run_remote_spawn` runs in a process
+  of theirs and calls `execute_spawn` directly (`InProcessRunner` does the same here).
 
 A worker that crashes, calls `os._exit`, segfaults or is OOM-killed fails that action (its
 log and the signal are kept) and is replaced; the environment, the working folder and
