@@ -1252,7 +1252,13 @@ def zygote_main(argv: list[str]) -> int:
     process that holds no lock of another thread. The modules a request names are
     imported here first (once; an import that fails is left to the action, which then
     meets the error itself). It reports every forked worker's end (`exit`, pid,
-    Popen-style return code) and kills that worker's process group then."""
+    Popen-style return code) and kills that worker's process group then.
+
+    Not `multiprocessing`'s forkserver with `set_forkserver_preload`: that server is one
+    per Python process with a preload list fixed before it starts (a second build in the
+    same process would get the first's), it is started as a plain interpreter (it cannot
+    be put inside bubblewrap, one per sandbox sort), and it imports everything up front;
+    this one is per build and sort, runs inside the sandbox, and imports on demand."""
     fd, ppid = int(argv[0]), int(argv[1])
     if not _become_worker(ppid):
         return 0
