@@ -48,7 +48,10 @@ def tokens_of(prompt: object) -> list[int]:
 
 
 def chat_tokens(messages: list[dict]) -> list[int]:
-    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages) + "<|im_start|>assistant\n"
+    text = (
+        "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        + "<|im_start|>assistant\n"
+    )
     return list(text.encode())
 
 
@@ -97,8 +100,12 @@ class Handler(BaseHTTPRequestHandler):
         chat = self.path.endswith("chat/completions")
         ids = chat_tokens(body["messages"]) if chat else tokens_of(body["prompt"])
         n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
-        k = int(body.get("logprobs") or 0) if not chat else (int(body.get("top_logprobs") or 0) if body.get("logprobs") else 0)
-        blocks = [tuple(ids[i:i + 16]) for i in range(0, len(ids) - len(ids) % 16, 16)]
+        k = (
+            int(body.get("logprobs") or 0)
+            if not chat
+            else (int(body.get("top_logprobs") or 0) if body.get("logprobs") else 0)
+        )
+        blocks = [tuple(ids[i : i + 16]) for i in range(0, len(ids) - len(ids) % 16, 16)]
         COUNT["queries"] += len(ids)
         COUNT["hits"] += 16 * sum(1 for b in blocks if b in SEEN)
         SEEN.update(blocks)
@@ -115,23 +122,48 @@ class Handler(BaseHTTPRequestHandler):
         if not body.get("stream"):
             time.sleep(DELAY * (1 + n / 8))
             if chat:
-                choice = {"index": 0, "message": {"role": "assistant", "content": "".join(text)},
-                          "finish_reason": "length"}
+                choice = {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "".join(text)},
+                    "finish_reason": "length",
+                }
                 if k:
-                    choice["logprobs"] = {"content": [
-                        {"token": f"token_id:{t}", "logprob": -0.1,
-                         "top_logprobs": [{"token": kk, "logprob": v} for kk, v in logprobs_for(t, k).items()]}
-                        for t in out]}
+                    choice["logprobs"] = {
+                        "content": [
+                            {
+                                "token": f"token_id:{t}",
+                                "logprob": -0.1,
+                                "top_logprobs": [
+                                    {"token": kk, "logprob": v} for kk, v in logprobs_for(t, k).items()
+                                ],
+                            }
+                            for t in out
+                        ]
+                    }
             else:
                 choice = {"index": 0, "text": "".join(text), "finish_reason": "length"}
                 if k:
-                    choice["logprobs"] = {"tokens": [f"token_id:{t}" for t in out],
-                                          "token_logprobs": [-0.1] * n,
-                                          "top_logprobs": [logprobs_for(t, k) for t in out]}
+                    choice["logprobs"] = {
+                        "tokens": [f"token_id:{t}" for t in out],
+                        "token_logprobs": [-0.1] * n,
+                        "top_logprobs": [logprobs_for(t, k) for t in out],
+                    }
                 if body.get("prompt_logprobs") is not None:
-                    choice["prompt_logprobs"] = [None] + [{str(t): {"logprob": -1.0, "rank": 1}} for t in ids[1:]]
-            self._send(200, json.dumps({"id": "x", "object": "text_completion", "model": MODEL,
-                                        "choices": [choice], "usage": usage}).encode())
+                    choice["prompt_logprobs"] = [None] + [
+                        {str(t): {"logprob": -1.0, "rank": 1}} for t in ids[1:]
+                    ]
+            self._send(
+                200,
+                json.dumps(
+                    {
+                        "id": "x",
+                        "object": "text_completion",
+                        "model": MODEL,
+                        "choices": [choice],
+                        "usage": usage,
+                    }
+                ).encode(),
+            )
             return
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
@@ -144,13 +176,15 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.flush()
 
         time.sleep(DELAY)
-        for t, s in zip(out, text):
+        for s in text:
             if chat:
                 chunk({"choices": [{"index": 0, "delta": {"content": s}, "finish_reason": None}]})
             else:
                 chunk({"choices": [{"index": 0, "text": s, "finish_reason": None}]})
             time.sleep(DELAY / 8)
-        chunk({"choices": [{"index": 0, "delta": {} if chat else None, "text": "", "finish_reason": "length"}]})
+        chunk(
+            {"choices": [{"index": 0, "delta": {} if chat else None, "text": "", "finish_reason": "length"}]}
+        )
         if (body.get("stream_options") or {}).get("include_usage"):
             chunk({"choices": [], "usage": usage})
         chunk("[DONE]")
@@ -163,6 +197,6 @@ if __name__ == "__main__":
     if "--wrong-after" in args:
         i = args.index("--wrong-after")
         WRONG_AFTER = int(args[i + 1])
-        del args[i:i + 2]
+        del args[i : i + 2]
     DELAY = float(args[1]) if len(args) > 1 else 0.0
     ThreadingHTTPServer(("127.0.0.1", int(args[0])), Handler).serve_forever()
