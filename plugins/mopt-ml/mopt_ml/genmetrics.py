@@ -42,6 +42,8 @@ DEFAULT_GATES: dict[str, float] = {
     "max_kl": 0.05,  # nats per token (8-bit weights: ~0.005-0.02; 4-bit: ~0.05-0.1)
     "min_greedy": 0.5,  # mean fraction of a greedy continuation equal before the first divergence
 }
+#: KL and negative log-likelihood (nats) charged at a position whose logits are not finite
+NONFINITE_PENALTY = 50.0
 #: gate name → (metric it reads, comparison)
 GATES: dict[str, tuple[str, str]] = {
     "min_top1": ("top1_agreement", ">="),
@@ -134,6 +136,7 @@ class Compared:
     """Per-position numbers of a candidate against the reference (see `compare`)."""
 
     agree: np.ndarray  # [P] bool: same top-1
+    finite: np.ndarray  # [P] bool: the candidate's logits are all finite there
     kl: np.ndarray  # [P] float64, nats
     ref_nll: np.ndarray  # [P] -log p_ref(real next token)
     cand_nll: np.ndarray  # [P]
@@ -143,7 +146,12 @@ def compare(ref: RefDist, cand_logits: Any, targets: Any) -> Compared:
     """The candidate's logits [P, V] at the same positions as `ref`."""
     import numpy as np
 
-    lq = log_softmax(cand_logits)
+    raw = np.asarray(cand_logits, dtype=np.float64)
+    finite = np.isfinite(raw).all(axis=-1) if raw.ndim == 2 else np.ones(0, bool)
+    # a NaN / inf row (a broken graph or kernel) is scored as the worst candidate: a uniform
+    # distribution over a shifted argmax would hide it, so its KL and nll become large and
+    # it never agrees; `metrics` counts such positions and `gate` fails on them
+    lq = log_softmax(np.where(np.isfinite(raw), raw, 0.0)) if raw.ndim == 2 else log_softmax(raw)
     tgt = np.asarray(targets, dtype=np.int64)
     _check_shapes(lq, tgt)
     if ref.top_ids.shape[0] != lq.shape[0]:
@@ -160,7 +168,13 @@ def compare(ref: RefDist, cand_logits: Any, targets: Any) -> Compared:
             term = np.where(rest_p > 0, rest_p * (np.log(np.maximum(rest_p, 1e-300)) - np.log(rest_q)), 0.0)
         kl = kl + term
     kl = np.maximum(kl, 0.0)  # rounding: KL is never negative
-    return Compared(agree, kl, -ref.target_logp, -lq[rows, tgt])
+    cand_nll = -lq[rows, tgt]
+    if not finite.all():
+        bad = ~finite
+        agree = agree & finite
+        kl = np.where(bad, NONFINITE_PENALTY, kl)
+        cand_nll = np.where(bad, NONFINITE_PENALTY, cand_nll)
+    return Compared(agree, finite, kl, -ref.target_logp, cand_nll)
 
 
 def greedy_agreement(ref: Sequence[int], cand: Sequence[int], n: int | None = None) -> tuple[float, float]:
@@ -190,12 +204,14 @@ def metrics(parts: Sequence[Compared], greedy: Sequence[tuple[Sequence[int], Seq
     if agree.size == 0:
         raise ValueError("no positions to compare: the held-out texts are shorter than 2 tokens")
     kl = np.concatenate([p.kl for p in parts])
+    finite = np.concatenate([p.finite for p in parts])
     ref_nll = np.concatenate([p.ref_nll for p in parts])
     cand_nll = np.concatenate([p.cand_nll for p in parts])
     ppl_ref = _exp(ref_nll.mean())
     ppl_cand = _exp(cand_nll.mean())
     out: dict[str, Any] = {
         "positions": int(agree.size),
+        "nonfinite_positions": int((~finite).sum()),
         "top1_agreement": _sig(agree.mean()),
         "kl_mean": _sig(kl.mean()),
         "kl_p99": _sig(np.quantile(kl, 0.99)),
@@ -219,6 +235,9 @@ def gate(numbers: dict[str, Any], limits: dict[str, float | None]) -> tuple[dict
     and the failures as `top1_agreement 0.8123 < 0.9` lines."""
     results: dict[str, Any] = {}
     failed: list[str] = []
+    bad = numbers.get("nonfinite_positions") or 0
+    if bad:  # whatever the thresholds: a model that emits NaN / inf is broken
+        failed.append(f"candidate logits not finite at {bad} of {numbers.get('positions')} positions")
     for name, limit in limits.items():
         if limit is None:
             continue

@@ -22,7 +22,14 @@ from mopt_ml.bench import BenchKind
 from mopt_ml.genbench import bench_batch, bench_concurrency, dist, make_prompts
 
 CPU = HardwareProfile(name="cpu", description="cpu", device="cpu", gpu_count=0)
-TIMING = {"warmup": 1, "min_samples": 4, "max_samples": 12, "ci_rel": 0.5, "confidence": 0.95, "max_seconds": 5.0}
+TIMING = {
+    "warmup": 1,
+    "min_samples": 4,
+    "max_samples": 12,
+    "ci_rel": 0.5,
+    "confidence": 0.95,
+    "max_seconds": 5.0,
+}
 D = 0.004  # seconds per decode step of the slow model; prefill 2 D
 
 
@@ -90,7 +97,9 @@ def test_kind_writes_genbench_json_with_artifact_and_baseline(tmp_path: Path, mo
     cand = genfake.make_model(tmp_path / "int8", tok, noise=0.05, delay_s=D)
     (ref / "fake.json").write_text(json.dumps({"delay_s": 2 * D}))  # the baseline: twice as slow
     monkeypatch.setattr(genbench, "GENERATOR_OPEN", "genfake:open_generator")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
+    )
     out = tmp_path / "out"
     out.mkdir()
     params = BenchKind.Params(

@@ -190,3 +190,16 @@ def test_extreme_logits_stay_finite():
     m = run(logits, cand, np.array([0, 1]))
     assert all(math.isfinite(m[k]) for k in ("kl_mean", "ppl_ratio", "ppl_reference"))
     assert m["top1_agreement"] == 0.0 and m["kl_mean"] > 100
+
+
+def test_non_finite_candidate_logits_fail_whatever_the_gates():
+    logits = peaked_logits(positions=50)
+    t = sample_targets(logits)
+    bad = logits.copy()
+    bad[3, 5] = np.nan
+    bad[7] = np.inf
+    m = run(logits, bad, t)
+    assert m["nonfinite_positions"] == 2 and math.isfinite(m["kl_mean"]) and math.isfinite(m["ppl_ratio"])
+    assert m["top1_agreement"] == pytest.approx(48 / 50)
+    _, failed = gate(m, {"min_top1": None})
+    assert failed == ["candidate logits not finite at 2 of 50 positions"]

@@ -152,3 +152,54 @@ def test_held_out_text_is_the_validation_split_never_calibration(tmp_path: Path)
     assert held_out_passages(ValidateKind.Params(data="held.txt"), tmp_path) == [
         "one two three four five six seven eight nine ten"
     ]
+
+
+# --------------------------------------------------------------------------- a real causal LM
+
+
+def quantized_copy(src: Path, dst: Path, bits: int, per_tensor: bool) -> Path:
+    """`src` with every matrix rounded to a symmetric `bits`-bit grid (scales per row, or
+    one per tensor): what weight-only quantization does to a checkpoint, kept in fp32."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    q = 2 ** (bits - 1) - 1
+    for f in dst.glob("*.safetensors"):
+        sd = load_file(f)
+        for k, v in sd.items():
+            if v.ndim == 2:
+                amax = v.abs().amax() if per_tensor else v.abs().amax(dim=1, keepdim=True)
+                s = (amax / q).clamp_min(1e-12)
+                sd[k] = (torch.round(v / s).clamp(-q, q) * s).to(v.dtype)
+        save_file(sd, f, metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.slow  # ~50 s on the shared 2-core machine at load 10 (transformers import, 3 models)
+def test_real_tiny_causal_lm_int8_passes_and_ternary_fails(tmp_path: Path) -> None:
+    """The torch-eager backend of mopt_ml.genruntime on a synthetic Qwen3ForCausalLM: 8-bit
+    per-row weights keep every default gate; ternary weights with one scale per tensor flip
+    the top-1 token at many positions and fail, with the numbers."""
+    pytest.importorskip("torch")
+    from mopt_ml.families import Qwen3Family
+    from mopt_ml.synthetic import write_synthetic
+    from mopt_ml.validate import validate_generation
+
+    ref = tmp_path / "weights"
+    ref.mkdir()
+    write_synthetic(Qwen3Family(), 0, {}, ref, task="text-generation")
+    small = ValidateKind.Params(max_texts=8, greedy_prompts=4, greedy_tokens=8, on_fail="record")
+    results = {}
+    for name, bits, per_tensor in (("int8", 8, False), ("ternary", 2, True)):
+        model = quantized_copy(ref, tmp_path / name, bits, per_tensor)
+        out = tmp_path / f"out-{name}"
+        out.mkdir()
+        results[name] = validate_generation(model, ref, out, small, tmp_path, lambda _m: None, label=name)
+    assert results["int8"]["passed"], results["int8"]
+    assert results["int8"]["top1_agreement"] > 0.98 and results["int8"]["kl_mean"] < 0.001
+    bad = results["ternary"]
+    assert not bad["passed"] and bad["top1_agreement"] < 0.9
+    assert bad["failed_gates"][0] == f"top1_agreement {bad['top1_agreement']:.4f} < 0.9"
