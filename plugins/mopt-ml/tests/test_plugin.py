@@ -42,16 +42,10 @@ def test_registers_families_sources_and_targets_through_mopt() -> None:
     assert reg.targets["weights"].uses_source
     validate = {i.name: i for i in reg.targets["validate"].consumes}
     # validate takes any kind producing a tested format (a third party's too), not kind names
-    assert validate["model"].fanout and validate["model"].formats == (
-        "onnx",
-        "openvino-ir",
-        "torch-compile-cache",
-    )
+    assert validate["model"].fanout and validate["model"].formats == ("onnx", "openvino-ir", "torch-compile-cache")
     assert validate["model"].kinds == ()
     assert validate["reference"].formats == ("hf-checkpoint",) and validate["reference"].kinds == ("weights",)
-    assert (
-        reg.targets["weights"].produces == "hf-checkpoint" and reg.targets["ort-quantize"].produces == "onnx"
-    )
+    assert reg.targets["weights"].produces == "hf-checkpoint" and reg.targets["ort-quantize"].produces == "onnx"
     quant = reg.targets["ort-quantize"].consumes[0]
     assert quant.kinds == ("onnx-slim", "onnx")
 

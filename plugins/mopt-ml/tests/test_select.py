@@ -42,55 +42,27 @@ def _variant(
     val.mkdir(parents=True)
     failed = [] if passed else [f"min_cosine {min_cos:.4f} < 0.99"]
     (val / "report.json").write_text(
-        json.dumps(
-            {
-                "metrics": {"min_cosine": min_cos, "mean_cosine": mean_cos, "top1_agreement": 1.0},
-                "passed": passed,
-            }
-        )
+        json.dumps({"metrics": {"min_cosine": min_cos, "mean_cosine": mean_cos, "top1_agreement": 1.0},
+                    "passed": passed})
     )
     ben = root / "bench" / label
     ben.mkdir(parents=True)
     pts = points or [(32, 128, p50, p99 if p99 is not None else p50 * 1.1)]
-    results = [
-        {
-            "peak_rss_mb": rss,
-            "points": [{"batch": b, "seq": s, "p50_ms": a, "p99_ms": c} for b, s, a, c in pts],
-        }
-    ]
+    results = [{"peak_rss_mb": rss, "points": [{"batch": b, "seq": s, "p50_ms": a, "p99_ms": c} for b, s, a, c in pts]}]
     if baseline is not None:  # the PyTorch reference, timed in the same bench run
-        results.append(
-            {"points": [{"batch": b, "seq": s, "p50_ms": baseline, "p99_ms": baseline} for b, s, *_ in pts]}
-        )
+        results.append({"points": [{"batch": b, "seq": s, "p50_ms": baseline, "p99_ms": baseline} for b, s, *_ in pts]})
     (ben / "bench.json").write_text(json.dumps({"results": results}))
     return (
         Artifact(cand, "ort-quantize", "int8", "d-" + label, {"precision": "int8"}, label=label),
-        Artifact(
-            val,
-            "validate",
-            "validate",
-            "v-" + label,
-            {"passed": passed, "failed_gates": failed},
-            label=f"validate[{label}]",
-            input_labels={"model": [label], "reference": ["weights"]},
-        ),
-        Artifact(
-            ben,
-            "bench",
-            "bench",
-            "b-" + label,
-            {},
-            label=f"bench[{label}]",
-            input_labels={"model": [label], "reference": ["weights"]},
-        ),
+        Artifact(val, "validate", "validate", "v-" + label, {"passed": passed, "failed_gates": failed},
+                 label=f"validate[{label}]", input_labels={"model": [label], "reference": ["weights"]}),
+        Artifact(ben, "bench", "bench", "b-" + label, {}, label=f"bench[{label}]",
+                 input_labels={"model": [label], "reference": ["weights"]}),
     )
 
 
-def _select(
-    variants: list[tuple[Artifact, Artifact, Artifact]],
-    missing: dict[str, list[Missing]] | None = None,
-    **params: Any,
-) -> Any:
+def _select(variants: list[tuple[Artifact, Artifact, Artifact]], missing: dict[str, list[Missing]] | None = None,
+            **params: Any) -> Any:
     return select(
         [v[0] for v in variants],
         [v[1] for v in variants],
@@ -107,9 +79,7 @@ def test_the_fastest_passing_variant_wins_and_every_other_says_why(tmp_path: Pat
         _variant(tmp_path, "slow", min_cos=0.9999, mean_cos=0.9999, p50=600),
         _variant(tmp_path, "fast-below-own-gate", min_cos=0.991, mean_cos=0.996, p50=350),
     ]
-    missing = {
-        "candidates": [Missing("trt", "trt-engine", "unbuildable", "unbuildable here: needs tensorrt")]
-    }
+    missing = {"candidates": [Missing("trt", "trt-engine", "unbuildable", "unbuildable here: needs tensorrt")]}
     sel = _select(vs, missing, objective="min_latency_p50", min_cosine=0.992)
     assert sel.winner == "fast"
     rows = {r.label: r for r in sel.rows}
@@ -166,27 +136,11 @@ def test_ties_are_broken_deterministically(tmp_path: Path) -> None:
 def test_objectives_read_the_right_numbers(tmp_path: Path) -> None:
     vs = [
         # low p50, bad tail; big memory
-        _variant(
-            tmp_path,
-            "spiky",
-            min_cos=0.999,
-            mean_cos=0.999,
-            p50=90,
-            p99=300,
-            rss=900,
-            points=[(1, 128, 5, 6), (32, 128, 90, 300)],
-        ),
+        _variant(tmp_path, "spiky", min_cos=0.999, mean_cos=0.999, p50=90, p99=300, rss=900,
+                 points=[(1, 128, 5, 6), (32, 128, 90, 300)]),
         # higher p50, steady tail; small memory
-        _variant(
-            tmp_path,
-            "steady",
-            min_cos=0.999,
-            mean_cos=0.999,
-            p50=100,
-            p99=110,
-            rss=400,
-            points=[(1, 128, 8, 9), (32, 128, 100, 110)],
-        ),
+        _variant(tmp_path, "steady", min_cos=0.999, mean_cos=0.999, p50=100, p99=110, rss=400,
+                 points=[(1, 128, 8, 9), (32, 128, 100, 110)]),
     ]
     assert _select(vs, objective="min_latency_p50").winner == "spiky"
     assert _select(vs, objective="min_latency_p99").winner == "steady"
@@ -222,23 +176,11 @@ def test_no_winner_fails_with_the_table(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
     ctx = BuildContext(
-        out=out,
-        tmp=tmp_path / "t",
-        params=SelectKind.Params(),
-        inputs={
-            "candidates": [v[0] for v in vs],
-            "validate": [v[1] for v in vs],
-            "bench": [v[2] for v in vs],
-        },
-        model_name="m",
-        family=None,
-        task="embedding",
-        source=None,
+        out=out, tmp=tmp_path / "t", params=SelectKind.Params(),
+        inputs={"candidates": [v[0] for v in vs], "validate": [v[1] for v in vs], "bench": [v[2] for v in vs]},
+        model_name="m", family=None, task="embedding", source=None,
         hardware=HardwareProfile(name="cpu", description="cpu", device="cpu", gpu_count=0),
-        section="m.cpu",
-        target="best",
-        project_dir=tmp_path,
-        logger=logging.getLogger("t"),
+        section="m.cpu", target="best", project_dir=tmp_path, logger=logging.getLogger("t"),
     )
     with pytest.raises(NoWinner) as exc:
         SelectKind().run(ctx)
@@ -288,9 +230,8 @@ objective = "OBJECTIVE"
 
 
 def mopt(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "mopt", *args], cwd=cwd, capture_output=True, text=True, timeout=600
-    )
+    return subprocess.run([sys.executable, "-m", "mopt", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=600)
 
 
 def _write(tmp: Path, objective: str = "min_latency_p50", min_cos: str = "0.5", extra: str = "") -> None:
@@ -330,9 +271,7 @@ def test_sweep_select_end_to_end(tmp_path: Path) -> None:
     assert picked["objective"] == "min_memory"
     # the build says what was picked and where it is
     again = mopt(tmp_path, "build", "r.toml", "--keep-going", "--no-check")
-    assert (
-        f"selected tiny.cpu: {picked['winner']} (min_memory; 3 of 4 variants passed) → {best}" in again.stderr
-    )
+    assert f"selected tiny.cpu: {picked['winner']} (min_memory; 3 of 4 variants passed) → {best}" in again.stderr
 
     # the report shows the sweep: the winner on best's row and the Pareto plot inline
     rep = mopt(tmp_path, "report", "r.toml", "-o", "report.html")
@@ -394,10 +333,7 @@ base = "docker.io/library/python:3.12-slim@sha256:{digest}"
     assert nodes["tiny.cpu:triton-repo"]["inputs"]["model"] == ["tiny.cpu:best"]
     # (`base`: an optional base-image target of the section; none here)
     assert nodes["tiny.cpu:image"]["inputs"] == {
-        "serve": ["tiny.cpu:triton-repo"],
-        "model": ["tiny.cpu:best"],
-        "files": [],
-        "base": [],
+        "serve": ["tiny.cpu:triton-repo"], "model": ["tiny.cpu:best"], "files": [], "base": []
     }
     # select gathers every candidate (any kind producing a tested format, in section order)
     # and every validate / bench of the section in one node
