@@ -358,6 +358,7 @@ class _Checker:
             family=self._family(section.model),
             section=sec,
             target=label,
+            task=self._task(section),
         )
         try:
             extra = kind.check(node.target.params, ctx)
