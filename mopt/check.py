@@ -671,11 +671,12 @@ class _Checker:
             fits=lambda x: (x.kv_tokens_available or 0) >= x.workload.seq_len,
         )
         ne.largest = {bkey: max_seqs, skey: max_len}
-        pool = (
-            f"{w.memory_fraction:g} × {hw.memory_gb:g} GiB = {gib(e.budget or 0)}"
-            if w.memory_fraction is not None
-            else f"{hw.memory_gb:g} GiB"
-        )
+        if w.memory_fraction is not None:
+            pool = f"{w.memory_fraction:g} × {hw.memory_gb:g} GiB = {gib(e.budget or 0)}"
+        elif w.kv_fraction is not None:  # TensorRT-LLM: a fraction of what the model leaves free
+            pool = f"{w.kv_fraction:g} × the {gib(max(0.0, cap * GIB - e.fixed))} the model leaves of {hw.memory_gb:g} GiB"
+        else:
+            pool = f"{hw.memory_gb:g} GiB"
         if not e.model_fits:
             need = e.fixed / (cap * GIB)
             fixes = []
