@@ -31,6 +31,10 @@ The interface (G2's validate / bench and G3's serving code against it):
                            # up to numerics; always max_new_tokens per prompt (no early stop)
     gen.close()
 
+Checks shared by the kinds: `causal_logits(model, tokenizer, texts)` (teacher-forced logits
+of a transformers model) and `compare_logits(reference, candidate)` (cosine, max abs diff,
+top-1 agreement of next-token logits, position by position).
+
 Optional keyword arguments of `open_generator`: `attn_implementation` (torch backend;
 default "eager" on CPU, "sdpa" on CUDA) and `provider_options` (onnxruntime backend).
 `threads` sets torch's intra-op threads (process-wide) or ORT's intra-op threads.
@@ -57,8 +61,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["FORMATS", "Generator", "OnnxGenerator", "TorchGenerator", "chat_ids", "eos_ids",
-           "load_tokenizer", "open_generator", "past_names"]  # fmt: skip
+__all__ = ["FORMATS", "Generator", "OnnxGenerator", "TorchGenerator", "causal_logits", "chat_ids",
+           "compare_logits", "eos_ids", "load_tokenizer", "open_generator", "past_names"]  # fmt: skip
 
 #: formats `open_generator` opens, with the backend each gets
 FORMATS = {"hf-checkpoint": "torch-eager", "onnx": "onnxruntime"}
@@ -444,3 +448,52 @@ class OnnxGenerator:
 def _config(folder: Path) -> dict[str, Any]:
     p = folder / "config.json"
     return json.loads(p.read_text()) if p.is_file() else {}
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def causal_logits(model: Any, tokenizer: Any, texts: Sequence[str], max_length: int = 64) -> list[Any]:
+    """Teacher-forced logits (np.float32 [tokens, vocab]) of each text under a transformers
+    causal LM, one text at a time (no padding)."""
+    import torch
+
+    out = []
+    with torch.inference_mode():
+        for text in texts:
+            ids = tokenizer(text, truncation=True, max_length=max_length)["input_ids"]
+            t = torch.tensor([ids], dtype=torch.long)
+            out.append(model(input_ids=t, use_cache=False).logits[0].float().numpy())
+    return out
+
+
+def compare_logits(reference: Sequence[Any], candidate: Sequence[Any]) -> dict[str, float]:
+    """Next-token logits of `candidate` against `reference` (lists of [tokens, vocab] arrays,
+    position by position): min / mean cosine, max abs difference (and relative to the
+    reference's largest |logit|), top-1 agreement."""
+    import numpy as np
+
+    if len(reference) != len(candidate):
+        raise ValueError(f"{len(reference)} reference sequences, {len(candidate)} candidate ones")
+    cos, agree, diff, scale, n = [], 0, 0.0, 0.0, 0
+    for r, c in zip(reference, candidate, strict=True):
+        if r.shape != c.shape:
+            raise ValueError(f"logits shapes differ: reference {r.shape}, candidate {c.shape}")
+        r64, c64 = r.astype(np.float64), c.astype(np.float64)
+        num = np.sum(r64 * c64, axis=1)
+        den = np.maximum(np.linalg.norm(r64, axis=1) * np.linalg.norm(c64, axis=1), 1e-30)
+        cos.append(num / den)
+        agree += int(np.sum(np.argmax(r, axis=1) == np.argmax(c, axis=1)))
+        n += r.shape[0]
+        diff = max(diff, float(np.abs(r64 - c64).max()))
+        scale = max(scale, float(np.abs(r64).max()))
+    allcos = np.concatenate(cos)
+    return {
+        "positions": n,
+        "sequences": len(reference),
+        "min_cosine": float(f"{allcos.min():.7g}"),
+        "mean_cosine": float(f"{allcos.mean():.7g}"),
+        "max_abs_diff": float(f"{diff:.4g}"),
+        "rel_max_abs_diff": float(f"{diff / max(scale, 1e-30):.4g}"),
+        "top1_agreement": float(f"{agree / max(n, 1):.6g}"),
+    }

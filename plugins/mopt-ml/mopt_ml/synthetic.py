@@ -24,6 +24,9 @@ from pydantic import Field
 
 #: bump when the files written for the same spec change
 GENERATOR_VERSION = "1"
+#: bump when the files written for a text-generation spec change (embedding folders keep
+#: their names: they are keyed on GENERATOR_VERSION alone)
+GENERATION_VERSION = "2"
 
 
 class SyntheticSource(Source):
@@ -74,6 +77,7 @@ class SyntheticSource(Source):
         }
         if task != EMBEDDING:  # embedding folders keep the names they had before tasks
             spec["task"] = task
+            spec["generation"] = GENERATION_VERSION
         final = Path(ctx.cache_dir) / f"synthetic-{params.synthetic}-{spec_hash(spec)}"
         if (final / "config.json").is_file():
             return final
@@ -132,13 +136,14 @@ def write_synthetic(family: Any, seed: int, overrides: dict[str, Any], out: Path
     model.eval()
     state: dict[str, Any] = {}
     seen: set[tuple[int, tuple[int, ...]]] = set()
-    for k, v in sorted(model.state_dict().items()):
+    # the output head last, so a tied head is the copy dropped and the input embedding stays
+    for k, v in sorted(model.state_dict().items(), key=lambda kv: (kv[0].startswith("lm_head."), kv[0])):
         key = (v.data_ptr(), tuple(v.shape))
         if v.numel() and key in seen:  # a tied tensor (lm_head = embed_tokens): stored once
             continue
         seen.add(key)
         state[k] = v.detach().contiguous().clone()
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(dict(sorted(state.items())), str(out / "model.safetensors"), metadata={"format": "pt"})
     write_json(out / "config.json", config.to_dict())
     # the chat template inside tokenizer_config.json, where Qwen3's checkpoints keep it
     tokenizer.save_pretrained(str(out), **({"save_jinja_files": False} if generation else {}))
