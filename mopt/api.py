@@ -23,9 +23,11 @@ from mopt.estimate import ConfigError, ModelDims
 from mopt.family import (
     DTYPES,
     EMBEDDING,
+    TEXT_GENERATION,
     ExportSpec,
     Family,
     TransformersFamily,
+    generation_graph_names,
     quiet_transformers,
     tokenize,
     torch_dtype,
@@ -39,6 +41,7 @@ __all__ = [
     "FORMATS",
     "MODE_EXEC",
     "MODE_FILE",
+    "TEXT_GENERATION",
     "Artifact",
     "BuildContext",
     "BuildFailed",
@@ -65,6 +68,7 @@ __all__ = [
     "TransformersFamily",
     "TreeEntry",
     "built_target",
+    "generation_graph_names",
     "hash_tree",
     "hookimpl",
     "iter_files",
@@ -411,6 +415,8 @@ class CheckContext:
     family: Family | None
     section: str
     target: str
+    #: the model's `task` ("embedding", "text-generation")
+    task: str = EMBEDDING
 
 
 class Source:
@@ -449,6 +455,8 @@ class SourceContext:
     model_name: str
     #: every registered family by name (e.g. for a source that builds a named architecture)
     families: dict[str, type[Family]] = field(default_factory=dict)
+    #: the model's `task` (a synthetic source builds a model for it)
+    task: str = EMBEDDING
 
 
 class SourceError(Exception):
