@@ -26,7 +26,7 @@ from pydantic import Field
 GENERATOR_VERSION = "1"
 #: bump when the files written for a text-generation spec change (embedding folders keep
 #: their names: they are keyed on GENERATOR_VERSION alone)
-GENERATION_VERSION = "2"
+GENERATION_VERSION = "3"  # 3: the tokenizer covers every id of a larger vocab_size (pad_tokenizer)
 
 
 class SyntheticSource(Source):
@@ -67,7 +67,9 @@ class SyntheticSource(Source):
         try:
             family = as_family(fam_cls, task=task, needs=SYNTHETIC)
         except (TypeError, ValueError) as exc:
-            raise SourceError(f"source synthetic={params.synthetic!r} of model {ctx.model_name!r}: {exc}") from None
+            raise SourceError(
+                f"source synthetic={params.synthetic!r} of model {ctx.model_name!r}: {exc}"
+            ) from None
         spec: dict[str, Any] = {
             "family": params.synthetic,
             "seed": params.seed,
@@ -108,7 +110,9 @@ class SyntheticSource(Source):
         return {"generator": GENERATOR_VERSION, **versions("torch", "transformers", "tokenizers")}
 
 
-def write_synthetic(family: Any, seed: int, overrides: dict[str, Any], out: Path, task: str = EMBEDDING) -> None:
+def write_synthetic(
+    family: Any, seed: int, overrides: dict[str, Any], out: Path, task: str = EMBEDDING
+) -> None:
     """Write config.json, model.safetensors and the tokenizer files of a synthetic model
     (and generation_config.json for text-generation)."""
     import torch
@@ -121,6 +125,8 @@ def write_synthetic(family: Any, seed: int, overrides: dict[str, Any], out: Path
     generation = task == TEXT_GENERATION
     tokenizer = family.synthetic_tokenizer(read_texts(shipped_sentences_path()), **task_kwargs(task))
     config = family.synthetic_config(overrides, vocab_size=len(tokenizer), **task_kwargs(task))
+    if generation and int(getattr(config, "vocab_size", 0) or 0) > len(tokenizer):
+        pad_tokenizer(tokenizer, int(config.vocab_size))
     ids = generation_ids(family, tokenizer) if generation else {}
     for key, value in ids.items():
         if getattr(config, key, None) is None:
@@ -153,6 +159,24 @@ def write_synthetic(family: Any, seed: int, overrides: dict[str, Any], out: Path
     if generation:
         meta["task"] = task
     write_json(out / "mopt_synthetic.json", meta)
+
+
+def pad_tokenizer(tokenizer: Any, size: int) -> None:
+    """Give a fast tokenizer `size` ids: unreachable filler tokens (`zzfill<id>`, ASCII, so the
+    byte-level decoder decodes them; no merge produces them) after its own. A causal LM with
+    a larger vocab_size than its tokenizer (Qwen3-0.6B's 151,936 with the small synthetic
+    tokenizer) generates ids the tokenizer cannot decode; vLLM then streams empty text chunks
+    and its benchmark client, which times chunks with content, measures no real TTFT / ITL."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    js = json.loads(tokenizer.backend_tokenizer.to_str())
+    vocab = js["model"]["vocab"]
+    taken = set(vocab.values()) | {int(a["id"]) for a in js.get("added_tokens") or []}
+    for i in range(max(taken) + 1, size):
+        vocab[f"zzfill{i}"] = i
+    tokenizer._tokenizer = Tokenizer.from_str(json.dumps(js))
 
 
 def generation_ids(family: Any, tokenizer: Any) -> dict[str, Any]:

@@ -265,14 +265,14 @@ def gen_step_from_bench(
     """A step from `vllm bench serve`'s result (its --save-result JSON or `main()`'s dict), run
     with `--percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99`."""
     completed = int(result["completed"])
-    requests = int(result.get("num_prompts") or completed + int(result.get("failed") or 0))
+    requests = max(int(result.get("num_prompts") or 0), completed + int(result.get("failed") or 0))
     errs = [e for e in result.get("errors", []) if e]
     c = concurrency if concurrency is not None else result.get("max_concurrency")
     return GenStep(
         concurrency=int(c) if c is not None else 0,
         requests=requests,
         completed=completed,
-        errors=requests - completed,
+        errors=max(requests - completed, 0),
         duration_s=float(result["duration"]),
         requests_per_s=float(result["request_throughput"]),
         output_tokens_per_s=float(result["output_throughput"]),

@@ -17,7 +17,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 MODEL = os.environ.get("FAKE_MODEL", "fake-gen")
-VOCAB = 1000
+VOCAB = int(os.environ.get("FAKE_VOCAB", "1000"))
 COUNT = {"prompt_tokens": 0, "generation_tokens": 0, "requests": 0, "queries": 0, "hits": 0}
 SEEN: set[tuple[int, ...]] = set()  # 16-token blocks seen (prefix caching, roughly)
 DELAY = 0.0
@@ -194,6 +194,13 @@ class Handler(BaseHTTPRequestHandler):
 
 if __name__ == "__main__":
     args = sys.argv[1:]
+    for flag in ("--host", "--port"):  # serve_command's `--host 127.0.0.1 --port P` (the port wins)
+        if flag in args:
+            i = args.index(flag)
+            value = args[i + 1]
+            del args[i : i + 2]
+            if flag == "--port":
+                args.insert(0, value)
     if "--wrong-after" in args:
         i = args.index("--wrong-after")
         WRONG_AFTER = int(args[i + 1])

@@ -206,16 +206,7 @@ def test_load_test_worker_generation_spec(tmp_path, fake_server):
     """The worker asks `vllm bench serve` for one run per step (a seed each, --ignore-eos, the
     chat backend, TTFT/ITL/TPOT/E2EL at p50/p90/p99, --save-result), then the two prefix runs
     with the server's /metrics before and after each."""
-    pkg = tmp_path / "stub" / "vllm"
-    (pkg / "benchmarks").mkdir(parents=True)
-    (pkg / "utils").mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "benchmarks" / "__init__.py").write_text("")
-    (pkg / "benchmarks" / "serve.py").write_text(FAKE_VLLM)
-    (pkg / "utils" / "__init__.py").write_text("")
-    (pkg / "utils" / "argparse_utils.py").write_text(
-        "class FlexibleArgumentParser:\n    def parse_args(self, argv):\n        return list(argv)\n"
-    )
+    _stub_vllm(tmp_path / "stub")
     with fake_server() as server:
         spec = {"task": "text-generation", "concurrency": [1, 8, 32], "requests": [16, 32, 128], "input_len": 512,
                 "output_len": 128, "range_ratio": 0.0, "warmups": 16, "seed": 0, "endpoint": "chat",
@@ -245,3 +236,77 @@ def test_load_test_worker_generation_spec(tmp_path, fake_server):
     assert steps[2]["ttft_p99_ms"] == pytest.approx(122.87, abs=0.01)
     assert (tmp_path / "bench" / "c32.json").is_file() and steps[2]["result_file"] == "c32.json"
     assert "vllm:prompt_tokens_total" in steps[3]["metrics_delta"]
+
+
+# --------------------------------------------------------------------------- the kind, end to end on CPU
+
+
+def test_serve_check_generation_end_to_end_on_cpu(tmp_path, monkeypatch):
+    """ServeCheckKind.run for a text-generation model with the fake server as "vllm serve" and
+    the stand-in benchmark module: serve.json, the bench files, the knee, the prefix probe, the
+    greedy check against a real fp32 reference (which the fake server's rule does not follow:
+    the top-1 gate fails and, with on_fail = "record", is written down)."""
+    pytest.importorskip("torch")
+    import logging
+
+    from mopt_serve import serve_check as sc
+    from mopt_serve.gen_check import run_generation  # noqa: F401  (the path run() takes)
+    from test_modelopt_gen import tiny_causal_lm
+
+    from mopt.api import Artifact, BuildContext
+    from mopt.builtin.hardware import PROFILES
+
+    w = tiny_causal_lm(tmp_path / "w")
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(str(w)))
+    serve = tmp_path / "vllm"
+    serve.mkdir()
+    (serve / "args.json").write_text(json.dumps({"argv": [sys.executable, str(FAKE), "0.001"], "env": {}}))
+    stub = tmp_path / "stub"
+    _stub_vllm(stub)
+    monkeypatch.setenv("PYTHONPATH", str(stub))
+    monkeypatch.setenv("RECORDED", str(DATA / "bench"))
+    monkeypatch.setenv("ARGV_LOG", str(tmp_path / "argv.jsonl"))
+    monkeypatch.setenv("FAKE_VOCAB", str(vocab))
+    monkeypatch.setattr(sc._env, "has_module", lambda m: True)
+    monkeypatch.setattr(sc._env, "require_gpu", lambda *a, **k: None)
+    out, tmp = tmp_path / "out", tmp_path / "tmp"
+    out.mkdir()
+    tmp.mkdir()
+    params = ServeCheckKind.Params(concurrency=[1, 8, 32], on_fail="record", gen_prompts=2, gen_tokens=8,
+                                   prefix_requests=16, startup_timeout_s=30)  # fmt: skip
+    ctx = BuildContext(
+        out=out, tmp=tmp, params=params,
+        inputs={"serve": [Artifact(serve, "vllm", "vllm", "0" * 64, {"served_model_name": "fake-gen"})],
+                "model": [Artifact(w, "weights", "weights", "0" * 64, {})],
+                "reference": [Artifact(w, "weights", "weights", "0" * 64, {})]},
+        model_name="qwen3-chat", family=None, task="text-generation", source=None,
+        hardware={p.name: p for p in PROFILES}["h200"], section="qwen3-chat.h200", target="serve-check",
+        project_dir=tmp_path, logger=logging.getLogger("test"),
+    )  # fmt: skip
+    meta = ServeCheckKind().run(ctx)
+    doc = json.loads((out / "serve.json").read_text())
+    assert meta["task"] == "text-generation" and doc["models"] == ["fake-gen"]
+    assert [s["concurrency"] for s in doc["loadtest"]] == [1, 8, 32]
+    assert doc["knee"]["concurrency"] == 32 and meta["knee_tokens_per_s"] == pytest.approx(9441.99, abs=0.01)
+    assert doc["prefix_caching"]["ttft_p50_ratio"] == pytest.approx(125.54 / 67.93, rel=1e-3)
+    assert sorted(p.name for p in (out / "bench").iterdir()) == [
+        "c1.json", "c32.json", "c8.json", "prefix-shared.json", "prefix-unshared.json"]  # fmt: skip
+    assert doc["chat_stream"]["done"] and doc["completions_stream"]["chunks"] == 8
+    assert doc["verify"]["tokens"] == 16 and doc["verify"]["top1"] < 0.9
+    assert not doc["passed"] and any("min_top1" in f for f in doc["failures"]) and not meta["passed"]
+    assert "<polyline" in (out / "loadtest.svg").read_text()
+
+
+def _stub_vllm(root: Path) -> None:
+    pkg = root / "vllm"
+    (pkg / "benchmarks").mkdir(parents=True)
+    (pkg / "utils").mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "benchmarks" / "__init__.py").write_text("")
+    (pkg / "benchmarks" / "serve.py").write_text(FAKE_VLLM)
+    (pkg / "utils" / "__init__.py").write_text("")
+    (pkg / "utils" / "argparse_utils.py").write_text(
+        "class FlexibleArgumentParser:\n    def parse_args(self, argv):\n        return list(argv)\n"
+    )
