@@ -11,9 +11,10 @@ pytest.importorskip("transformers")
 
 
 def test_the_tokenizer_covers_a_larger_vocab_size(tmp_path):
+    from transformers import AutoConfig, AutoTokenizer
+
     from mopt_ml.families import Qwen3Family
     from mopt_ml.synthetic import write_synthetic
-    from transformers import AutoConfig, AutoTokenizer
 
     cfg = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
            "num_key_value_heads": 1, "head_dim": 16, "vocab_size": 3000}  # fmt: skip

@@ -310,3 +310,49 @@ def _stub_vllm(root: Path) -> None:
     (pkg / "utils" / "argparse_utils.py").write_text(
         "class FlexibleArgumentParser:\n    def parse_args(self, argv):\n        return list(argv)\n"
     )
+
+
+# --------------------------------------------------------------------------- mopt's own run on the H200
+
+
+def test_recorded_mopt_serve_check_of_the_h200_section():
+    """`mopt build recipes/qwen3-chat.toml 'qwen3-chat-0-6b.h200'` on the H200 (2026-12-01,
+    tests/data/h200-gen-2026-12-01/phase2/serve.json): a seed per step, the knee, the prefix
+    probe, the memory vLLM reported, and the bf16 greedy check the synthetic model failed."""
+    doc = json.loads((DATA / "phase2" / "serve.json").read_text())
+    steps = doc["loadtest"]
+    assert [s["concurrency"] for s in steps] == SWEEP and all(s["errors"] == 0 for s in steps)
+    assert gen_knee(steps, 300.0)["concurrency"] == 32 == doc["knee"]["concurrency"]
+    assert doc["knee"]["output_tokens_per_s"] == pytest.approx(6508.1, abs=0.1)
+    pe = prefix_effect(*doc["prefix_probe"])
+    assert pe == doc["prefix_caching"] and pe["hit_rate_shared"] > 0.85 > 0.15 > pe["hit_rate_unshared"]
+    assert pe["shared"]["ttft_p99_ms"] < pe["unshared"]["ttft_p99_ms"]
+    assert doc["vllm_log"]["kv_cache_tokens"] == 1188352 and doc["vllm_log"]["weights_gib"] == 1.12
+    assert doc["chat_template_prompt_tokens"] == {"served": 50, "tokenizer": 50}
+    assert doc["verify"]["top1"] == 0.875 and not doc["passed"]
+    assert doc["failures"] == [
+        "served greedy tokens are the fp32 reference's top-1 for 0.875 of 128 positions < min_top1 0.9"
+    ]
+
+
+def test_select_over_recorded_generation_serve_checks(tmp_path):
+    """select's serving objective reads a generation serve.json (knee at the TTFT SLO): the
+    recorded bf16 check failed its gate, so it is excluded; a passing copy wins."""
+    from mopt_ml.select import SelectKind, select_serving
+
+    from mopt.api import Artifact
+
+    doc = json.loads((DATA / "phase2" / "serve.json").read_text())
+    for name, passed in (("sc-a", False), ("sc-b", True)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "serve.json").write_text(json.dumps({**doc, "passed": passed,
+                                                                 "failures": [] if passed else doc["failures"]}))  # fmt: skip
+    cands = [Artifact(tmp_path, "vllm", "vllm", "0" * 64, {"defaults": True}, label="vllm"),
+             Artifact(tmp_path, "vllm", "vllm-b", "0" * 64, {}, label="vllm-b")]  # fmt: skip
+    serves = [Artifact(tmp_path / "sc-a", "serve-check", "sc-a", "0" * 64, {}, label="sc-a", input_labels={"serve": ["vllm"]}),
+              Artifact(tmp_path / "sc-b", "serve-check", "sc-b", "0" * 64, {}, label="sc-b", input_labels={"serve": ["vllm-b"]})]  # fmt: skip
+    sel = select_serving(cands, serves, {}, SelectKind.Params(objective="max_throughput_under_slo"))
+    rows = {r.label: r for r in sel.rows}
+    assert rows["vllm"].status == "excluded" and "min_top1" in rows["vllm"].why
+    assert sel.winner == "vllm-b" and rows["vllm-b"].value == pytest.approx(6508.1, abs=0.1)
+    assert sel.slo_p99_ms == 300.0
