@@ -22,11 +22,10 @@ QWEN3_06B = dict(
 
 
 def chat_tokenizer(vocab_size: int):
-    from tokenizers import Tokenizer
-    from transformers import PreTrainedTokenizerFast
-
     from mopt_ml.common import read_texts, shipped_sentences_path
     from mopt_ml.families import Qwen3Family
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
 
     base = Qwen3Family().synthetic_tokenizer(read_texts(shipped_sentences_path()))
     js = json.loads(base.backend_tokenizer.to_str())

@@ -17,7 +17,6 @@ import shlex
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
