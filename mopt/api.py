@@ -415,6 +415,8 @@ class CheckContext:
     family: Family | None
     section: str
     target: str
+    #: the model's `task` ("embedding", "text-generation")
+    task: str = EMBEDDING
 
 
 class Source:

@@ -219,7 +219,8 @@ def bench_concurrency(
 def make_prompts(tokenizer: Any, texts: list[str], count: int, prompt_len: int) -> list[list[int]]:
     """`count` prompts of exactly `prompt_len` real tokens: the texts run together, each
     prompt from a different starting text (no padding; repeated when the texts are short)."""
-    ids = list(tokenizer(" ".join(texts), add_special_tokens=False)["input_ids"])
+    # text by text (a tokenizer warns about one text longer than its model_max_length)
+    ids = [int(t) for text in texts for t in tokenizer(" " + text, add_special_tokens=False)["input_ids"]]
     if not ids:
         raise ValueError("bench: the texts give no tokens")
     out = []

@@ -24,7 +24,7 @@ from mopt_ml.genmetrics import DEFAULT_GATES as DEFAULT_GEN_GATES
 #: the kinds whose folders hold a model.onnx this plugin can run
 ONNX_KINDS = ("ort-quantize", "onnx-slim", "onnx")
 #: the artifact formats validate, bench and select take (any kind producing them)
-TESTED_FORMATS = ("onnx", "openvino-ir", "torch-compile-cache", "modelopt-checkpoint")
+TESTED_FORMATS = ("onnx", "openvino-ir", "torch-compile-cache")
 #: the task whose artifacts are tested token by token (the others: by pooled embeddings)
 GENERATION = "text-generation"
 
@@ -219,11 +219,6 @@ class ValidateKind(ArtifactTester):
                 label=label,
                 device=_device(ctx.params.device, ctx.hardware),
                 cache=(ctx.cache_dir, ctx.input("reference").digest) if ctx.cache_dir else None,
-            )
-        if art.kind == "modelopt-ptq" or generation_format(art.path) == "modelopt-checkpoint":
-            raise ValueError(
-                f"{label}: a ModelOpt checkpoint is validated for task = {GENERATION!r} only; "
-                "for embeddings validate the onnx / trt artifacts"
             )
         return validate(
             art.path,

@@ -214,8 +214,7 @@ def test_trtllm_llm_api_yaml_and_command_line(tmp_path):
                   free_gpu_memory_fraction=0.85, tokens_per_block=64)  # fmt: skip
     meta = TrtllmKind().run(ctx)
     opts = yaml.safe_load((ctx.out / "extra_llm_api_options.yaml").read_text())
-    assert opts == {
-        "backend": "pytorch",
+    assert opts == {  # `backend` is on the command line (a deprecated LlmArgs field)
         "dtype": "auto",
         "tensor_parallel_size": 1,
         "pipeline_parallel_size": 1,
