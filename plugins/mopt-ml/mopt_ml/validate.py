@@ -517,7 +517,14 @@ def validate_generation(
         "passed": not failed,
         "worst": worst,
         "greedy": [
-            {"prompt": p, "reference": r, "candidate": c}
+            {
+                "prompt": p,
+                "reference": r,
+                "candidate": c,
+                # the same as text, for a reader
+                "reference_text": tokenizer.decode(r),
+                "candidate_text": tokenizer.decode(c),
+            }
             for p, r, c in zip(prompts, ref_cont, cand_cont, strict=True)
         ],
         "tools": versions("torch", "transformers", "onnxruntime"),

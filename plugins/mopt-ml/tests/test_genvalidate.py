@@ -78,6 +78,9 @@ def test_identical_candidate_passes_with_perfect_numbers(tmp_path: Path, models:
     assert set(rep["gates"]) == {"min_top1", "max_ppl_ratio", "max_kl", "min_greedy"}
     assert rep["gates"]["min_top1"]["limit"] == 0.9  # the generation default when min_top1 is unset
     assert rep["texts"]["positions"] == m["positions"] > 500
+    g = rep["greedy"][0]
+    assert len(g["reference"]) == 32 and g["reference"] == g["candidate"]
+    assert isinstance(g["reference_text"], str) and g["reference_text"] == g["candidate_text"]
 
 
 def test_light_quantization_passes_and_heavy_fails_with_the_numbers(
