@@ -208,3 +208,16 @@ def test_real_tiny_causal_lm_int8_passes_and_ternary_fails(tmp_path: Path) -> No
     assert not bad["passed"] and bad["top1_agreement"] < 0.9 and bad["kl_mean"] > 0.05
     assert bad["failed_gates"][0] == f"top1_agreement {bad['top1_agreement']:.4f} < 0.9"
     assert f"kl_mean {bad['kl_mean']:.4f} > 0.05" in bad["failed_gates"]
+
+
+def test_a_candidate_of_another_vocabulary_is_refused_in_one_line(
+    tmp_path: Path, tokenizer: Any, monkeypatch: Any
+) -> None:
+    genfake.install(monkeypatch)
+    ref = genfake.make_model(tmp_path / "weights", tokenizer)
+    other = genfake.make_model(tmp_path / "other", tokenizer, noise=0.0)
+    (other / "config.json").write_text(json.dumps({"vocab_size": len(tokenizer) + 64, "model_type": "qwen3"}))
+    with pytest.raises(
+        ValueError, match=r"validate: other gives logits over \d+ tokens, the reference over \d+"
+    ):
+        run_validate(tmp_path, other, ref)
