@@ -410,6 +410,7 @@ def reference_generation(
         key = {
             "weights": cache[1],
             "task": GENERATION,
+            "layout": 2,  # of the .npz (2: with the logits width)
             "ids": spec_hash(ids),
             "prompts": spec_hash(prompts),
             "settings": {"top_k": params.top_k, "greedy_tokens": params.greedy_tokens, "device": device},
