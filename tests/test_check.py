@@ -408,3 +408,47 @@ def test_kv_bytes_per_token_match_vllm_on_the_h200() -> None:
     assert ours == 114_688
     assert abs(measured - ours) / ours < 0.005 / 126.51  # within the log's rounding
     assert chat.max_position == 40960 and (chat.layers, chat.kv_heads, chat.head_dim) == (28, 8, 128)
+
+
+def test_generation_kv_capacity_against_vllm_on_the_h200(registry: Any) -> None:
+    """Recorded on the H200 (tests/data/h200-gen-2026-12-01/gen-memory.json, vLLM 0.26.0):
+    `vllm serve` of a Qwen3-0.6B-shape chat model with every default (bf16, max_model_len
+    40,960, gpu_memory_utilization 0.92, chunked prefill at 8,192 tokens) reported 114,688
+    KV bytes per token and a KV cache of 1,188,352 tokens; an FP8 ModelOpt export at
+    utilization 0.3, max_model_len 2,048, eager: 379,344 tokens. mopt check's estimate for the
+    same settings (text-generation, the profile's 141 GiB) is within 1.5 % of both."""
+    from mopt.check import role_values, workload_for
+    from mopt.estimate import ModelDims, estimate
+
+    doc = json.loads((Path(__file__).parent / "data/h200-gen-2026-12-01/gen-memory.json").read_text())
+    rep = doc["vllm_reported"]
+    dims = ModelDims.from_config({**doc["config"], "model_type": "qwen3"}, fx.ToyQwen3Chat)
+    assert dims.param_counts().total == doc["params"] == 596_049_920
+    h200 = registry.hardware["h200"]
+    spec = workload_for(
+        role_values(fx.ToyVllm, {"dtype": "bfloat16"}), dims, h200, "vllm", task="text-generation"
+    )
+    assert spec is not None
+    w, _ = spec
+    assert (w.batch, w.seq_len, w.num_tokens, w.memory_fraction) == (
+        1024,
+        40960,
+        8192,
+        0.92,
+    )  # vLLM's defaults
+    e = estimate(dims, w, h200.memory_gb)
+    assert e.kv_per_token == rep["kv_bytes_per_token"] == 114_688
+    err = (e.kv_tokens_available - rep["kv_cache_tokens"]) / rep["kv_cache_tokens"]
+    assert abs(err) < 0.015, err  # seen: +0.76 % (the profile's 141 GiB is 0.9 % above the card's 139.8)
+    fp8 = doc["fp8_eager_check"]
+    params = {
+        "dtype": "bfloat16",
+        "quantization": "fp8",
+        "gpu_memory_utilization": 0.3,
+        "max_model_len": 2048,
+    }
+    spec = workload_for(role_values(fx.ToyVllm, params), dims, h200, "vllm", task="text-generation")
+    assert spec is not None
+    e = estimate(dims, spec[0], h200.memory_gb)
+    err = (e.kv_tokens_available - fp8["kv_cache_tokens"]) / fp8["kv_cache_tokens"]
+    assert abs(err) < 0.015, err

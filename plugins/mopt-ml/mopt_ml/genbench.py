@@ -13,7 +13,9 @@ batch mode (`batch_sizes`, static batching)
     of `generate_batch(prompts, output_len)`, and ITL = (e2e - TTFT) / (output_len - 1).
 concurrency mode (`concurrency`)
     c threads each send `generate(..., on_token=...)` requests back to back; TTFT / ITL per
-    request as for batch 1.
+    request as for batch 1. The generator is shared by the threads: genruntime's backends
+    keep no state between calls (a KV cache / IO binding per call), and torch and ONNX
+    Runtime release the GIL while they compute.
 
 Each step warms up (`warmup` samples), then samples until the `confidence` interval of the
 median e2e lies within `ci_rel` of it (after `min_samples`; at most `max_samples` or

@@ -54,13 +54,17 @@ GATES: dict[str, tuple[str, str]] = {
 
 
 def log_softmax(logits: Any) -> np.ndarray:
-    """log p over the last axis, in float64 (stable: max subtracted)."""
+    """log p over the last axis (stable: max subtracted), in the logits' float32 / float64
+    (others: float64); the normalising sum is accumulated in float64. float32 keeps a
+    152k-token vocabulary fast (20x here than float64) at ~1e-6 nats of error."""
     import numpy as np
 
-    x = np.asarray(logits, dtype=np.float64)
-    m = np.max(x, axis=-1, keepdims=True)
-    z = x - m
-    return z - np.log(np.sum(np.exp(z), axis=-1, keepdims=True))
+    x = np.asarray(logits)
+    if x.dtype not in (np.float32, np.float64):
+        x = x.astype(np.float64)
+    z = x - np.max(x, axis=-1, keepdims=True)
+    lse = np.log(np.sum(np.exp(z), axis=-1, keepdims=True, dtype=np.float64))
+    return z - lse.astype(x.dtype)
 
 
 @dataclass
@@ -77,7 +81,8 @@ class RefDist:
         return self.top_ids[:, 0]
 
     def to_arrays(self, prefix: str = "") -> dict[str, np.ndarray]:
-        return {f"{prefix}top_ids": self.top_ids, f"{prefix}top_logp": self.top_logp,
+        """Arrays to save (token ids as int32: a vocabulary fits, the cache halves)."""
+        return {f"{prefix}top_ids": self.top_ids.astype("int32"), f"{prefix}top_logp": self.top_logp,
                 f"{prefix}target_logp": self.target_logp}  # fmt: skip
 
     @classmethod
@@ -85,7 +90,7 @@ class RefDist:
         import numpy as np
 
         return cls(
-            np.asarray(arrays[f"{prefix}top_ids"]),
+            np.asarray(arrays[f"{prefix}top_ids"], dtype=np.int64),
             np.asarray(arrays[f"{prefix}top_logp"], dtype=np.float64),
             np.asarray(arrays[f"{prefix}target_logp"], dtype=np.float64),
         )
@@ -117,9 +122,17 @@ def summarize(logits: Any, targets: Any, top_k: int) -> RefDist:
     tgt = np.asarray(targets, dtype=np.int64)
     _check_shapes(lp, tgt)
     k = max(1, min(int(top_k), lp.shape[1]))
-    order = np.argsort(-lp, axis=1, kind="stable")[:, :k]
-    top = np.take_along_axis(lp, order, axis=1)
-    return RefDist(order.astype(np.int64), top, lp[np.arange(len(tgt)), tgt])
+    if k < lp.shape[1]:  # a 152k vocabulary: partition first, sort only the k kept (row by
+        # row: numpy's 2-D argpartition along axis 1 is ~10x slower here)
+        order = np.empty((lp.shape[0], k), dtype=np.int64)
+        for r, row in enumerate(lp):
+            cand = np.argpartition(-row, k - 1)[:k]
+            order[r] = cand[np.lexsort((cand, -row[cand]))]
+        order[:, 0] = np.argmax(lp, axis=1)  # the top-1 is numpy's argmax even among ties
+    else:
+        order = np.argsort(-lp, axis=1, kind="stable")
+    top = np.take_along_axis(lp, order, axis=1).astype(np.float64)
+    return RefDist(order.astype(np.int64), top, lp[np.arange(len(tgt)), tgt].astype(np.float64))
 
 
 def _check_shapes(lp: np.ndarray, targets: np.ndarray) -> None:
@@ -146,12 +159,14 @@ def compare(ref: RefDist, cand_logits: Any, targets: Any) -> Compared:
     """The candidate's logits [P, V] at the same positions as `ref`."""
     import numpy as np
 
-    raw = np.asarray(cand_logits, dtype=np.float64)
+    raw = np.asarray(cand_logits)
+    if raw.dtype not in (np.float32, np.float64):
+        raw = raw.astype(np.float64)
     finite = np.isfinite(raw).all(axis=-1) if raw.ndim == 2 else np.ones(0, bool)
     # a NaN / inf row (a broken graph or kernel) is scored as the worst candidate: a uniform
     # distribution over a shifted argmax would hide it, so its KL and nll become large and
     # it never agrees; `metrics` counts such positions and `gate` fails on them
-    lq = log_softmax(np.where(np.isfinite(raw), raw, 0.0)) if raw.ndim == 2 else log_softmax(raw)
+    lq = log_softmax(raw if finite.all() else np.where(np.isfinite(raw), raw, 0.0).astype(raw.dtype))
     tgt = np.asarray(targets, dtype=np.int64)
     _check_shapes(lq, tgt)
     if ref.top_ids.shape[0] != lq.shape[0]:
@@ -159,7 +174,7 @@ def compare(ref: RefDist, cand_logits: Any, targets: Any) -> Compared:
     rows = np.arange(lq.shape[0])
     agree = np.argmax(lq, axis=1) == ref.argmax
     p = np.exp(ref.top_logp)
-    q_logp = np.take_along_axis(lq, ref.top_ids, axis=1)
+    q_logp = np.take_along_axis(lq, ref.top_ids, axis=1).astype(np.float64)
     kl = np.sum(p * (ref.top_logp - q_logp), axis=1)
     if ref.top_ids.shape[1] < lq.shape[1]:  # the rest bucket: mass outside the reference's top-k
         rest_p = np.clip(1.0 - p.sum(axis=1), 0.0, 1.0)
@@ -168,7 +183,7 @@ def compare(ref: RefDist, cand_logits: Any, targets: Any) -> Compared:
             term = np.where(rest_p > 0, rest_p * (np.log(np.maximum(rest_p, 1e-300)) - np.log(rest_q)), 0.0)
         kl = kl + term
     kl = np.maximum(kl, 0.0)  # rounding: KL is never negative
-    cand_nll = -lq[rows, tgt]
+    cand_nll = -lq[rows, tgt].astype(np.float64)
     if not finite.all():
         bad = ~finite
         agree = agree & finite

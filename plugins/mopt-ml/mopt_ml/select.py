@@ -936,6 +936,7 @@ class GenRow:
     itl_p99_ms: float | None = None
     drift: float = 1.0  # median baseline tok/s / this bench's baseline tok/s
     baseline_tok_s: float | None = None
+    baseline_stable: bool = False  # its baseline's step met the bench's ci_rel
     memory_mb: float | None = None
     value: float | None = None
     status: str = "lost"
@@ -1011,9 +1012,12 @@ def select_generation(
                 row.itl_p50_ms, row.itl_p99_ms = st["itl_ms"].get("p50"), st["itl_ms"].get("p99")
                 base = _gen_step(rep["results"][1]["steps"], row.step) if len(rep["results"]) > 1 else None
                 row.baseline_tok_s = base.get("output_tok_s") if base else None
+                row.baseline_stable = bool(base and base.get("stable"))
         found[row.label] = (v, b)
     timed = [r for r in rows if r.output_tok_s is not None]
-    if params.normalize and timed and all(r.baseline_tok_s for r in timed):
+    # drift is read off the baselines only when each was timed to the bench's precision: a
+    # baseline of one noisy sample would scale a variant by its noise (seen on a loaded CI machine)
+    if params.normalize and timed and all(r.baseline_tok_s and r.baseline_stable for r in timed):
         med = statistics.median(r.baseline_tok_s for r in timed if r.baseline_tok_s)
         for r in timed:
             assert r.baseline_tok_s

@@ -391,9 +391,10 @@ def reference_generation(
     device: str,
     cache: tuple[Path, str] | None,
     log: Any,
-) -> tuple[list[Any], list[list[int]], bool]:
+) -> tuple[list[Any], list[list[int]], int, bool]:
     """The fp32 PyTorch reference's next-token distributions (`genmetrics.RefDist`, one per
-    passage) and greedy continuations of `prompts`, and whether they came from the cache.
+    passage), greedy continuations of `prompts`, its vocabulary (logits width), and whether
+    they came from the cache.
     Cached like the embedding reference: per weights digest, token ids, settings, threads
     and library versions, so a sweep computes it once."""
     import os
@@ -409,6 +410,7 @@ def reference_generation(
         key = {
             "weights": cache[1],
             "task": GENERATION,
+            "layout": 2,  # of the .npz (2: with the logits width)
             "ids": spec_hash(ids),
             "prompts": spec_hash(prompts),
             "settings": {"top_k": params.top_k, "greedy_tokens": params.greedy_tokens, "device": device},
@@ -420,11 +422,13 @@ def reference_generation(
             with np.load(path) as z:
                 dists = [RefDist.from_arrays(z, f"t{i}_") for i in range(len(ids))]
                 cont = [list(map(int, row)) for row in z["greedy"]] if prompts else []
-            return dists, cont, True
+                vocab = int(z["vocab"])
+            return dists, cont, vocab, True
     gen = open_generator(ref_dir, format="hf-checkpoint", device=device, dtype="fp32", threads=params.threads)
     try:
         dists = [summarize(np.asarray(gen.logits(x))[:-1], next_token_targets(x), params.top_k) for x in ids]
         cont = [list(gen.generate(p, params.greedy_tokens)) for p in prompts]
+        vocab = int(gen.vocab_size)
     finally:
         gen.close()
     if path is not None:
@@ -432,12 +436,13 @@ def reference_generation(
         for i, d in enumerate(dists):
             arrays.update(d.to_arrays(f"t{i}_"))
         arrays["greedy"] = np.asarray(cont, dtype=np.int64).reshape(len(cont), -1)
+        arrays["vocab"] = np.asarray(vocab)
         path.parent.mkdir(parents=True, exist_ok=True)
         part = path.with_name(f".{path.name}.{os.getpid()}.{id(arrays)}.npz")
         np.savez(part, **arrays)
         os.replace(part, path)  # atomic: a concurrent validate reads a whole file or none
     log(f"reference: fp32 PyTorch on {device}, {sum(len(x) - 1 for x in ids)} positions")
-    return dists, cont, False
+    return dists, cont, vocab, False
 
 
 def validate_generation(
@@ -471,10 +476,17 @@ def validate_generation(
     prompts = [x[: params.prompt_tokens] for x in ids if len(x) > params.prompt_tokens][
         : params.greedy_prompts
     ]
-    dists, ref_cont, cached = reference_generation(ref_dir, ids, prompts, params, device, cache, log)
+    dists, ref_cont, ref_vocab, cached = reference_generation(
+        ref_dir, ids, prompts, params, device, cache, log
+    )
     fmt = generation_format(model_dir)
     gen = open_generator(model_dir, format=fmt, device=device, threads=params.threads)
     try:
+        if int(gen.vocab_size) != ref_vocab:
+            raise ValueError(
+                f"validate: {label or model_dir.name} gives logits over {gen.vocab_size} tokens, the reference "
+                f"over {ref_vocab}: not the same vocabulary; build the artifact from this section's weights"
+            )
         parts = [
             gm.compare(d, np.asarray(gen.logits(x))[:-1], gm.next_token_targets(x))
             for d, x in zip(dists, ids, strict=True)
@@ -517,7 +529,14 @@ def validate_generation(
         "passed": not failed,
         "worst": worst,
         "greedy": [
-            {"prompt": p, "reference": r, "candidate": c}
+            {
+                "prompt": p,
+                "reference": r,
+                "candidate": c,
+                # the same as text, for a reader
+                "reference_text": tokenizer.decode(r),
+                "candidate_text": tokenizer.decode(c),
+            }
             for p, r, c in zip(prompts, ref_cont, cand_cont, strict=True)
         ],
         "tools": versions("torch", "transformers", "onnxruntime"),

@@ -335,13 +335,13 @@ def test_qwen3_chat_recipe_plans_the_cpu_chain(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     ids = {n["id"] for n in json.loads(proc.stdout)["nodes"]}
     assert {"qwen3-chat.cpu:weights", "qwen3-chat.cpu:onnx", "qwen3-chat.cpu:int8", "qwen3-chat.cpu:int4",
-            "qwen3-chat.cpu:validate[int8]", "qwen3-chat.cpu:bench[onnx]"} <= ids  # fmt: skip
+            "qwen3-chat.cpu:validate[int8]", "qwen3-chat.cpu:bench[onnx]", "qwen3-chat.cpu:best"} <= ids  # fmt: skip
 
 
 @pytest.mark.slow
 def test_qwen3_chat_cpu_builds_end_to_end_with_the_gates_evaluated(tmp_path: Path) -> None:
     """`mopt build recipes/qwen3-chat.toml 'qwen3-chat.cpu'`: weights → KV-cache ONNX → INT8 /
-    INT4 → validate (generation gates) → bench (TTFT / ITL, PyTorch eager beside it)."""
+    INT4 → validate (generation gates) → bench (TTFT / ITL, PyTorch eager beside it) → best."""
     shutil.copy(ROOT / "recipes" / "qwen3-chat.toml", tmp_path / "r.toml")
     (tmp_path / "mopt.toml").write_text('[store]\npath = ".mopt"\n')
     proc = subprocess.run([sys.executable, "-m", "mopt", "build", "r.toml", "qwen3-chat.cpu", "--json"],
@@ -360,3 +360,8 @@ def test_qwen3_chat_cpu_builds_end_to_end_with_the_gates_evaluated(tmp_path: Pat
     backends = [r["backend"] for r in bench["results"]]
     assert backends == ["onnxruntime", "torch-eager"]
     assert all(s["ttft_ms"]["p50"] > 0 and s["itl_ms"]["p50"] > 0 for r in bench["results"] for s in r["steps"])
+    selection = json.loads((build / "best" / "selection.json").read_text())
+    assert selection["objective"] == "max_output_tok_s" and selection["winner"] in ("onnx", "int8")
+    from mopt_ml.genruntime import open_generator
+
+    assert len(open_generator(build / "best", format="onnx").generate([5, 6, 7], 3)) == 3

@@ -133,6 +133,14 @@ def test_drift_between_benches_is_normalized_by_the_baseline(tmp_path: Path) -> 
     arts = ([a[0], b[0]], [a[1], b[1]], [b[2], a[2]])
     assert select_generation(*arts, {}, SelectKind.Params()).winner == "int8"
     assert select_generation(*arts, {}, SelectKind.Params(normalize=False)).winner == "onnx"
+    # baselines not timed to precision (stable false): no normalization, the raw numbers decide
+    for b_art in arts[2]:
+        doc = json.loads((b_art.path / "bench.json").read_text())
+        for st in doc["results"][1]["steps"]:
+            st["stable"] = False
+        (b_art.path / "bench.json").write_text(json.dumps(doc))
+    sel = select_generation(*arts, {}, SelectKind.Params())
+    assert sel.winner == "onnx" and all(r.drift == 1.0 for r in sel.rows)
 
 
 def test_embedding_objectives_are_refused_for_generation() -> None:
