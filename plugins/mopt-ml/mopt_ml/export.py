@@ -515,10 +515,10 @@ class OnnxSlimKind(TargetKind):
         from mopt_ml.common import require
 
         require("onnx", "onnxruntime", "onnxslim")
-        return slim_onnx(ctx.input("model").path, ctx.out, ctx.params, ctx.log)
+        return slim_onnx(ctx.input("model").path, ctx.out, ctx.params, ctx.log, ctx.tmp)
 
 
-def slim_onnx(src: Path, out: Path, params: Any, log: Any) -> dict[str, Any]:
+def slim_onnx(src: Path, out: Path, params: Any, log: Any, tmp: Path | None = None) -> dict[str, Any]:
     import onnx
     import onnxslim
 
@@ -538,7 +538,15 @@ def slim_onnx(src: Path, out: Path, params: Any, log: Any) -> dict[str, Any]:
     )
 
     meta = read_meta(src)
-    before = onnx.load(str(model_onnx(src)))
+    from mopt_ml.quantize import private_onnx
+
+    # the store's inputs are hard links, which onnx refuses for external data: a private copy
+    if meta.get("external_data"):
+        if tmp is None:
+            raise ValueError("slim_onnx: a graph with external data needs a scratch folder (tmp)")
+        before = onnx.load(str(private_onnx(src, tmp)))
+    else:
+        before = onnx.load(str(model_onnx(src)))
     nodes_before = len(before.graph.node)
     kwargs: dict[str, Any] = {}
     if params.skip_fusion_patterns:

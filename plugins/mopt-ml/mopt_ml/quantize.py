@@ -165,8 +165,8 @@ def quantize(src: Path, out: Path, tmp: Path, params: Any, project_dir: Path, lo
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
 
-    current = model_onnx(src)
     large = bool(meta.get("external_data"))
+    current = private_onnx(src, work) if large else model_onnx(src)
     if params.preprocess:
         pre = work / "pre.onnx"
         # ORT's symbolic shape inference fails on transformers-5 mask subgraphs
@@ -330,7 +330,7 @@ def quantize_generation(
     work.mkdir(parents=True, exist_ok=True)
     large = bool(meta.get("external_data"))
     t0 = time.perf_counter()
-    current = model_onnx(src)
+    current = private_onnx(src, work) if large else model_onnx(src)
     result = work / "quant.onnx"
     smooth_info: dict[str, Any] = {}
     weight_type = ""
@@ -463,6 +463,25 @@ def generation_check(reference: Path, candidate: Path, tokenizer: Any, n_texts: 
     greedy = {"prompts": len(prefixes), "tokens": total, "tokens_agree": round(agree / max(total, 1), 4),
               "prefix_mean": round(sum(prefixes) / max(len(prefixes), 1), 2)}  # fmt: skip
     return {"logits": logits, "greedy": greedy}
+
+
+def private_onnx(folder: Path, work: Path) -> Path:
+    """A copy of `folder`'s model.onnx and its external data with inodes of their own.
+
+    The store hands an action its inputs as hard links, and onnx >= 1.17 refuses external
+    data with more than one link ("potential hardlink attack") when it loads a model (ONNX
+    Runtime does not mind); the copy is scratch, deleted with the action's tmp."""
+    import shutil
+
+    from mopt_ml.common import model_onnx
+
+    dst = work / "input"
+    dst.mkdir(parents=True, exist_ok=True)
+    src = model_onnx(folder)
+    for f in (src, src.with_name(src.name + ".data")):
+        if f.is_file():
+            shutil.copyfile(f, dst / f.name)
+    return dst / src.name
 
 
 def resolve_weight_type(value: str) -> str:
