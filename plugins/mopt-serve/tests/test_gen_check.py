@@ -356,3 +356,32 @@ def test_select_over_recorded_generation_serve_checks(tmp_path):
     assert rows["vllm"].status == "excluded" and "min_top1" in rows["vllm"].why
     assert sel.winner == "vllm-b" and rows["vllm-b"].value == pytest.approx(6508.1, abs=0.1)
     assert sel.slo_p99_ms == 300.0
+
+
+def test_vllm_env_reaches_serve_sh_and_args_json(tmp_path):
+    """The h200 section serves with VLLM_USE_FLASHINFER_SAMPLER=0 (the sampler's first-start JIT
+    compile cost 75 s of a 189 s start-up on the H200): serve.sh exports it, serve-check starts
+    vLLM with args.json's env."""
+    import logging
+
+    from mopt_serve.vllm import VllmKind
+
+    from mopt.api import Artifact, BuildContext
+    from mopt.builtin.hardware import PROFILES
+
+    w = tmp_path / "w"
+    w.mkdir()
+    (w / "config.json").write_text(json.dumps({"model_type": "qwen3", "max_position_embeddings": 40960}))
+    out, tmp = tmp_path / "out", tmp_path / "tmp"
+    out.mkdir()
+    tmp.mkdir()
+    ctx = BuildContext(
+        out=out, tmp=tmp, params=VllmKind.Params(max_model_len=32768, env={"VLLM_USE_FLASHINFER_SAMPLER": "0"}),
+        inputs={"model": [Artifact(w, "weights", "weights", "0" * 64, {})]}, model_name="qwen3-chat-0-6b",
+        family=None, task="text-generation", source=None, hardware={p.name: p for p in PROFILES}["h200"],
+        section="qwen3-chat-0-6b.h200", target="vllm", project_dir=tmp_path, logger=logging.getLogger("test"),
+    )  # fmt: skip
+    meta = VllmKind().run(ctx)
+    assert meta["runner"] == "generate" and meta["max_model_len"] == 32768
+    assert json.loads((out / "args.json").read_text())["env"] == {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    assert "export VLLM_USE_FLASHINFER_SAMPLER=0" in (out / "serve.sh").read_text()
