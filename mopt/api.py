@@ -23,9 +23,12 @@ from mopt.estimate import ConfigError, ModelDims
 from mopt.family import (
     DTYPES,
     EMBEDDING,
+    TEXT_GENERATION,
     ExportSpec,
     Family,
     TransformersFamily,
+    generation_export_spec,
+    generation_graph_names,
     quiet_transformers,
     tokenize,
     torch_dtype,
@@ -39,6 +42,7 @@ __all__ = [
     "FORMATS",
     "MODE_EXEC",
     "MODE_FILE",
+    "TEXT_GENERATION",
     "ActionNode",
     "Artifact",
     "BuildContext",
@@ -67,6 +71,8 @@ __all__ = [
     "TransformersFamily",
     "TreeEntry",
     "built_target",
+    "generation_export_spec",
+    "generation_graph_names",
     "gpu_matches",
     "hash_tree",
     "hookimpl",
@@ -421,6 +427,8 @@ class CheckContext:
     family: Family | None
     section: str
     target: str
+    #: the model's `task` ("embedding", "text-generation")
+    task: str = EMBEDDING
 
 
 class Source:
@@ -459,6 +467,8 @@ class SourceContext:
     model_name: str
     #: every registered family by name (e.g. for a source that builds a named architecture)
     families: dict[str, type[Family]] = field(default_factory=dict)
+    #: the model's `task` (a synthetic source builds a model for it)
+    task: str = EMBEDDING
 
 
 class SourceError(Exception):

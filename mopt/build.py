@@ -234,6 +234,7 @@ class Engine:
                 family=fam() if fam else None,
                 model_name=model_name,
                 families=dict(self.registry.families),
+                task=model.spec.task,
             )
             try:
                 path = src.resolve(model.source_params, ctx)

@@ -89,10 +89,15 @@ VLLM_DEFAULT_UTILIZATION = 0.92
 VLLM_DEFAULT_MAX_NUM_SEQS = 256
 VLLM_DEFAULT_MAX_NUM_SEQS_BIG_GPU = 1024
 VLLM_DEFAULT_BATCHED_TOKENS = 8192
+#: ... and, with chunked prefill (on by default for generation in vLLM V1), the API server's
+#: max_num_batched_tokens: 8192 on GPUs of >= 70 GiB (not A100), 2048 elsewhere
+VLLM_CHUNKED_BATCHED_TOKENS_SMALL_GPU = 2048
 TRTLLM_DEFAULT_KV_FRACTION = 0.9
 TRTLLM_DEFAULT_MAX_NUM_TOKENS = 8192
 TRTLLM_DEFAULT_MAX_BATCH = 2048
 ENGINE_DEFAULT_SEQ = 512
+#: the model task whose sections keep a KV cache in every runtime
+GENERATION = "text-generation"
 #: vocabulary assumed for a synthetic model whose tokenizer is not built yet
 SYNTHETIC_VOCAB_GUESS = 32000
 
@@ -345,7 +350,7 @@ class _Checker:
             if dims is not None:
                 self._seq_lengths(params, dims, sec, label, section.model, info.origin)
             if hw.is_gpu and hw.memory_gb and dims is not None:
-                had_workload = self._memory(cls, params, hw, dims, sec, label)
+                had_workload = self._memory(cls, params, hw, dims, sec, label, self._task(section))
 
         ctx = CheckContext(
             hardware=hw,
@@ -353,6 +358,7 @@ class _Checker:
             family=self._family(section.model),
             section=sec,
             target=label,
+            task=self._task(section),
         )
         try:
             extra = kind.check(node.target.params, ctx)
@@ -384,6 +390,9 @@ class _Checker:
             self.findings += [f for f in generic if f.key not in keys and f.code not in codes]
             self.findings += own
         return had_workload
+
+    def _task(self, section: Section) -> str:
+        return self.recipe.models[section.model].spec.task
 
     def _family(self, model: str) -> Any:
         cls = self.registry.families.get(self.recipe.models[model].spec.family)
@@ -605,11 +614,15 @@ class _Checker:
         dims: ModelDims,
         sec: str,
         label: str,
+        task: str = "embedding",
     ) -> bool:
-        spec = workload_for(params, dims, hw, getattr(cls, "memory_model", None))
+        spec = workload_for(params, dims, hw, getattr(cls, "memory_model", None), task=task)
         if spec is None:
             return False
         w, keys = spec
+        if task == GENERATION and w.runtime == "engine":
+            # a generation engine keeps every sequence's KV cache: batch × seq of it must fit
+            w = replace(w, kv_cache=True)
         assert hw.memory_gb is not None
         cap = hw.memory_gb
         e = estimate(dims, w, cap)
@@ -658,11 +671,12 @@ class _Checker:
             fits=lambda x: (x.kv_tokens_available or 0) >= x.workload.seq_len,
         )
         ne.largest = {bkey: max_seqs, skey: max_len}
-        pool = (
-            f"{w.memory_fraction:g} × {hw.memory_gb:g} GiB = {gib(e.budget or 0)}"
-            if w.memory_fraction is not None
-            else f"{hw.memory_gb:g} GiB"
-        )
+        if w.memory_fraction is not None:
+            pool = f"{w.memory_fraction:g} × {hw.memory_gb:g} GiB = {gib(e.budget or 0)}"
+        elif w.kv_fraction is not None:  # TensorRT-LLM: a fraction of what the model leaves free
+            pool = f"{w.kv_fraction:g} × the {gib(max(0.0, cap * GIB - e.fixed))} the model leaves of {hw.memory_gb:g} GiB"
+        else:
+            pool = f"{hw.memory_gb:g} GiB"
         if not e.model_fits:
             need = e.fixed / (cap * GIB)
             fixes = []
@@ -712,10 +726,10 @@ class _Checker:
             )
             return True
         if not e.fits:
-            fixes = [f"{bkey} ≤ {max_seqs} for full-length sequences"]
             short = kv_tokens // max(w.batch, 1)
+            fixes = [f"{bkey} ≤ {max_seqs} for full-length sequences"]
             if short >= 1:
-                fixes.append(f"{skey} ≤ {short} for {w.batch} concurrent sequences")
+                fixes.append(f"{skey} ≤ {short:,} for {w.batch} concurrent sequences")
             if w.kv_dtype is None and "fp8" in hw.precisions:
                 fixes.append('kv_cache_dtype = "fp8" (halves the KV cache)')
             self.add(
@@ -724,9 +738,8 @@ class _Checker:
                 sec,
                 label,
                 bkey,
-                f"{bkey} = {w.batch} × {skey} = {w.seq_len:,} needs {gib(e.kv_cache)} of KV cache; "
-                f"{gib(e.kv_available or 0)} is left in {pool} of {hw.name}, room for {max_seqs} "
-                f"full-length sequences at once (the rest queue)",
+                kv_fit_text(e, hw, bkey, skey, max_seqs, short, pool)
+                + f"; sequences beyond that queue. Besides the KV cache: {_breakdown(e, kv=False)}",
                 "; or ".join(fixes),
             )
         return True
@@ -737,6 +750,9 @@ class _Checker:
         hw = self.registry.hardware[section.hardware]
         dims = self.model(section.model).dims
         if dims is None:
+            return
+        if self._task(section) == GENERATION:
+            self._generation_baseline(section, hw, dims)
             return
         seq = min(ENGINE_DEFAULT_SEQ, dims.max_sequence or ENGINE_DEFAULT_SEQ)
         if not hw.is_gpu or not hw.memory_gb:
@@ -757,6 +773,73 @@ class _Checker:
             "seq_len": largest_fitting(dims, w, hw.memory_gb, "seq_len", dims.max_sequence or 1 << 20),
         }
         self.estimates.append(ne)
+
+    def _generation_baseline(self, section: Section, hw: HardwareProfile, dims: ModelDims) -> None:
+        """A text-generation section none of whose targets sets serving limits: on a GPU,
+        what `vllm serve` with every default would ask for (max_model_len = the model's
+        context, the default max_num_seqs, gpu_memory_utilization 0.92) and the largest
+        settings that fit, as an info finding; on CPU, the KV cache of one full-context
+        sequence in fp32 (no capacity)."""
+        seq = dims.max_sequence or 2048
+        if not hw.is_gpu or not hw.memory_gb:
+            w = Workload(
+                precision="fp32",
+                batch=1,
+                seq_len=seq,
+                num_tokens=min(seq, VLLM_DEFAULT_BATCHED_TOKENS),
+                kv_cache=True,
+                device="cpu",
+            )
+            basis = f"text-generation, fp32 on CPU, KV cache for 1 × {seq:,} tokens (the model's context)"
+            self.estimates.append(NodeEstimate(section.id, "(model)", hw.name, estimate(dims, w), basis))
+            return
+        spec = workload_for({}, dims, hw, "vllm", task=GENERATION)
+        assert spec is not None
+        w, keys = spec
+        e = estimate(dims, w, hw.memory_gb)
+        kv_tokens = e.kv_tokens_available or 0
+        max_seqs = kv_tokens // max(w.seq_len, 1)
+        short = kv_tokens // max(w.batch, 1)
+        ne = NodeEstimate(section.id, "(model)", hw.name, e, "text-generation, " + _basis(w, keys))
+        ne.largest = {"max_num_seqs": max_seqs, "max_model_len": min(kv_tokens, seq) or None}
+        self.estimates.append(ne)
+        pool = f"{w.memory_fraction:g} × {hw.memory_gb:g} GiB = {gib(e.budget or 0)}"
+        if not e.model_fits:
+            msg = (
+                f"{hw.name} {hw.memory_gb:g} GiB: the model does not fit in {pool}: {_breakdown(e, kv=False)}"
+            )
+            fix = "; or ".join(_smaller_precisions(dims, w, hw, None) or ["use a larger GPU"])
+        else:
+            msg = kv_fit_text(e, hw, "max_num_seqs", "max_model_len", max_seqs, short, pool) + (
+                " (vLLM's defaults; no target of this section sets them)"
+            )
+            fix = (
+                f"serve with max_model_len ≤ {min(kv_tokens, seq):,} and max_num_seqs ≤ {max(max_seqs, 1)} "
+                f"at that length, or shorter contexts for more sequences"
+                if kv_tokens
+                else "quantize the weights or use a larger GPU"
+            )
+        self.add("info", "kv-cache-fit", section.id, "", None, msg, fix)
+
+
+def kv_fit_text(
+    e: MemoryEstimate, hw: HardwareProfile, bkey: str, skey: str, max_seqs: int, short: int, pool: str
+) -> str:
+    """`rtx4060-laptop 8 GiB: max_model_len 32,768 × max_num_seqs 8 needs 28.00 GiB of KV
+    cache (112 KiB/token, bf16); 4.95 GiB is left in 0.92 × 8 GiB = 7.36 GiB: fits
+    max_num_seqs ≤ 1 at 32,768 or max_model_len ≤ 5,533 at 8`."""
+    w = e.workload
+    kv_dtype = w.kv_dtype or (
+        "fp32" if w.precision == "fp32" else ("bf16" if w.precision == "bf16" else "fp16")
+    )
+    fits = [f"{bkey} ≤ {max_seqs} at {w.seq_len:,}"] if max_seqs >= 1 else []
+    if short >= 1:
+        fits.append(f"{skey} ≤ {min(short, w.seq_len):,} at {w.batch}")
+    return (
+        f"{hw.name} {hw.memory_gb:g} GiB: {skey} {w.seq_len:,} × {bkey} {w.batch} needs {gib(e.kv_cache)} of KV "
+        f"cache ({e.kv_per_token / 1024:g} KiB/token, {kv_dtype}); {gib(e.kv_available or 0)} is left in {pool}"
+        + (f": fits {' or '.join(fits)}" if fits else ": not one full-length sequence fits")
+    )
 
 
 def _tp_ok(dims: ModelDims, tp: int) -> bool:
@@ -836,11 +919,18 @@ def _smaller_precisions(dims: ModelDims, w: Workload, hw: HardwareProfile, key: 
 
 
 def workload_for(
-    params: RoleValues, dims: ModelDims, hw: HardwareProfile, memory_model: str | None = None
+    params: RoleValues,
+    dims: ModelDims,
+    hw: HardwareProfile,
+    memory_model: str | None = None,
+    *,
+    task: str = "embedding",
 ) -> tuple[Workload, dict[str, str]] | None:
     """The workload a target's role-marked params (`role_values`) describe, and which param
     gave each number (`batch`, `seq`, `precision`, `fraction` → param name; `assumed` →
-    defaults used). None when they say nothing about memory (or `memory_model` is "none")."""
+    defaults used). None when they say nothing about memory (or `memory_model` is "none").
+    For `task` "text-generation" vLLM prefills in chunks, so one pass takes the default
+    max_num_batched_tokens, not a whole max_model_len sequence."""
     present = {r for r, kvs in params.items() if any(v is not None for _, v in kvs)}
     mode = memory_model
     if mode is None:
@@ -891,7 +981,13 @@ def workload_for(
         seqs = VLLM_DEFAULT_MAX_NUM_SEQS_BIG_GPU if big else VLLM_DEFAULT_MAX_NUM_SEQS
         batch, bk = pick(Role.batch_size, seqs, "max_num_seqs")
         seq, sk = pick(Role.seq_len, max_pos, "max_model_len")
-        tokens = nt if nt else min(max(seq, VLLM_DEFAULT_BATCHED_TOKENS), batch * seq)
+        if nt:
+            tokens = nt
+        elif task == GENERATION:  # chunked prefill
+            chunk = VLLM_DEFAULT_BATCHED_TOKENS if big else VLLM_CHUNKED_BATCHED_TOKENS_SMALL_GPU
+            tokens = min(chunk, batch * seq)
+        else:
+            tokens = min(max(seq, VLLM_DEFAULT_BATCHED_TOKENS), batch * seq)
         fk, fv = _first(params, Role.memory_fraction)
         frac_v = _num(fv)
         if frac_v is None or fk is None:
@@ -937,7 +1033,14 @@ def workload_for(
         seq, sk = pick(Role.seq_len, min(ENGINE_DEFAULT_SEQ, max_pos), "seq")
         ws = _num(_first(params, Role.workspace_gb)[1]) or 0.0
         w = Workload(
-            precision=prec, batch=batch, seq_len=seq, tp=tp, pp=pp, workspace_gb=ws, runtime="engine"
+            precision=prec,
+            kv_dtype=kv_dtype,  # used when a generation engine keeps a KV cache
+            batch=batch,
+            seq_len=seq,
+            tp=tp,
+            pp=pp,
+            workspace_gb=ws,
+            runtime="engine",
         )
     if bk:
         keys["batch"] = bk

@@ -79,6 +79,12 @@ vLLM's KV cache (vLLM 0.26.0 on the H200, 2026-12-01, Qwen3-Embedding-0.6B's sha
     card's 140.4 GiB, and vLLM's profiled activations + CUDA graphs + non-torch memory (1.36 GiB)
     exceed the estimate's activations + 0.5 GiB runtime line. Tested in
     plugins/mopt-serve/tests/test_recorded_h200.py.
+Generation (task text-generation, vLLM 0.26.0 on the H200, 2026-12-01, a Qwen3-0.6B-shape chat
+    model, tests/data/h200-gen-2026-12-01): `mopt check` sizes one pass by vLLM's chunked-prefill
+    default (max_num_batched_tokens 8,192 on GPUs of >= 70 GiB, 2,048 below) instead of a whole
+    max_model_len sequence. KV bytes per token 114,688 = vLLM's; token capacity with every vLLM
+    default 1,197,388 estimated vs 1,188,352 reported (+0.76 %), FP8 weights at utilization 0.3
+    382,777 vs 379,344 (+0.90 %). Tested in tests/test_check.py.
 Not measured: TensorRT engines and TensorRT-LLM (neither is installable here); their
 allocators and CUDA graphs add to the runtime line, which is a flat 0.5 GiB guess.
 """

@@ -6,9 +6,11 @@ the ML kinds load, tokenize, pool, export and sanitize a model of it, and build 
 random one for the `synthetic` source. Plugins import it as `mopt.api.Family` /
 `mopt.api.TransformersFamily`.
 
-Families are task-aware: `tasks` lists what the family supports ("embedding" today), and
-every method that depends on the task takes it (`task=` keyword, "embedding" by default), so
-a new task ("text-generation") is a new branch of the same methods, not a second family.
+Families are task-aware: `tasks` lists what the family supports ("embedding",
+"text-generation"), and every method that depends on the task takes it (`task=` keyword,
+"embedding" by default), so a new task is a new branch of the same methods, not a second
+family. For "text-generation", `load` gives an `AutoModelForCausalLM` and `export_spec` the
+KV-cache graph (past key values in, present key values out; see `ExportSpec`).
 
 `Family` holds the light part (class attributes and `dims`); its heavy methods raise
 `NotImplementedError` naming themselves. `TransformersFamily` implements them for a Hugging
@@ -29,6 +31,8 @@ from mopt.estimate import ConfigError, ModelDims, normalize_precision
 
 #: the task every first-party ML kind builds for
 EMBEDDING = "embedding"
+#: causal language modelling with a KV cache (chat models)
+TEXT_GENERATION = "text-generation"
 #: transformers dtype names of mopt's precision names
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
@@ -54,7 +58,13 @@ class ExportSpec:
     `inputs` are the graph's input names in call order (int64 tensors the tokenizer gives),
     `outputs` its output names, `dynamic_axes` per name the axes that vary
     ({0: "batch", 1: "sequence"}); `check` says how the export is verified ("embedding":
-    cosine of the outputs against PyTorch on the validation sentences).
+    cosine of the outputs against PyTorch on the validation sentences; "text-generation":
+    logits against PyTorch, prefill and a decode step with past).
+
+    For text-generation, `kv_cache` is {"layers", "kv_heads", "head_dim"}: the wrapper takes
+    (input_ids, attention_mask, position_ids, *past) with past = key, value per layer
+    [batch, kv_heads, past_sequence, head_dim], and returns (logits, *present) in the same
+    order; `generation_graph_names(layers)` gives the names.
     """
 
     wrapper: Any
@@ -68,6 +78,31 @@ class ExportSpec:
         }
     )
     check: str = EMBEDDING
+    kv_cache: Mapping[str, int] | None = None
+
+
+def generation_graph_names(layers: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Input and output names of a text-generation graph with `layers` layers of KV cache
+    (the Optimum / ONNX Runtime GenAI naming)."""
+    past = tuple(f"past_key_values.{i}.{kv}" for i in range(layers) for kv in ("key", "value"))
+    present = tuple(n.replace("past_key_values.", "present.", 1) for n in past)
+    return ("input_ids", "attention_mask", "position_ids", *past), ("logits", *present)
+
+
+def generation_dynamic_axes(layers: int) -> dict[str, dict[int, str]]:
+    """The dynamic axes of a text-generation graph's inputs and outputs."""
+    inputs, outputs = generation_graph_names(layers)
+    axes: dict[str, dict[int, str]] = {
+        "input_ids": {0: "batch", 1: "sequence"},
+        "attention_mask": {0: "batch", 1: "total_sequence"},
+        "position_ids": {0: "batch", 1: "sequence"},
+        "logits": {0: "batch", 1: "sequence"},
+    }
+    for name in inputs[3:]:
+        axes[name] = {0: "batch", 2: "past_sequence"}
+    for name in outputs[1:]:
+        axes[name] = {0: "batch", 2: "total_sequence"}
+    return axes
 
 
 class Family:
@@ -186,17 +221,21 @@ class Family:
         """Fix the family's tokenizer quirks in place; notes of what changed."""
         return []
 
-    def sanitize_config(self, config: dict[str, Any], tokenizer: Any) -> tuple[dict[str, Any], list[str]]:
+    def sanitize_config(
+        self, config: dict[str, Any], tokenizer: Any, *, task: str = EMBEDDING
+    ) -> tuple[dict[str, Any], list[str]]:
         """Normalise a config.json dict; the new dict and notes of what changed."""
         return dict(config), []
 
-    def synthetic_config(self, overrides: dict[str, Any], vocab_size: int) -> Any:
+    def synthetic_config(self, overrides: dict[str, Any], vocab_size: int, *, task: str = EMBEDDING) -> Any:
         """The family's real transformers config, small (`synthetic_defaults` under
-        `overrides`), for a tokenizer of `vocab_size` tokens."""
+        `overrides`), for a tokenizer of `vocab_size` tokens (text-generation: its causal-LM
+        architecture). Callers pass `task` only when it is not embedding."""
         raise self._missing("synthetic_config")
 
-    def synthetic_tokenizer(self, texts: Sequence[str]) -> Any:
-        """A small fast tokenizer of the family's scheme, learnt deterministically from `texts`."""
+    def synthetic_tokenizer(self, texts: Sequence[str], *, task: str = EMBEDDING) -> Any:
+        """A small fast tokenizer of the family's scheme, learnt deterministically from `texts`
+        (text-generation: with a chat template). Callers pass `task` only when it is not embedding."""
         raise self._missing("synthetic_tokenizer")
 
     def supports(self, task: str) -> bool:
@@ -229,14 +268,15 @@ class TransformersFamily(Family):
         self, path: Path | str, *, task: str = EMBEDDING, dtype: str | None = None,
         attn_implementation: str | None = None,
     ) -> Any:  # fmt: skip
-        from transformers import AutoModel
+        from transformers import AutoModel, AutoModelForCausalLM
 
         self._task(task)
         quiet_transformers()
         kwargs: dict[str, Any] = {"attn_implementation": attn_implementation or self.attn_implementation}
         if dtype is not None:
             kwargs["dtype"] = torch_dtype(dtype)
-        return AutoModel.from_pretrained(str(path), **kwargs).eval()
+        auto = AutoModelForCausalLM if task == TEXT_GENERATION else AutoModel
+        return auto.from_pretrained(str(path), **kwargs).eval()
 
     def load_tokenizer(self, path: Path | str, *, task: str = EMBEDDING) -> Any:
         from transformers import AutoTokenizer
@@ -263,17 +303,28 @@ class TransformersFamily(Family):
                 raise ValueError("tokenizer has no pad, eos, unk or sep token to pad with")
         return notes
 
-    def sanitize_config(self, config: dict[str, Any], tokenizer: Any) -> tuple[dict[str, Any], list[str]]:
-        """Missing `pad_token_id` from the tokenizer; training-only switches off."""
+    def sanitize_config(
+        self, config: dict[str, Any], tokenizer: Any, *, task: str = EMBEDDING
+    ) -> tuple[dict[str, Any], list[str]]:
+        """Missing `pad_token_id` (and, for text-generation, `eos_token_id`) from the
+        tokenizer; training-only switches off; `use_cache` off for embedding, on for
+        text-generation."""
         cfg = dict(config)
         notes: list[str] = []
         if cfg.get("pad_token_id") is None and tokenizer.pad_token_id is not None:
             cfg["pad_token_id"] = int(tokenizer.pad_token_id)
             notes.append(f"pad_token_id was missing: set to {tokenizer.pad_token_id} from the tokenizer")
+        if task == TEXT_GENERATION and cfg.get("eos_token_id") is None and tokenizer.eos_token_id is not None:
+            cfg["eos_token_id"] = int(tokenizer.eos_token_id)
+            notes.append(f"eos_token_id was missing: set to {tokenizer.eos_token_id} from the tokenizer")
         if "gradient_checkpointing" in cfg:
             del cfg["gradient_checkpointing"]
             notes.append("dropped training-only key 'gradient_checkpointing'")
-        if cfg.get("use_cache"):
+        if task == TEXT_GENERATION:
+            if cfg.get("use_cache") is False:
+                cfg["use_cache"] = True
+                notes.append("use_cache set to true (generation keeps a KV cache)")
+        elif cfg.get("use_cache"):
             cfg["use_cache"] = False
             notes.append("use_cache set to false (embedding models keep no KV cache)")
         return cfg, notes
@@ -314,10 +365,13 @@ class TransformersFamily(Family):
         return np.concatenate(out).astype(np.float32)
 
     def export_spec(self, model: Any, *, task: str = EMBEDDING) -> ExportSpec:
-        """(input_ids, attention_mask) → `mopt_embedding` (pooled, L2-normalised)."""
+        """embedding: (input_ids, attention_mask) → `mopt_embedding` (pooled, L2-normalised);
+        text-generation: the KV-cache graph of a causal LM (`generation_export_spec`)."""
         import torch
 
         self._task(task)
+        if task == TEXT_GENERATION:
+            return generation_export_spec(model)
         family = self
 
         class EmbeddingWrapper(torch.nn.Module):
@@ -345,7 +399,7 @@ class TransformersFamily(Family):
         mtype = self.model_types[0]
         return lambda **values: AutoConfig.for_model(mtype, **values)
 
-    def synthetic_config(self, overrides: dict[str, Any], vocab_size: int) -> Any:
+    def synthetic_config(self, overrides: dict[str, Any], vocab_size: int, *, task: str = EMBEDDING) -> Any:
         values = {**self.synthetic_defaults, "vocab_size": vocab_size, **overrides}
         if values["vocab_size"] < vocab_size:
             raise ValueError(
@@ -357,7 +411,7 @@ class TransformersFamily(Family):
             cfg.architectures = [self.architectures[0]]
         return cfg
 
-    def synthetic_tokenizer(self, texts: Sequence[str]) -> Any:
+    def synthetic_tokenizer(self, texts: Sequence[str], *, task: str = EMBEDDING) -> Any:
         """A lower-casing WordPiece tokenizer ([CLS] text [SEP]) whose vocabulary (every
         character, and the most frequent words of `texts`) is chosen deterministically."""
         return wordpiece_tokenizer(texts)
@@ -370,6 +424,55 @@ class TransformersFamily(Family):
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def generation_export_spec(model: Any) -> ExportSpec:
+    """The KV-cache export of a transformers causal LM: the wrapper rebuilds a `DynamicCache`
+    from the flat past tensors (transformers 5 takes the cache as an object), runs the model
+    with `use_cache=True` and returns the logits and the grown cache, flat again."""
+    import torch
+    from transformers import DynamicCache
+
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    layers = int(cfg.num_hidden_layers)
+    heads = int(cfg.num_attention_heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ())):
+        raise ValueError(
+            "the KV-cache export handles full-attention layers only; this config has "
+            f"layer_types {sorted(set(cfg.layer_types))} (sliding windows need a sliding cache)"
+        )
+    inputs, outputs = generation_graph_names(layers)
+
+    class CausalLMWithPast(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(
+            self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+            *past: torch.Tensor,
+        ) -> tuple[torch.Tensor, ...]:  # fmt: skip
+            pairs = [(past[2 * i], past[2 * i + 1]) for i in range(layers)]
+            cache = DynamicCache(ddp_cache_data=pairs, config=self.model.config)
+            out = self.model(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                cache=cache, use_cache=True,
+            )  # fmt: skip
+            present: list[torch.Tensor] = []
+            for layer in out.cache.layers:
+                present += [layer.keys, layer.values]
+            return (out.logits, *present)
+
+    return ExportSpec(
+        wrapper=CausalLMWithPast().eval(),
+        inputs=inputs,
+        outputs=outputs,
+        dynamic_axes=generation_dynamic_axes(layers),
+        check=TEXT_GENERATION,
+        kv_cache={"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim},
+    )
 
 
 def quiet_transformers() -> None:

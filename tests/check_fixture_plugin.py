@@ -52,6 +52,12 @@ class ToyQwen3(Family):
     synthetic_defaults = TOY_QWEN3_DEFAULTS
 
 
+class ToyQwen3Chat(ToyQwen3):
+    name = "toy-qwen3-chat"
+    description = "qwen3-like causal LM (tests): embedding and text-generation"
+    tasks = ("embedding", "text-generation")
+
+
 class ToyBert(Family):
     name = "toy-bert"
     description = "bert-like encoder (tests)"
@@ -208,6 +214,7 @@ PROFILES = [
 @hookimpl
 def mopt_register_families(register: Callable[[Any], None]) -> None:
     register(ToyQwen3)
+    register(ToyQwen3Chat)
     register(ToyBert)
 
 

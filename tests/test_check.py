@@ -109,6 +109,25 @@ VIOLATIONS = [
     ),
 ]
 
+# text-generation sections (model `chat`: Qwen3-0.6B's config.json)
+VIOLATIONS += [
+    ("gen_laptop_32k.toml", {("warning", "kv-cache-short", "chat.rtx4060", "max_num_seqs")}),
+    (
+        "gen_errors.toml",
+        {
+            ("error", "seq-over-max-position", "chat.h200", "max_model_len"),
+            ("warning", "kv-cache-short", "chat.h200", "max_num_seqs"),
+            ("error", "tp-heads", "chat.h100x4", "tp_size"),
+            ("error", "tp-kv-heads", "chat.h100x4", "tp_size"),
+            ("error", "kv-cache-too-small", "chat.t4", "max_model_len"),
+        },
+    ),
+    (
+        "gen_defaults.toml",
+        {("info", "kv-cache-fit", "chat.rtx4060", None), ("info", "kv-cache-fit", "chat.h200", None)},
+    ),
+]
+
 VALID = [
     "ok_engine_rtx4060.toml",
     "ok_vllm_h200.toml",
@@ -289,3 +308,147 @@ def test_cli_doctor_with_recipe_lists_targets(cli: Any) -> None:
     assert t["id"] == "qwen.h200:toy-trtllm" and t["requires"] == ["gpu", "python:tensorrt_llm"]
     if not data["machine"]["gpu"]["visible"]:
         assert t["buildable"] is False and any("no NVIDIA GPU" in r for r in t["reasons"])
+
+
+# --------------------------------------------------------------------------- text generation
+
+
+def _finding(report: Any, code: str, section: str) -> Any:
+    (f,) = [f for f in report.findings if f.code == code and f.section == section]
+    return f
+
+
+def test_generation_laptop_32k_says_what_fits(registry: Any) -> None:
+    """The classic failure: 32k context × 8 sequences of Qwen3-0.6B on an 8 GB laptop GPU."""
+    f = _finding(_check("gen_laptop_32k.toml", registry), "kv-cache-short", "chat.rtx4060")
+    assert f.message.startswith(
+        "rtx4060-laptop 8 GiB: max_model_len 32,768 × max_num_seqs 8 needs 28.00 GiB of KV cache "
+        "(112 KiB/token, bf16); 5.54 GiB is left in 0.9 × 8 GiB = 7.20 GiB: fits max_num_seqs ≤ 1 at 32,768 "
+        "or max_model_len ≤ 6,478 at 8; sequences beyond that queue. Besides the KV cache: weights 1.11 GiB"
+    ), f.message
+    assert f.fix == (
+        "max_num_seqs ≤ 1 for full-length sequences; or max_model_len ≤ 6,478 for 8 concurrent sequences; "
+        'or kv_cache_dtype = "fp8" (halves the KV cache)'
+    )
+
+
+def test_generation_errors_carry_the_numbers_and_a_fix(registry: Any) -> None:
+    report = _check("gen_errors.toml", registry)
+    f = _finding(report, "seq-over-max-position", "chat.h200")
+    assert f.message.startswith("max_model_len = 65536 over chat's max_position_embeddings 40960")
+    assert f.fix.startswith("keep max_model_len ≤ 40960")
+    assert _finding(report, "tp-heads", "chat.h100x4").message == (
+        "tp_size = 3 does not divide the 16 attention heads of chat"
+    )
+    f = _finding(report, "tp-kv-heads", "chat.h100x4")
+    assert f.message == (
+        "tp_size = 3 and the 8 KV heads of chat: neither divides the other, so KV heads can be neither "
+        "split nor replicated evenly"
+    )
+    assert f.fix == "use tp_size in {1, 2, 4, 8, 16} for chat"
+    f = _finding(report, "kv-cache-too-small", "chat.t4")
+    assert f.message.startswith(
+        "the KV cache left in 0.2 × 15 GiB = 3.00 GiB of toy-t4 holds 12,508 tokens (1.34 GiB at 112 KiB/token), "
+        "fewer than one max_model_len = 40,960 sequence (4.38 GiB); the runtime refuses to start."
+    ), f.message
+    assert f.fix == "set max_model_len ≤ 12508, or gpu_memory_utilization = 0.41"
+
+
+def test_generation_sections_without_limits_get_vllms_defaults_and_what_fits(registry: Any) -> None:
+    report = _check("gen_defaults.toml", registry)
+    f = _finding(report, "kv-cache-fit", "chat.rtx4060")
+    assert f.severity == "info" and f.message == (
+        "rtx4060-laptop 8 GiB: max_model_len 40,960 × max_num_seqs 256 needs 1120.00 GiB of KV cache "
+        "(112 KiB/token, bf16); 5.70 GiB is left in 0.92 × 8 GiB = 7.36 GiB: fits max_num_seqs ≤ 1 at 40,960 "
+        "or max_model_len ≤ 208 at 256 (vLLM's defaults; no target of this section sets them)"
+    )
+    est = {e.section: e for e in report.estimates}
+    assert est["chat.h200"].largest == {"max_num_seqs": 29, "max_model_len": 40960}
+    assert est["chat.h200"].estimate.workload.batch == 1024  # vLLM's default on a >= 70 GiB GPU
+    cpu = est["chat.cpu"].estimate
+    assert cpu.capacity is None and cpu.kv_cache == 229_376 * 40_960  # fp32 KV of one full context
+
+
+def test_fp8_kv_cache_halves_the_bytes_per_token(registry: Any) -> None:
+    from mopt.check import role_values, workload_for
+    from mopt.estimate import ModelDims, estimate
+
+    dims = ModelDims.from_config(
+        json.loads((RECIPES / "configs" / "qwen3-0.6b.json").read_text()), fx.ToyQwen3Chat
+    )
+    hw = registry.hardware["rtx4060-laptop"]
+    got = {}
+    for kv in ("auto", "fp8"):
+        params = {"max_model_len": 32768, "max_num_seqs": 8, "kv_cache_dtype": kv}
+        spec = workload_for(role_values(fx.ToyVllm, params), dims, hw, "vllm", task="text-generation")
+        assert spec is not None
+        got[kv] = estimate(dims, spec[0], hw.memory_gb)
+    assert got["auto"].kv_per_token == 2 * 28 * 8 * 128 * 2 and got["fp8"].kv_per_token == 2 * 28 * 8 * 128
+    assert got["fp8"].kv_tokens_available == pytest.approx(2 * got["auto"].kv_tokens_available, rel=1e-6)
+
+
+def test_kv_bytes_per_token_match_vllm_on_the_h200() -> None:
+    """Recorded on the H200 (tests/data/h200-2026-12-01, vLLM 0.26.0): for Qwen3-0.6B's body
+    (Qwen3-Embedding-0.6B, the same 28 layers × 8 KV heads × 128), vLLM reported a KV cache of
+    126.51 GiB holding 1,184,464 tokens (max_num_seqs 256, max_num_batched_tokens 16384):
+    126.51 GiB / 1,184,464 = 114,688 B/token (to the log's 0.01 GiB rounding), which is
+    2 × 28 × 8 × 128 × 2 B (bf16), what mopt's estimator uses for the chat model too."""
+    from mopt.estimate import GIB, ModelDims, kv_bytes_per_token
+
+    doc = json.loads(
+        (Path(__file__).parent / "data/h200-2026-12-01/serve-check-tuned-s256-t16384/serve.json").read_text()
+    )
+    log = doc["vllm_log"]
+    assert (log["kv_cache_gib"], log["kv_cache_tokens"]) == (126.51, 1184464)
+    measured = log["kv_cache_gib"] * GIB / log["kv_cache_tokens"]
+    chat = ModelDims.from_config(
+        json.loads((RECIPES / "configs" / "qwen3-0.6b.json").read_text()), fx.ToyQwen3Chat
+    )
+    ours = kv_bytes_per_token(chat, "bf16")
+    assert ours == 114_688
+    assert abs(measured - ours) / ours < 0.005 / 126.51  # within the log's rounding
+    assert chat.max_position == 40960 and (chat.layers, chat.kv_heads, chat.head_dim) == (28, 8, 128)
+
+
+def test_generation_kv_capacity_against_vllm_on_the_h200(registry: Any) -> None:
+    """Recorded on the H200 (tests/data/h200-gen-2026-12-01/gen-memory.json, vLLM 0.26.0):
+    `vllm serve` of a Qwen3-0.6B-shape chat model with every default (bf16, max_model_len
+    40,960, gpu_memory_utilization 0.92, chunked prefill at 8,192 tokens) reported 114,688
+    KV bytes per token and a KV cache of 1,188,352 tokens; an FP8 ModelOpt export at
+    utilization 0.3, max_model_len 2,048, eager: 379,344 tokens. mopt check's estimate for the
+    same settings (text-generation, the profile's 141 GiB) is within 1.5 % of both."""
+    from mopt.check import role_values, workload_for
+    from mopt.estimate import ModelDims, estimate
+
+    doc = json.loads((Path(__file__).parent / "data/h200-gen-2026-12-01/gen-memory.json").read_text())
+    rep = doc["vllm_reported"]
+    dims = ModelDims.from_config({**doc["config"], "model_type": "qwen3"}, fx.ToyQwen3Chat)
+    assert dims.param_counts().total == doc["params"] == 596_049_920
+    h200 = registry.hardware["h200"]
+    spec = workload_for(
+        role_values(fx.ToyVllm, {"dtype": "bfloat16"}), dims, h200, "vllm", task="text-generation"
+    )
+    assert spec is not None
+    w, _ = spec
+    assert (w.batch, w.seq_len, w.num_tokens, w.memory_fraction) == (
+        1024,
+        40960,
+        8192,
+        0.92,
+    )  # vLLM's defaults
+    e = estimate(dims, w, h200.memory_gb)
+    assert e.kv_per_token == rep["kv_bytes_per_token"] == 114_688
+    err = (e.kv_tokens_available - rep["kv_cache_tokens"]) / rep["kv_cache_tokens"]
+    assert abs(err) < 0.015, err  # seen: +0.76 % (the profile's 141 GiB is 0.9 % above the card's 139.8)
+    fp8 = doc["fp8_eager_check"]
+    params = {
+        "dtype": "bfloat16",
+        "quantization": "fp8",
+        "gpu_memory_utilization": 0.3,
+        "max_model_len": 2048,
+    }
+    spec = workload_for(role_values(fx.ToyVllm, params), dims, h200, "vllm", task="text-generation")
+    assert spec is not None
+    e = estimate(dims, spec[0], h200.memory_gb)
+    err = (e.kv_tokens_available - fp8["kv_cache_tokens"]) / fp8["kv_cache_tokens"]
+    assert abs(err) < 0.015, err

@@ -45,9 +45,29 @@ def main() -> None:
             "tokens_per_s": B * S / statistics.median(ts) * 1e3,
         }
         print(dt, res[f"eager_{dt}"], flush=True)
+        if dt == "float16":
+            # torch.compile (mode "default", static shapes) of the same fp16 model, cuDNN SDPA as in
+            # recipes/h200-compile.toml (without that artifact's rope-table patch); the first
+            # three timed calls (warm-up, dropped) include the compile
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            cm = torch.compile(m, dynamic=False)
+            t0 = time.perf_counter()
+            with torch.inference_mode(), sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                cm(input_ids=ids[0].cuda())
+                res["compile_cold_s"] = time.perf_counter() - t0
+                ts = timed(lambda x: cm(input_ids=x.cuda()).last_hidden_state[:, -1], ids)
+            res["torch_compile_float16"] = {
+                "p50_ms": statistics.median(ts),
+                "tokens_per_s": B * S / statistics.median(ts) * 1e3,
+            }
+            print("torch.compile fp16", res["torch_compile_float16"], flush=True)
+            del cm
         del m
         torch.cuda.empty_cache()
 
+    with open(out, "w") as f:  # the torch half, kept if vLLM fails
+        json.dump(res, f, indent=2)
     from vllm import LLM
     from vllm.inputs import TokensPrompt
 

@@ -1,6 +1,9 @@
 """The `bench` target: latency and throughput of the artifact and of the PyTorch FP32
 baseline over a grid of batch sizes × sequence lengths, in the same run, each backend in
-its own process. Writes bench.json and a self-contained report.html (inline SVG plots)."""
+its own process. Writes bench.json and a self-contained report.html (inline SVG plots).
+
+Task-aware: for `task = "text-generation"` it times TTFT, ITL and output tokens/s per
+batch size or concurrency instead (`mopt_ml.genbench`, bench.json `mopt-genbench/1`)."""
 
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from typing import Any, Literal
 from mopt.api import Artifact, BuildContext, Params
 from pydantic import Field
 
-from mopt_ml.validate import ArtifactTester
+from mopt_ml.validate import GENERATION, ArtifactTester, _device
 
 
 class BenchKind(ArtifactTester):
@@ -53,6 +56,18 @@ class BenchKind(ArtifactTester):
         confidence: float = Field(default=0.95, gt=0.5, lt=1.0, description="of that interval")
         max_seconds: float = Field(default=6.0, gt=0, description="timed seconds per grid point, at most")
         data: str | None = Field(default=None, description="texts the inputs are made of (null: shipped)")
+        # ---- text-generation (task = "text-generation"; batch_sizes are its batch steps)
+        prompt_len: int = Field(default=128, ge=1, description="generation: prompt tokens per request")
+        output_len: int = Field(default=64, ge=1, description="generation: new tokens per request (greedy)")
+        concurrency: list[int] | None = Field(
+            default=None,
+            min_length=1,
+            description="generation: concurrent streamed requests per step instead of static batches "
+            "of batch_sizes (null: batches)",
+        )
+        device: Literal["auto", "cpu", "cuda"] = Field(
+            default="auto", description="generation: where it runs (auto: cuda on a GPU profile with a GPU)"
+        )
 
     def fingerprint(self) -> dict[str, str]:
         from mopt_ml.common import versions
@@ -64,6 +79,13 @@ class BenchKind(ArtifactTester):
 
     def test(self, art: Artifact, ref: Path, ctx: BuildContext, label: str) -> dict[str, Any]:
         p = ctx.params
+        if ctx.task == GENERATION:
+            from mopt_ml.genbench import bench_generation
+
+            device = _device(p.device, ctx.hardware)
+            return bench_generation(
+                art.path, ref, ctx.out, ctx.tmp, p, ctx.project_dir, ctx.log, label, device=device
+            )
         return bench(
             art.path, ref, ctx.out, ctx.tmp, ctx.family, p, ctx.project_dir, ctx.log, label, art.kind
         )
@@ -252,7 +274,9 @@ def bench(
         },
         "results": results,
         "speedup_vs_pytorch_fp32": speedups,
-        "tools": versions("torch", "transformers", "onnxruntime", *(("openvino",) if results[0].get("runtime") else ())),
+        "tools": versions(
+            "torch", "transformers", "onnxruntime", *(("openvino",) if results[0].get("runtime") else ())
+        ),
     }
     write_json(out / "bench.json", report)
     (out / "report.html").write_text(render_html(report), encoding="utf-8")

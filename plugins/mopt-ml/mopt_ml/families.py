@@ -19,17 +19,52 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
-from mopt.api import DTYPES, Family, TransformersFamily, quiet_transformers, torch_dtype
+from mopt.api import (
+    DTYPES,
+    EMBEDDING,
+    TEXT_GENERATION,
+    Family,
+    TransformersFamily,
+    quiet_transformers,
+    torch_dtype,
+)
 
 __all__ = ["DTYPES", "FAMILIES", "BertFamily", "EmbeddingFamily", "Qwen3Family", "as_family",
-           "quiet_transformers", "torch_dtype"]  # fmt: skip
+           "quiet_transformers", "task_kwargs", "torch_dtype"]  # fmt: skip
 
 #: the base of the embedding families (the core's Hugging Face family)
 EmbeddingFamily = TransformersFamily
 
+#: Qwen3's chat format for plain conversations (the real template also renders tools and
+#: strips earlier turns' reasoning; a plain system / user / assistant conversation renders
+#: the same): `<|im_start|>role\ncontent<|im_end|>\n` per message, then the assistant's
+#: header; `enable_thinking=false` adds Qwen3's empty think block
+QWEN3_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\n\n</think>\n\n' }}"
+    "{%- endif %}"
+    "{%- endif %}"
+)
+#: Qwen3's special tokens, in the real vocabulary's order (ids follow the learnt merges)
+QWEN3_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+QWEN3_CHAT_SPECIALS = (*QWEN3_SPECIALS, "<think>", "</think>")
+
+
+def task_kwargs(task: str) -> dict[str, str]:
+    """`task=` for a family method, omitted for embedding (families written before tasks
+    existed take no `task` keyword in their synthetic / sanitize overrides)."""
+    return {} if task == EMBEDDING else {"task": task}
+
 
 class Qwen3Family(TransformersFamily):
-    """Qwen3 / Qwen3-Embedding: decoder-only, causal attention, last-token pooling.
+    """Qwen3 / Qwen3-Embedding: decoder-only, causal attention, last-token pooling; and
+    Qwen3 chat models (task text-generation: `Qwen3ForCausalLM`, KV-cache export, a chat
+    template).
 
     Left and right padding give the same embedding: position ids are computed from the
     attention mask (so the first real token is always position 0) and pooling takes, per row,
@@ -37,9 +72,10 @@ class Qwen3Family(TransformersFamily):
     """
 
     name = "qwen3"
-    description = "Qwen3 / Qwen3-Embedding (last-token pooling, left or right padding)"
+    description = "Qwen3 / Qwen3-Embedding (last-token pooling, left or right padding); Qwen3 chat LMs"
     architectures = ("Qwen3Model", "Qwen3ForCausalLM")
     model_types = ("qwen3",)
+    tasks = (EMBEDDING, TEXT_GENERATION)
     pooling = "last-token"
     default_padding_side = "left"
     qk_norm = True  # estimator: gated MLP (the default) and per-head q/k RMSNorm
@@ -63,11 +99,24 @@ class Qwen3Family(TransformersFamily):
 
         return Qwen3Config
 
-    def synthetic_config(self, overrides: dict[str, Any], vocab_size: int) -> Any:
+    def synthetic_config(self, overrides: dict[str, Any], vocab_size: int, *, task: str = EMBEDDING) -> Any:
         values = dict(overrides)
+        if task == TEXT_GENERATION:
+            values.setdefault("use_cache", True)
+            # a random LM with tied embeddings at Qwen3's 0.02 echoes its last input token (its
+            # logits are the embedding's self-similarity), so every backend would agree
+            # trivially; 10x wider weights give varied greedy continuations
+            values.setdefault("initializer_range", 0.2)
         cfg = super().synthetic_config(values, vocab_size)
-        cfg.architectures = ["Qwen3Model"]
+        cfg.architectures = ["Qwen3ForCausalLM" if task == TEXT_GENERATION else "Qwen3Model"]
         return cfg
+
+    def generation_ids(self, tokenizer: Any) -> dict[str, Any]:
+        """Qwen3's generation ids: bos and pad <|endoftext|>, eos <|im_end|> then
+        <|endoftext|> (generation_config.json of Qwen3-0.6B: 151643 / [151645, 151643])."""
+        end = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+        im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        return {"bos_token_id": end, "eos_token_id": [im_end, end], "pad_token_id": end}
 
     def sanitize_tokenizer(self, tokenizer: Any) -> list[str]:
         notes = []
@@ -97,13 +146,17 @@ class Qwen3Family(TransformersFamily):
         index = last.view(-1, 1, 1).expand(-1, 1, last_hidden.shape[-1])
         return torch.gather(last_hidden, 1, index).squeeze(1)
 
-    def synthetic_tokenizer(self, texts: Sequence[str]) -> Any:
+    def synthetic_tokenizer(self, texts: Sequence[str], *, task: str = EMBEDDING) -> Any:
         """A byte-level BPE tokenizer (Qwen's scheme) with merges learnt from `texts`,
-        deterministically; appends <|endoftext|> like Qwen3-Embedding; left padding."""
+        deterministically; appends <|endoftext|> like Qwen3-Embedding; left padding.
+
+        For text-generation it is the chat tokenizer of Qwen3: nothing appended, eos
+        <|im_end|>, pad <|endoftext|>, <think> / </think> added, and Qwen3's chat template."""
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
         from transformers import PreTrainedTokenizerFast
 
-        specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+        chat = task == TEXT_GENERATION
+        specials = list(QWEN3_CHAT_SPECIALS if chat else QWEN3_SPECIALS)
         pre = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
         words: Counter[str] = Counter()
@@ -119,6 +172,16 @@ class Qwen3Family(TransformersFamily):
         tk.pre_tokenizer = pre
         tk.decoder = decoders.ByteLevel()
         tk.add_special_tokens(specials)
+        if chat:
+            tok = PreTrainedTokenizerFast(
+                tokenizer_object=tk,
+                eos_token="<|im_end|>",
+                pad_token="<|endoftext|>",
+                padding_side="left",
+                model_max_length=512,
+            )
+            tok.chat_template = QWEN3_CHAT_TEMPLATE
+            return tok
         eos = vocab["<|endoftext|>"]
         tk.post_processor = processors.TemplateProcessing(
             single="$A <|endoftext|>",
@@ -224,6 +287,8 @@ def family_for_folder(folder: Path) -> TransformersFamily:
 
 #: what the kinds of this plugin call on a family (the embedding part of the contract)
 NEEDED = ("load", "load_tokenizer", "pool", "export_spec")
+#: what they call for text-generation (no pooling: logits and a KV cache)
+NEEDED_GENERATION = ("load", "load_tokenizer", "export_spec")
 #: what the `synthetic` source calls
 SYNTHETIC = ("synthetic_config", "synthetic_tokenizer")
 #: helpers the kinds use beyond the contract; TransformersFamily has them
@@ -249,6 +314,8 @@ def as_family(
         )
     if not family.supports(task):
         raise ValueError(f"family {name!r} has no task {task!r} (it supports {', '.join(family.tasks)})")
+    if task == TEXT_GENERATION and needs is NEEDED:
+        needs = NEEDED_GENERATION
     stubs = [m for m in needs if getattr(type(family), m, None) is getattr(Family, m)]
     helpers = [m for m in HELPERS if needs is NEEDED and not callable(getattr(family, m, None))]
     if stubs or helpers:

@@ -14,6 +14,13 @@ have constant weights W ([in, out]), per input channel j
 an fp32 `Mul(X, 1/s)` is inserted before the group and every W becomes diag(s)·W. The product
 is unchanged, but the outlier channels of X move into the weights, which are quantized per
 output channel, so the per-tensor dynamic scale of X gets finer.
+
+Task-aware: on a text-generation graph (the `onnx` kind's KV-cache graph) the same modes run
+(calibration batches are left-padded sentences with an empty past), and mode
+"matmul-nbits" quantizes the MatMul weights only, to 4 or 8 bits in blocks
+(onnxruntime's MatMulNBitsQuantizer, RTN; activations stay fp32, or int8 inside the kernel
+with `nbits_accuracy_level = 4`). The quick look is then next-token logits and greedy
+continuations against the fp32 graph, not embeddings; the gates are validate's.
 """
 
 from __future__ import annotations
@@ -41,7 +48,21 @@ class OrtQuantizeKind(TargetKind):
     produces = "onnx"
 
     class Params(Params):
-        mode: Literal["dynamic", "static"] = Field(default="dynamic", description="activation quantization")
+        mode: Literal["dynamic", "static", "matmul-nbits"] = Field(
+            default="dynamic",
+            description="dynamic / static INT8 (activations quantized at run time / calibrated), or "
+            "matmul-nbits: weight-only 4/8-bit blocks on MatMul (MatMulNBits)",
+        )
+        nbits_bits: Literal[4, 8] = Field(default=4, description="matmul-nbits: weight bits")
+        nbits_block_size: int = Field(default=32, ge=16, description="matmul-nbits: block size (power of 2)")
+        nbits_symmetric: bool = Field(default=True, description="matmul-nbits: symmetric blocks (no zero point)")
+        nbits_accuracy_level: Literal[0, 1, 2, 3, 4] | None = Field(
+            default=None,
+            description="matmul-nbits: compute type of the kernel (4: int8 activations, 1: fp32; null: ORT's)",
+        )
+        greedy_tokens: int = Field(
+            default=16, ge=1, description="text-generation: greedy tokens per prompt in the quick look vs fp32"
+        )
         per_channel: bool = Field(default=True, description="weight scales per output channel")
         op_types: list[str] = Field(default=["MatMul"], description="op types to quantize")
         weight_type: Literal["auto", "qint8", "quint8"] = Field(
@@ -132,6 +153,13 @@ def quantize(src: Path, out: Path, tmp: Path, params: Any, project_dir: Path, lo
     meta = read_meta(src)
     if meta.get("precision", "fp32") != "fp32":
         raise ValueError(f"ort-quantize needs an fp32 graph; {src} is {meta.get('precision')}")
+    if meta.get("task") == "text-generation":
+        return quantize_generation(src, out, tmp, params, project_dir, log, meta)
+    if params.mode == "matmul-nbits":
+        raise ValueError(
+            "mode 'matmul-nbits' (weight-only) is for text-generation graphs; embedding graphs "
+            "take mode 'dynamic' or 'static'"
+        )
     tokenizer = load_tokenizer(src)
     calib_texts = texts_from_param(params.calibration, project_dir, "calibration")
     feeds = _calibration_feeds(tokenizer, calib_texts, params)
@@ -139,8 +167,8 @@ def quantize(src: Path, out: Path, tmp: Path, params: Any, project_dir: Path, lo
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
 
-    current = model_onnx(src)
     large = bool(meta.get("external_data"))
+    current = private_onnx(src, work) if large else model_onnx(src)
     if params.preprocess:
         pre = work / "pre.onnx"
         # ORT's symbolic shape inference fails on transformers-5 mask subgraphs
@@ -253,6 +281,209 @@ def quantize(src: Path, out: Path, tmp: Path, params: Any, project_dir: Path, lo
         "check_vs_fp32": check,
         "quantize_seconds": round(quant_s, 2),
     }
+
+
+def _generation_feeds(tokenizer: Any, texts: Sequence[str], meta: dict[str, Any], params: Any) -> list[dict[str, Any]]:
+    """Calibration batches for a KV-cache graph: left-padded sentences (to their longest row),
+    position ids from the mask, and an empty past."""
+    import numpy as np
+
+    kv = meta["kv_cache"]
+    names = [n for n in meta["inputs"] if n.startswith("past_key_values.")]
+    feeds = []
+    bs = params.calibration_batch_size
+    for i in range(0, len(texts), bs):
+        rows = [tokenizer(t, truncation=True, max_length=params.calibration_pad_to or 128)["input_ids"]
+                for t in texts[i : i + bs]]  # fmt: skip
+        width = max(len(r) for r in rows)
+        ids = np.full((len(rows), width), tokenizer.pad_token_id or 0, dtype=np.int64)
+        mask = np.zeros((len(rows), width), dtype=np.int64)
+        for r, row in enumerate(rows):
+            ids[r, width - len(row) :] = row
+            mask[r, width - len(row) :] = 1
+        pos = np.clip(np.cumsum(mask, axis=1) - 1, 0, None).astype(np.int64)
+        empty = np.zeros((len(rows), int(kv["kv_heads"]), 0, int(kv["head_dim"])), dtype=np.float32)
+        feeds.append({"input_ids": ids, "attention_mask": mask, "position_ids": pos} | dict.fromkeys(names, empty))
+    return feeds
+
+
+def quantize_generation(
+    src: Path, out: Path, tmp: Path, params: Any, project_dir: Path, log: Any, meta: dict[str, Any]
+) -> dict[str, Any]:
+    """ort-quantize of a text-generation (KV-cache) graph; the quick look compares next-token
+    logits and greedy continuations with the fp32 graph."""
+    import onnx
+    from onnxruntime.quantization import QuantType, quant_pre_process, quantize_dynamic
+
+    from mopt_ml.common import (
+        META_FILE,
+        copy_model_files,
+        load_tokenizer,
+        model_onnx,
+        save_onnx,
+        texts_from_param,
+        versions,
+        write_json,
+    )
+
+    tokenizer = load_tokenizer(src)
+    calib_texts = texts_from_param(params.calibration, project_dir, "calibration")
+    work = tmp / "quant"
+    work.mkdir(parents=True, exist_ok=True)
+    large = bool(meta.get("external_data"))
+    t0 = time.perf_counter()
+    current = private_onnx(src, work) if large else model_onnx(src)
+    result = work / "quant.onnx"
+    smooth_info: dict[str, Any] = {}
+    weight_type = ""
+    if params.mode == "matmul-nbits":
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+        if params.nbits_block_size & (params.nbits_block_size - 1):
+            raise ValueError(f"nbits_block_size {params.nbits_block_size} is not a power of two")
+        quantizer = MatMulNBitsQuantizer(
+            onnx.load(str(current)),
+            bits=params.nbits_bits,
+            block_size=params.nbits_block_size,
+            is_symmetric=params.nbits_symmetric,
+            accuracy_level=params.nbits_accuracy_level,
+            nodes_to_exclude=list(params.exclude_nodes) or None,
+            op_types_to_quantize=("MatMul",),
+        )
+        quantizer.process()
+        qmodel = quantizer.model.model
+        weight_type = f"int{params.nbits_bits}-block{params.nbits_block_size}"
+    else:
+        feeds = _generation_feeds(tokenizer, calib_texts, meta, params)
+        if params.preprocess:
+            pre = work / "pre.onnx"
+            quant_pre_process(str(current), str(pre), skip_symbolic_shape=True,
+                              save_as_external_data=large, all_tensors_to_one_file=True)  # fmt: skip
+            current = pre
+        if params.smooth:
+            model = onnx.load(str(current))
+            groups = matmul_groups(model)
+            act_max = activation_max(current, list(groups), feeds, work)
+            smooth_info = apply_smoothing(model, groups, act_max, params.smooth_alpha)
+            current = work / "smooth.onnx"
+            save_onnx(model, current, large)
+            del model
+            log(f"smoothed {smooth_info['groups']} MatMul groups ({smooth_info['matmuls']} MatMuls), "
+                f"alpha {params.smooth_alpha}")  # fmt: skip
+        qtype = {"qint8": QuantType.QInt8, "quint8": QuantType.QUInt8}
+        weight_type = resolve_weight_type(params.weight_type)
+        common = {
+            "op_types_to_quantize": list(params.op_types),
+            "per_channel": params.per_channel,
+            "reduce_range": params.reduce_range,
+            "weight_type": qtype[weight_type],
+            "nodes_to_exclude": list(params.exclude_nodes) or None,
+            "use_external_data_format": large,
+            "extra_options": {"MatMulConstBOnly": True},
+        }
+        if params.mode == "dynamic":
+            quantize_dynamic(str(current), str(result), **common)
+        else:
+            from onnxruntime.quantization import CalibrationMethod, QuantFormat, quantize_static
+
+            quantize_static(
+                str(current), str(result), calibration_data_reader=_Reader(feeds),
+                quant_format=QuantFormat.QDQ if params.quant_format == "qdq" else QuantFormat.QOperator,
+                activation_type=qtype[params.activation_type],
+                calibrate_method={"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
+                                  "percentile": CalibrationMethod.Percentile}[params.calibration_method],
+                **common,
+            )  # fmt: skip
+        qmodel = onnx.load(str(result))
+    quant_s = time.perf_counter() - t0
+    ops = op_histogram(qmodel)
+    external = save_onnx(qmodel, out / "model.onnx", large or None)
+    del qmodel
+    copy_model_files(src, out)
+
+    check = generation_check(src, out, tokenizer, params.check_texts, params.greedy_tokens)
+    precision = f"int{params.nbits_bits}" if params.mode == "matmul-nbits" else "int8"
+    log(
+        f"{params.mode} {precision} ({weight_type}{', smoothed' if smooth_info else ''}) in {quant_s:.1f}s; "
+        f"vs fp32 graph: next-token top-1 {check['logits']['top1_agreement']:.4f}, min cosine "
+        f"{check['logits']['min_cosine']:.4f}; greedy {check['greedy']['tokens_agree']:.3f} of "
+        f"{check['greedy']['tokens']} tokens agree, {check['greedy']['prefix_mean']:.1f} before the first miss"
+    )
+    new_meta = dict(meta)
+    new_meta.update(
+        {
+            "precision": precision,
+            "external_data": external,
+            "quantization": {
+                "mode": params.mode,
+                "weight_type": weight_type,
+                "per_channel": params.per_channel if params.mode != "matmul-nbits" else None,
+                "op_types": ["MatMul"] if params.mode == "matmul-nbits" else list(params.op_types),
+                "activation_type": {"dynamic": "dynamic-uint8", "static": params.activation_type}.get(
+                    params.mode, f"accuracy_level {params.nbits_accuracy_level}"
+                ),
+                "nbits": {"bits": params.nbits_bits, "block_size": params.nbits_block_size,
+                          "symmetric": params.nbits_symmetric, "accuracy_level": params.nbits_accuracy_level}
+                if params.mode == "matmul-nbits" else None,
+                "smooth": smooth_info or None,
+                "calibration": None if params.mode == "matmul-nbits" else {
+                    "texts": len(calib_texts), "pad_to": "longest row",
+                    "source": params.calibration or "shipped calibration split",
+                },
+                "ops": ops,
+                "check_vs_fp32": check,
+                "onnxruntime": versions("onnxruntime")["onnxruntime"],
+            },
+        }
+    )  # fmt: skip
+    write_json(out / META_FILE, new_meta)
+    return {"mode": params.mode, "precision": precision, "smooth": bool(smooth_info), "ops": ops,
+            "check_vs_fp32": check, "quantize_seconds": round(quant_s, 2)}  # fmt: skip
+
+
+def generation_check(reference: Path, candidate: Path, tokenizer: Any, n_texts: int, n_tokens: int) -> dict[str, Any]:
+    """Two KV-cache graphs side by side on the shipped validation sentences: next-token
+    logits (teacher-forced) and greedy continuations of the first words of 4 sentences."""
+    from mopt_ml.common import validation_texts
+    from mopt_ml.genruntime import compare_logits, open_generator
+
+    texts = validation_texts()[: min(n_texts, 8)]
+    ref = open_generator(reference, format="onnx")
+    got = open_generator(candidate, format="onnx")
+    ids = [tokenizer(t, truncation=True, max_length=128)["input_ids"] for t in texts]
+    logits = compare_logits([ref.logits(i) for i in ids], [got.logits(i) for i in ids])
+    agree = total = 0
+    prefixes = []
+    for i in ids[:4]:
+        prompt = i[: max(1, len(i) // 2)]
+        a, b = ref.generate(prompt, n_tokens), got.generate(prompt, n_tokens)
+        agree += sum(x == y for x, y in zip(a, b, strict=True))
+        total += len(a)
+        prefixes.append(next((k for k, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a)))
+    ref.close()
+    got.close()
+    greedy = {"prompts": len(prefixes), "tokens": total, "tokens_agree": round(agree / max(total, 1), 4),
+              "prefix_mean": round(sum(prefixes) / max(len(prefixes), 1), 2)}  # fmt: skip
+    return {"logits": logits, "greedy": greedy}
+
+
+def private_onnx(folder: Path, work: Path) -> Path:
+    """A copy of `folder`'s model.onnx and its external data with inodes of their own.
+
+    The store hands an action its inputs as hard links, and onnx >= 1.17 refuses external
+    data with more than one link ("potential hardlink attack") when it loads a model (ONNX
+    Runtime does not mind); the copy is scratch, deleted with the action's tmp."""
+    import shutil
+
+    from mopt_ml.common import model_onnx
+
+    dst = work / "input"
+    dst.mkdir(parents=True, exist_ok=True)
+    src = model_onnx(folder)
+    for f in (src, src.with_name(src.name + ".data")):
+        if f.is_file():
+            shutil.copyfile(f, dst / f.name)
+    return dst / src.name
 
 
 def resolve_weight_type(value: str) -> str:

@@ -19,6 +19,12 @@ No variant passing is an error whose message is the table. The choice is determi
 variants whose objective values are within `tie_tolerance` of the best are tied, and a tie
 goes to the higher mean cosine, then the smaller artifact, then the label in sort order.
 Name the target `best` to get the winner at build/<model>/<hardware>/best/.
+
+For `task = "text-generation"` (`select_generation`) the rows carry the generation gates'
+numbers (top-1, perplexity ratio, KL, greedy) and the generation bench's (`mopt-genbench/1`:
+TTFT, ITL, output tokens/s at one step of batch or concurrency); the objectives are
+GEN_OBJECTIVES (default `max_output_tok_s`), and a tie goes to the lower KL, then the smaller
+artifact, then the label.
 """
 
 from __future__ import annotations
@@ -44,6 +50,17 @@ OBJECTIVES = (
     "min_memory",
     "max_throughput_under_latency",
     "max_throughput_under_slo",
+)
+
+#: objectives of a text-generation section (bench.json `mopt-genbench/1`)
+GEN_OBJECTIVES = (
+    "max_output_tok_s",
+    "min_ttft_p50",
+    "min_ttft_p99",
+    "min_itl_p50",
+    "min_itl_p99",
+    "max_output_tok_s_under_ttft",
+    "min_memory",
 )
 
 #: files select writes next to the winner's
@@ -79,7 +96,21 @@ class SelectKind(TargetKind):
             "min_memory",
             "max_throughput_under_latency",
             "max_throughput_under_slo",
-        ] = Field(default="min_latency_p99", description="what the winner is best at")
+            "max_output_tok_s",
+            "min_ttft_p50",
+            "min_ttft_p99",
+            "min_itl_p50",
+            "min_itl_p99",
+            "max_output_tok_s_under_ttft",
+        ] = Field(
+            default="min_latency_p99",
+            description="what the winner is best at (text-generation: unset means max_output_tok_s)",
+        )
+        ttft_slo_ms: float | None = Field(
+            default=None,
+            gt=0,
+            description="generation: max_output_tok_s_under_ttft's TTFT p99 budget (a ChatBox: 300 ms)",
+        )
         baseline: str | None = Field(
             default=None,
             description="max_throughput_under_slo: the candidate the winner is compared with "
@@ -119,6 +150,8 @@ class SelectKind(TargetKind):
         def _budget(self) -> SelectKind.Params:
             if self.objective == "max_throughput_under_latency" and self.latency_budget_ms is None:
                 raise ValueError("objective max_throughput_under_latency needs latency_budget_ms")
+            if self.objective == "max_output_tok_s_under_ttft" and self.ttft_slo_ms is None:
+                raise ValueError("objective max_output_tok_s_under_ttft needs ttft_slo_ms")
             return self
 
     def fingerprint(self) -> dict[str, str]:
@@ -127,6 +160,8 @@ class SelectKind(TargetKind):
     def run(self, ctx: BuildContext) -> dict[str, Any]:
         if ctx.params.objective == "max_throughput_under_slo":
             return run_serving(ctx)
+        if ctx.task == "text-generation":
+            return run_generation(ctx)
         sel = select(
             ctx.inputs.get("candidates", []),
             ctx.inputs.get("validate", []),
@@ -873,5 +908,298 @@ def run_serving(ctx: BuildContext) -> dict[str, Any]:
         "figures": ["serving.svg"],
         "reports": ["selection.html"],
         "winner_min_cosine": win.min_cosine,
+        "quantization": win.meta.get("quantization"),
+    }
+
+
+# --------------------------------------------------------------------------- text generation
+
+
+@dataclass
+class GenRow:
+    """One generation variant: its gate numbers, its bench numbers at the step, its fate."""
+
+    label: str
+    kind: str
+    path: Path | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+    bytes: int | None = None
+    top1: float | None = None
+    ppl_ratio: float | None = None
+    kl: float | None = None
+    greedy: float | None = None
+    step: int | None = None  # batch size or concurrency the numbers are at
+    output_tok_s: float | None = None
+    ttft_p50_ms: float | None = None
+    ttft_p99_ms: float | None = None
+    itl_p50_ms: float | None = None
+    itl_p99_ms: float | None = None
+    drift: float = 1.0  # median baseline tok/s / this bench's baseline tok/s
+    baseline_tok_s: float | None = None
+    baseline_stable: bool = False  # its baseline's step met the bench's ci_rel
+    memory_mb: float | None = None
+    value: float | None = None
+    status: str = "lost"
+    why: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k not in ("path", "meta")}
+
+
+def gen_objective(params: Any) -> str:
+    """The objective of a text-generation select: the recipe's, or max_output_tok_s when it
+    sets none; an embedding objective is refused with the list of generation ones."""
+    if "objective" not in params.model_fields_set:
+        return "max_output_tok_s"
+    if params.objective not in GEN_OBJECTIVES:
+        raise ValueError(
+            f"select: objective {params.objective!r} is for embeddings; a text-generation section "
+            f"takes one of {', '.join(GEN_OBJECTIVES)}"
+        )
+    return str(params.objective)
+
+
+def _step_key(s: dict[str, Any]) -> int:
+    return int(s.get("batch", s.get("concurrency", 0)))
+
+
+def _gen_step(steps: list[dict[str, Any]], want: int | None) -> dict[str, Any] | None:
+    """The bench step at batch size / concurrency `want` (None: the largest measured)."""
+    if not steps:
+        return None
+    target = want or max(_step_key(s) for s in steps)
+    return next((s for s in steps if _step_key(s) == target), None)
+
+
+def select_generation(
+    candidates: list[Artifact],
+    validations: list[Artifact],
+    benches: list[Artifact],
+    missing: dict[str, list[Missing]],
+    params: Any,
+) -> Selection:
+    """Score every generation candidate (validate's generation gates, bench's
+    `mopt-genbench/1`) and pick the winner by `gen_objective(params)`."""
+    objective = gen_objective(params)
+    rows: list[GenRow] = []
+    found: dict[str, tuple[Artifact | None, Artifact | None]] = {}
+    all_steps: dict[str, list[dict[str, Any]]] = {}
+    for art in candidates:
+        row = GenRow(label=art.label or art.target, kind=art.kind, path=art.path, meta=dict(art.meta))
+        row.bytes = _size(art.path)
+        rows.append(row)
+        v, b = _of(validations, row.label), _of(benches, row.label)
+        if v is not None:
+            m = json.loads((v.path / "report.json").read_text()).get("metrics", {})
+            row.top1, row.ppl_ratio = m.get("top1_agreement"), m.get("ppl_ratio")
+            row.kl, row.greedy = m.get("kl_mean"), m.get("greedy_prefix")
+        if b is not None:
+            rep = json.loads((b.path / "bench.json").read_text())
+            if rep.get("format") != "mopt-genbench/1":
+                raise ValueError(
+                    f"select: {b.label or b.target}'s bench.json is {rep.get('format')!r}, "
+                    "not a text-generation bench (mopt-genbench/1)"
+                )
+            res = rep["results"][0]
+            gpu = res.get("peak_gpu_mb")
+            row.memory_mb = float(gpu if gpu is not None else res.get("peak_rss_mb", 0.0)) or None
+            all_steps[row.label] = res.get("steps", [])
+            st = _gen_step(res.get("steps", []), params.batch_size)
+            if st is not None:
+                row.step = _step_key(st)
+                row.output_tok_s = st.get("output_tok_s")
+                row.ttft_p50_ms, row.ttft_p99_ms = st["ttft_ms"].get("p50"), st["ttft_ms"].get("p99")
+                row.itl_p50_ms, row.itl_p99_ms = st["itl_ms"].get("p50"), st["itl_ms"].get("p99")
+                base = _gen_step(rep["results"][1]["steps"], row.step) if len(rep["results"]) > 1 else None
+                row.baseline_tok_s = base.get("output_tok_s") if base else None
+                row.baseline_stable = bool(base and base.get("stable"))
+        found[row.label] = (v, b)
+    timed = [r for r in rows if r.output_tok_s is not None]
+    # drift is read off the baselines only when each was timed to the bench's precision: a
+    # baseline of one noisy sample would scale a variant by its noise (seen on a loaded CI machine)
+    if params.normalize and timed and all(r.baseline_tok_s and r.baseline_stable for r in timed):
+        med = statistics.median(r.baseline_tok_s for r in timed if r.baseline_tok_s)
+        for r in timed:
+            assert r.baseline_tok_s
+            r.drift = med / r.baseline_tok_s
+    for row in rows:
+        v, b = found[row.label]
+        row.value = _gen_value(objective, row, all_steps.get(row.label, []), params)
+        if v is None:
+            gone = [m for m in missing.get("validate", []) if row.label in _missing_for(m)]
+            row.status, row.why = "excluded", _not_there("validate", gone)
+        elif not rep_passed(v):
+            row.status, row.why = "excluded", "failed its validation gate: " + "; ".join(_failed_gates(v))
+        elif b is None:
+            gone = [m for m in missing.get("bench", []) if row.label in _missing_for(m)]
+            row.status, row.why = "excluded", _not_there("bench", gone)
+        elif row.step is None:
+            row.status, row.why = "excluded", f"bench has no step {params.batch_size}"
+        elif params.max_memory_mb is not None and (row.memory_mb or 0.0) > params.max_memory_mb:
+            row.status, row.why = (
+                "excluded",
+                f"peak memory {row.memory_mb:.0f} MB > {params.max_memory_mb:.0f} MB",
+            )
+        elif row.value is None:
+            row.status, row.why = "excluded", f"no step meets TTFT p99 <= {params.ttft_slo_ms} ms"
+    for m in missing.get("candidates", []):
+        why = m.reason if m.reason.startswith(m.status) else f"{m.status}: {m.reason or 'no reason given'}"
+        rows.append(GenRow(label=m.label, kind=m.kind, status="unbuilt", why=why))
+    eligible = [r for r in rows if r.status == "lost" and r.value is not None]
+    winner = None
+    lower = objective.startswith("min_")
+    if eligible:
+        best = (
+            min(r.value for r in eligible if r.value is not None)
+            if lower
+            else max(r.value for r in eligible if r.value is not None)
+        )
+        tol = params.tie_tolerance * abs(best)
+
+        def tied(r: GenRow) -> bool:
+            assert r.value is not None
+            return (r.value - best <= tol) if lower else (best - r.value <= tol)
+
+        ties = sorted((r for r in eligible if tied(r)), key=lambda r: (r.kl or 0.0, r.bytes or 0, r.label))
+        win = ties[0]
+        win.status, win.why = "winner", "best " + objective.replace("_", " ")
+        if len(ties) > 1:
+            win.why += f" (tied with {', '.join(t.label for t in ties[1:])}; lower KL / smaller / name)"
+        winner = win.label
+        for r in eligible:
+            if r is win:
+                continue
+            assert r.value is not None and win.value is not None
+            ratio = r.value / win.value if win.value else math.inf
+            r.why = (
+                f"tied with {win.label}, lost the tie-break (KL, size, name)"
+                if tied(r)
+                else f"{_gen_fmt(objective, r.value)} vs {_gen_fmt(objective, win.value)} ({ratio:.2f}x)"
+            )
+    order = {"winner": 0, "lost": 1, "excluded": 2, "unbuilt": 3}
+    sign = 1.0 if lower else -1.0
+    rows.sort(key=lambda r: (order[r.status], sign * r.value if r.value is not None else math.inf, r.label))
+    doc_params = params.model_dump(mode="json") | {"objective": objective}
+    return Selection(objective, doc_params, rows, winner)  # type: ignore[arg-type]
+
+
+def _gen_value(objective: str, row: GenRow, steps: list[dict[str, Any]], params: Any) -> float | None:
+    k = row.drift
+    if objective == "max_output_tok_s":
+        return row.output_tok_s * k if row.output_tok_s is not None else None
+    if objective == "min_memory":
+        return row.memory_mb
+    if objective == "max_output_tok_s_under_ttft":
+        ok = [
+            float(s["output_tok_s"]) * k
+            for s in steps
+            if s.get("output_tok_s") is not None
+            and s["ttft_ms"].get("p99") is not None
+            and float(s["ttft_ms"]["p99"]) / k <= params.ttft_slo_ms
+        ]
+        return max(ok) if ok else None
+    value = getattr(row, objective.replace("min_", "") + "_ms")
+    return value / k if value is not None else None
+
+
+def _gen_fmt(objective: str, v: float | None) -> str:
+    if v is None:
+        return "–"
+    if "tok_s" in objective:
+        return f"{v:.1f} tok/s"
+    if objective == "min_memory":
+        return f"{v:.0f} MB"
+    return f"{v:.1f} ms"
+
+
+def render_gen_table(sel: Selection) -> str:
+    """The generation variants as plain text (the log, and the error when none passes)."""
+    head = (
+        "variant",
+        "kind",
+        "top-1",
+        "ppl ratio",
+        "KL",
+        "greedy",
+        "step",
+        "TTFT p50",
+        "ITL p50",
+        "tok/s",
+        "MB",
+        "result",
+    )
+    lines = [
+        (
+            r.label,
+            r.kind,
+            _n(r.top1, 4),
+            _n(r.ppl_ratio, 4),
+            _n(r.kl, 4),
+            _n(r.greedy, 3),
+            str(r.step) if r.step is not None else "–",
+            _n(r.ttft_p50_ms, 1),
+            _n(r.itl_p50_ms, 2),
+            _n(r.output_tok_s, 1),
+            _n((r.bytes or 0) / 2**20, 1) if r.bytes is not None else "–",
+            f"{r.status.upper()}: {r.why}" if r.why else r.status.upper(),
+        )
+        for r in sel.rows
+    ]
+    widths = [max(len(h), *(len(x[i]) for x in lines)) if lines else len(h) for i, h in enumerate(head)]
+    out = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)).rstrip()]
+    out += ["  ".join(c.ljust(w) for c, w in zip(x, widths, strict=True)).rstrip() for x in lines]
+    return "\n".join(out)
+
+
+def run_generation(ctx: BuildContext) -> dict[str, Any]:
+    sel = select_generation(
+        ctx.inputs.get("candidates", []),
+        ctx.inputs.get("validate", []),
+        ctx.inputs.get("bench", []),
+        ctx.missing,
+        ctx.params,
+    )
+    table = render_gen_table(sel)
+    for line in table.splitlines():
+        ctx.log(line)
+    if sel.winner is None:
+        raise NoWinner(f"no variant of {ctx.section} passed the gates:\n{table}")
+    win = next(r for r in sel.rows if r.label == sel.winner)
+    assert isinstance(win, GenRow) and win.path is not None
+    for src in sorted(win.path.rglob("*")):
+        rel = src.relative_to(win.path)
+        if rel.parts[0] in OWN_FILES and len(rel.parts) == 1:
+            continue
+        dest = ctx.out / rel
+        if src.is_dir():
+            dest.mkdir(parents=True, exist_ok=True)
+        else:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, dest)
+    (ctx.out / "selection.json").write_text(json.dumps(sel.to_json(), indent=2, sort_keys=True) + "\n")
+    (ctx.out / "selection.html").write_text(
+        "<!doctype html><html><head><meta charset='utf-8'><title>select: "
+        f"{html.escape(ctx.section)}</title></head><body style='font-family:sans-serif'>"
+        f"<h1>{html.escape(ctx.section)}: {html.escape(sel.winner)}</h1>"
+        f"<p>objective <b>{html.escape(sel.objective)}</b> at step {win.step}</p>"
+        f"<pre>{html.escape(table)}</pre></body></html>",
+        encoding="utf-8",
+    )
+    ctx.log(f"winner: {sel.winner} ({sel.objective} {_gen_fmt(sel.objective, win.value)})")
+    return {
+        "winner": sel.winner,
+        "winner_kind": win.kind,
+        "task": "text-generation",
+        "objective": sel.objective,
+        "value": win.value,
+        "step": win.step,
+        "eligible": sum(1 for r in sel.rows if r.status in ("winner", "lost")),
+        "variants": len(sel.rows),
+        "reports": ["selection.html"],
+        "winner_top1": win.top1,
+        "winner_kl": win.kl,
+        "winner_output_tok_s": win.output_tok_s,
+        "winner_ttft_p50_ms": win.ttft_p50_ms,
+        "precision": win.meta.get("precision"),
         "quantization": win.meta.get("quantization"),
     }

@@ -1,6 +1,12 @@
 """The `synthetic` source: a family's real architecture, small, randomly initialised from a
 seed, with a tokenizer learnt deterministically from the shipped sentences.
 
+The model is built for the recipe model's `task`: for "embedding" the family's base model
+(e.g. Qwen3Model); for "text-generation" its causal LM (e.g. Qwen3ForCausalLM, tied
+embeddings stored once as the real checkpoints do), a chat tokenizer with the family's chat
+template in tokenizer_config.json, and a generation_config.json with the eos / pad ids.
+`config` overrides select any shape, e.g. Qwen3-0.6B's (see recipes/qwen3-chat.toml).
+
 The same family, seed, config and library versions give byte-identical files, so the
 folder's digest (and every action key downstream) is stable.
 """
@@ -13,11 +19,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from mopt.api import Params, Source, SourceContext, SourceError
+from mopt.api import EMBEDDING, TEXT_GENERATION, Params, Source, SourceContext, SourceError
 from pydantic import Field
 
 #: bump when the files written for the same spec change
 GENERATOR_VERSION = "1"
+#: bump when the files written for a text-generation spec change (embedding folders keep
+#: their names: they are keyed on GENERATOR_VERSION alone)
+GENERATION_VERSION = "3"  # 3: the tokenizer covers every id of a larger vocab_size (pad_tokenizer)
 
 
 class SyntheticSource(Source):
@@ -54,24 +63,30 @@ class SyntheticSource(Source):
                 f"source synthetic={params.synthetic!r} of model {ctx.model_name!r}: no such "
                 f"family (registered: {', '.join(known)})"
             )
+        task = getattr(ctx, "task", None) or EMBEDDING
         try:
-            family = as_family(fam_cls, needs=SYNTHETIC)
-        except TypeError as exc:
-            raise SourceError(f"source synthetic={params.synthetic!r} of model {ctx.model_name!r}: {exc}") from None
-        spec = {
+            family = as_family(fam_cls, task=task, needs=SYNTHETIC)
+        except (TypeError, ValueError) as exc:
+            raise SourceError(
+                f"source synthetic={params.synthetic!r} of model {ctx.model_name!r}: {exc}"
+            ) from None
+        spec: dict[str, Any] = {
             "family": params.synthetic,
             "seed": params.seed,
             "config": params.config,
             "generator": GENERATOR_VERSION,
             "tools": versions("torch", "transformers", "tokenizers", "safetensors"),
         }
+        if task != EMBEDDING:  # embedding folders keep the names they had before tasks
+            spec["task"] = task
+            spec["generation"] = GENERATION_VERSION
         final = Path(ctx.cache_dir) / f"synthetic-{params.synthetic}-{spec_hash(spec)}"
         if (final / "config.json").is_file():
             return final
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
         try:
-            write_synthetic(family, params.seed, dict(params.config), tmp)
+            write_synthetic(family, params.seed, dict(params.config), tmp, task=task)
             try:
                 os.rename(tmp, final)
             except OSError:
@@ -95,29 +110,87 @@ class SyntheticSource(Source):
         return {"generator": GENERATOR_VERSION, **versions("torch", "transformers", "tokenizers")}
 
 
-def write_synthetic(family: Any, seed: int, overrides: dict[str, Any], out: Path) -> None:
-    """Write config.json, model.safetensors and the tokenizer files of a synthetic model."""
+def write_synthetic(
+    family: Any, seed: int, overrides: dict[str, Any], out: Path, task: str = EMBEDDING
+) -> None:
+    """Write config.json, model.safetensors and the tokenizer files of a synthetic model
+    (and generation_config.json for text-generation)."""
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoModel
+    from transformers import AutoModel, AutoModelForCausalLM
 
     from mopt_ml.common import read_texts, shipped_sentences_path, write_json
+    from mopt_ml.families import task_kwargs
 
-    tokenizer = family.synthetic_tokenizer(read_texts(shipped_sentences_path()))
-    config = family.synthetic_config(overrides, vocab_size=len(tokenizer))
+    generation = task == TEXT_GENERATION
+    tokenizer = family.synthetic_tokenizer(read_texts(shipped_sentences_path()), **task_kwargs(task))
+    config = family.synthetic_config(overrides, vocab_size=len(tokenizer), **task_kwargs(task))
+    if generation and int(getattr(config, "vocab_size", 0) or 0) > len(tokenizer):
+        pad_tokenizer(tokenizer, int(config.vocab_size))
+    ids = generation_ids(family, tokenizer) if generation else {}
+    for key, value in ids.items():
+        if getattr(config, key, None) is None:
+            setattr(config, key, value if key != "eos_token_id" or not isinstance(value, list) else value[0])
     if getattr(config, "pad_token_id", None) is None:
         config.pad_token_id = tokenizer.pad_token_id
     if getattr(config, "eos_token_id", None) is None and tokenizer.eos_token_id is not None:
         config.eos_token_id = tokenizer.eos_token_id
     config.dtype = "float32"
+    auto = AutoModelForCausalLM if generation else AutoModel
     with _seeded(seed):
-        model = AutoModel.from_config(config, dtype=torch.float32)
+        model = auto.from_config(config, dtype=torch.float32)
     model.eval()
-    state = {k: v.detach().contiguous().clone() for k, v in sorted(model.state_dict().items())}
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    state: dict[str, Any] = {}
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    # the output head last, so a tied head is the copy dropped and the input embedding stays
+    for k, v in sorted(model.state_dict().items(), key=lambda kv: (kv[0].startswith("lm_head."), kv[0])):
+        key = (v.data_ptr(), tuple(v.shape))
+        if v.numel() and key in seen:  # a tied tensor (lm_head = embed_tokens): stored once
+            continue
+        seen.add(key)
+        state[k] = v.detach().contiguous().clone()
+    save_file(dict(sorted(state.items())), str(out / "model.safetensors"), metadata={"format": "pt"})
     write_json(out / "config.json", config.to_dict())
-    tokenizer.save_pretrained(str(out))
-    write_json(out / "mopt_synthetic.json", {"family": family.name, "seed": seed, "config": overrides})
+    # the chat template inside tokenizer_config.json, where Qwen3's checkpoints keep it
+    tokenizer.save_pretrained(str(out), **({"save_jinja_files": False} if generation else {}))
+    if generation:
+        write_json(out / "generation_config.json", {"do_sample": False, **ids})
+    meta: dict[str, Any] = {"family": family.name, "seed": seed, "config": overrides}
+    if generation:
+        meta["task"] = task
+    write_json(out / "mopt_synthetic.json", meta)
+
+
+def pad_tokenizer(tokenizer: Any, size: int) -> None:
+    """Give a fast tokenizer `size` ids: unreachable filler tokens (`zzfill<id>`, ASCII, so the
+    byte-level decoder decodes them; no merge produces them) after its own. A causal LM with
+    a larger vocab_size than its tokenizer (Qwen3-0.6B's 151,936 with the small synthetic
+    tokenizer) generates ids the tokenizer cannot decode; vLLM then streams empty text chunks
+    and its benchmark client, which times chunks with content, measures no real TTFT / ITL."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    js = json.loads(tokenizer.backend_tokenizer.to_str())
+    vocab = js["model"]["vocab"]
+    taken = set(vocab.values()) | {int(a["id"]) for a in js.get("added_tokens") or []}
+    for i in range(max(taken) + 1, size):
+        vocab[f"zzfill{i}"] = i
+    tokenizer._tokenizer = Tokenizer.from_str(json.dumps(js))
+
+
+def generation_ids(family: Any, tokenizer: Any) -> dict[str, Any]:
+    """bos / eos / pad ids of a synthetic causal LM: the family's `generation_ids(tokenizer)`
+    when it has one, else the tokenizer's."""
+    hook = getattr(family, "generation_ids", None)
+    if callable(hook):
+        return dict(hook(tokenizer))
+    out: dict[str, Any] = {}
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(tokenizer, key, None)
+        if value is not None:
+            out[key] = int(value)
+    return out
 
 
 class _seeded:

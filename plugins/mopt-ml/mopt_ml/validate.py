@@ -1,5 +1,10 @@
 """The `validate` target: the artifact under test against the PyTorch reference, with a gate.
 
+Task-aware: for `task = "embedding"` it compares pooled embeddings (cosine); for
+`task = "text-generation"` it compares next-token distributions on held-out text and greedy
+continuations (`validate_generation`, maths in `mopt_ml.genmetrics`), against the fp32
+PyTorch model of the section's weights.
+
 Failing the gate raises, so the build fails and nothing is cached; the message carries the
 numbers. With `on_fail = "record"` the result says `passed: false` and the build goes on
 (a `select` over a sweep excludes such variants). The report is written before the gate is checked, but a failed action's output is
@@ -14,10 +19,32 @@ from typing import Any, Literal
 from mopt.api import Artifact, BuildContext, Input, Params, TargetKind
 from pydantic import Field
 
+from mopt_ml.genmetrics import DEFAULT_GATES as DEFAULT_GEN_GATES
+
 #: the kinds whose folders hold a model.onnx this plugin can run
 ONNX_KINDS = ("ort-quantize", "onnx-slim", "onnx")
 #: the artifact formats validate, bench and select take (any kind producing them)
 TESTED_FORMATS = ("onnx", "openvino-ir", "torch-compile-cache")
+#: the task whose artifacts are tested token by token (the others: by pooled embeddings)
+GENERATION = "text-generation"
+
+
+def generation_format(folder: Path) -> str:
+    """The artifact format of a generation model folder, for `genruntime.open_generator`."""
+    if (folder / "model.onnx").is_file():
+        return "onnx"
+    if is_openvino(folder):
+        return "openvino-ir"
+    if (folder / "hf_quant_config.json").is_file():
+        return "modelopt-checkpoint"
+    return "hf-checkpoint"
+
+
+def open_generator(path: Path, **kw: Any) -> Any:
+    """`mopt_ml.genruntime.open_generator` (looked up at call time: tests replace it)."""
+    from mopt_ml import genruntime
+
+    return genruntime.open_generator(path, **kw)
 
 
 def is_openvino(folder: Path) -> bool:
@@ -98,8 +125,10 @@ class ArtifactTester(TargetKind):
 
 
 class ValidateKind(ArtifactTester):
-    """Min / mean cosine of pooled embeddings vs the PyTorch reference, max abs diff and
-    top-1 neighbour agreement on the validation texts; fails below the thresholds."""
+    """Embeddings: min / mean cosine of pooled embeddings vs the PyTorch reference, max abs
+    diff and top-1 neighbour agreement on the validation texts. Text generation: top-1
+    next-token agreement, perplexity ratio, KL and greedy agreement on held-out text. Fails
+    below the thresholds."""
 
     name = "validate"
     version = "1"
@@ -108,7 +137,11 @@ class ValidateKind(ArtifactTester):
     class Params(Params):
         min_cosine: float | None = Field(default=0.99, description="fail below this min cosine")
         mean_cosine: float | None = Field(default=None, description="fail below this mean cosine")
-        min_top1: float | None = Field(default=None, description="fail below this top-1 agreement")
+        min_top1: float | None = Field(
+            default=None,
+            description="fail below this top-1 agreement (embedding: nearest neighbour, off when null; "
+            f"text-generation: next token, null = {DEFAULT_GEN_GATES['min_top1']}, 0 turns it off)",
+        )
         max_abs_diff: float | None = Field(default=None, description="fail above this max abs diff")
         data: str | None = Field(
             default=None,
@@ -128,6 +161,48 @@ class ValidateKind(ArtifactTester):
             description="below a threshold: fail the build, or record `passed: false` and succeed "
             "(for sweeps: `select` then excludes the variant)",
         )
+        # ---- text-generation (task = "text-generation"; ignored for embeddings)
+        max_ppl_ratio: float | None = Field(
+            default=DEFAULT_GEN_GATES["max_ppl_ratio"],
+            gt=0,
+            description="generation: fail above this perplexity ratio (candidate / reference); null: off",
+        )
+        max_kl: float | None = Field(
+            default=DEFAULT_GEN_GATES["max_kl"],
+            ge=0,
+            description="generation: fail above this mean KL(ref || cand) per token, nats; null: off",
+        )
+        min_greedy: float | None = Field(
+            default=DEFAULT_GEN_GATES["min_greedy"],
+            ge=0,
+            le=1,
+            description="generation: fail below this mean fraction of a greedy continuation equal to "
+            "the reference's before the first divergence; null: off",
+        )
+        max_tokens: int = Field(
+            default=128, ge=2, description="generation: tokens per held-out passage, at most"
+        )
+        passage_sentences: int = Field(
+            default=4, ge=1, description="generation: held-out sentences joined into one passage"
+        )
+        max_texts: int | None = Field(
+            default=64, ge=1, description="generation: passages compared, at most (null: all)"
+        )
+        greedy_prompts: int = Field(
+            default=8, ge=0, description="generation: passages whose start is continued greedily (0: none)"
+        )
+        prompt_tokens: int = Field(default=16, ge=1, description="generation: tokens of each greedy prompt")
+        greedy_tokens: int = Field(default=32, ge=1, description="generation: tokens generated per prompt")
+        top_k: int = Field(
+            default=1024,
+            ge=1,
+            description="generation: reference tokens kept per position for the KL (the rest is one "
+            "bucket; exact when ≥ the vocabulary)",
+        )
+        device: Literal["auto", "cpu", "cuda"] = Field(
+            default="auto",
+            description="generation: where the candidate runs (auto: cuda on a GPU profile with a GPU)",
+        )
 
     def fingerprint(self) -> dict[str, str]:
         from mopt_ml.common import versions
@@ -135,6 +210,18 @@ class ValidateKind(ArtifactTester):
         return versions("torch", "transformers", "onnxruntime", "numpy", "tokenizers", "openvino")
 
     def test(self, art: Artifact, ref: Path, ctx: BuildContext, label: str) -> dict[str, Any]:
+        if ctx.task == GENERATION:
+            return validate_generation(
+                art.path,
+                ref,
+                ctx.out,
+                ctx.params,
+                ctx.project_dir,
+                ctx.log,
+                label=label,
+                device=_device(ctx.params.device, ctx.hardware),
+                cache=(ctx.cache_dir, ctx.input("reference").digest) if ctx.cache_dir else None,
+            )
         return validate(
             art.path,
             ref,
@@ -258,4 +345,229 @@ def validate(
         "top1_agreement": numbers.get("top1_agreement"),
         "n": len(texts),
         **({"inference_precision": runtime["inference_precision"]} if runtime else {}),
+    }
+
+
+# --------------------------------------------------------------------------- text generation
+
+
+#: the params that shape a generation validate's numbers (recorded in its report)
+GEN_SETTINGS = ("max_tokens", "passage_sentences", "max_texts", "greedy_prompts", "prompt_tokens",
+                "greedy_tokens", "top_k")  # fmt: skip
+
+
+def _device(choice: str, hardware: Any) -> str:
+    """`auto`: cuda on a GPU profile when torch sees a GPU, else cpu."""
+    if choice != "auto":
+        return choice
+    if getattr(hardware, "is_gpu", False):
+        import torch
+
+        if torch.cuda.is_available():
+            return "cuda"
+    return "cpu"
+
+
+def held_out_passages(params: Any, project_dir: Path) -> list[str]:
+    """The held-out texts of a generation validate: the recipe's `data`, or the shipped
+    validation split (never the calibration split), `passage_sentences` consecutive texts
+    joined into one passage, at most `max_texts` passages."""
+    from mopt_ml.common import texts_from_param
+
+    texts = texts_from_param(params.data, project_dir, "validation")
+    k = params.passage_sentences
+    passages = [" ".join(texts[i : i + k]) for i in range(0, len(texts), k)]
+    return passages[: params.max_texts] if params.max_texts else passages
+
+
+def _token_ids(tokenizer: Any, passages: list[str], max_tokens: int) -> list[list[int]]:
+    # no special tokens: the synthetic and Qwen tokenizers would append <|endoftext|>
+    return [list(tokenizer(p, add_special_tokens=False)["input_ids"])[:max_tokens] for p in passages]
+
+
+def reference_generation(
+    ref_dir: Path,
+    ids: list[list[int]],
+    prompts: list[list[int]],
+    params: Any,
+    device: str,
+    cache: tuple[Path, str] | None,
+    log: Any,
+) -> tuple[list[Any], list[list[int]], int, bool]:
+    """The fp32 PyTorch reference's next-token distributions (`genmetrics.RefDist`, one per
+    passage), greedy continuations of `prompts`, its vocabulary (logits width), and whether
+    they came from the cache.
+    Cached like the embedding reference: per weights digest, token ids, settings, threads
+    and library versions, so a sweep computes it once."""
+    import os
+
+    import numpy as np
+    import torch
+
+    from mopt_ml.common import spec_hash, versions
+    from mopt_ml.genmetrics import RefDist, next_token_targets, summarize
+
+    path = None
+    if cache is not None:
+        key = {
+            "weights": cache[1],
+            "task": GENERATION,
+            "layout": 2,  # of the .npz (2: with the logits width)
+            "ids": spec_hash(ids),
+            "prompts": spec_hash(prompts),
+            "settings": {"top_k": params.top_k, "greedy_tokens": params.greedy_tokens, "device": device},
+            "threads": torch.get_num_threads(),
+            "tools": versions("torch", "transformers", "tokenizers"),
+        }
+        path = cache[0] / f"reference-gen-{spec_hash(key, 32)}.npz"
+        if path.is_file():
+            with np.load(path) as z:
+                dists = [RefDist.from_arrays(z, f"t{i}_") for i in range(len(ids))]
+                cont = [list(map(int, row)) for row in z["greedy"]] if prompts else []
+                vocab = int(z["vocab"])
+            return dists, cont, vocab, True
+    gen = open_generator(ref_dir, format="hf-checkpoint", device=device, dtype="fp32", threads=params.threads)
+    try:
+        dists = [summarize(np.asarray(gen.logits(x))[:-1], next_token_targets(x), params.top_k) for x in ids]
+        cont = [list(gen.generate(p, params.greedy_tokens)) for p in prompts]
+        vocab = int(gen.vocab_size)
+    finally:
+        gen.close()
+    if path is not None:
+        arrays: dict[str, Any] = {}
+        for i, d in enumerate(dists):
+            arrays.update(d.to_arrays(f"t{i}_"))
+        arrays["greedy"] = np.asarray(cont, dtype=np.int64).reshape(len(cont), -1)
+        arrays["vocab"] = np.asarray(vocab)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part = path.with_name(f".{path.name}.{os.getpid()}.{id(arrays)}.npz")
+        np.savez(part, **arrays)
+        os.replace(part, path)  # atomic: a concurrent validate reads a whole file or none
+    log(f"reference: fp32 PyTorch on {device}, {sum(len(x) - 1 for x in ids)} positions")
+    return dists, cont, vocab, False
+
+
+def validate_generation(
+    model_dir: Path,
+    ref_dir: Path,
+    out: Path,
+    params: Any,
+    project_dir: Path,
+    log: Any,
+    label: str = "",
+    device: str = "cpu",
+    cache: tuple[Path, str] | None = None,
+) -> dict[str, Any]:
+    """Top-1 next-token agreement, perplexity ratio, mean KL(ref || cand) on held-out
+    passages (teacher-forced), and greedy agreement over `greedy_tokens` tokens, of the
+    generator in `model_dir` against the fp32 PyTorch model in `ref_dir`; gates
+    `min_top1`, `max_ppl_ratio`, `max_kl`, `min_greedy` (see `mopt_ml.genmetrics`)."""
+    import numpy as np
+    import torch
+
+    from mopt_ml import genmetrics as gm
+    from mopt_ml.common import load_tokenizer, read_meta, versions, write_json
+
+    if params.threads:  # process-wide in torch: only when the recipe asks
+        torch.set_num_threads(params.threads)
+    passages = held_out_passages(params, project_dir)
+    tokenizer = load_tokenizer(ref_dir)
+    ids = [x for x in _token_ids(tokenizer, passages, params.max_tokens) if len(x) >= 2]
+    if not ids:
+        raise ValueError("validate: no held-out passage has 2 tokens or more; give longer texts in `data`")
+    prompts = [x[: params.prompt_tokens] for x in ids if len(x) > params.prompt_tokens][
+        : params.greedy_prompts
+    ]
+    dists, ref_cont, ref_vocab, cached = reference_generation(
+        ref_dir, ids, prompts, params, device, cache, log
+    )
+    fmt = generation_format(model_dir)
+    gen = open_generator(model_dir, format=fmt, device=device, threads=params.threads)
+    try:
+        if int(gen.vocab_size) != ref_vocab:
+            raise ValueError(
+                f"validate: {label or model_dir.name} gives logits over {gen.vocab_size} tokens, the reference "
+                f"over {ref_vocab}: not the same vocabulary; build the artifact from this section's weights"
+            )
+        parts = [
+            gm.compare(d, np.asarray(gen.logits(x))[:-1], gm.next_token_targets(x))
+            for d, x in zip(dists, ids, strict=True)
+        ]
+        cand_cont = [list(gen.generate(p, params.greedy_tokens)) for p in prompts]
+        backend = getattr(gen, "backend", fmt)
+    finally:
+        gen.close()
+    numbers = gm.metrics(parts, list(zip(ref_cont, cand_cont, strict=True)), params.greedy_tokens)
+    limits = {
+        "min_top1": DEFAULT_GEN_GATES["min_top1"] if params.min_top1 is None else (params.min_top1 or None),
+        "max_ppl_ratio": params.max_ppl_ratio,
+        "max_kl": params.max_kl,
+        "min_greedy": params.min_greedy if prompts else None,
+    }
+    results, failed = gm.gate(numbers, limits)
+    per_text = sorted(((float(p.kl.mean()), i) for i, p in enumerate(parts)), reverse=True)[: params.worst]
+    worst = [
+        {"kl_mean": gm._sig(kl), "top1_agreement": gm._sig(parts[i].agree.mean()), "text": passages[i]}
+        for kl, i in per_text
+    ]
+    meta = read_meta(model_dir)
+    report = {
+        "format": "mopt-validate/1",
+        "task": GENERATION,
+        "artifact": label or str(model_dir.name),
+        "backend": backend,
+        "device": device,
+        "precision": meta.get("precision"),
+        "quantization": meta.get("quantization"),
+        "texts": {
+            "n": len(ids),
+            "positions": numbers["positions"],
+            "source": params.data or "shipped validation split (never calibration)",
+        },
+        "settings": {k: getattr(params, k) for k in GEN_SETTINGS}
+        | {"threads": params.threads or "default", "reference_cached": cached},
+        "metrics": numbers,
+        "gates": results,
+        "passed": not failed,
+        "worst": worst,
+        "greedy": [
+            {
+                "prompt": p,
+                "reference": r,
+                "candidate": c,
+                # the same as text, for a reader
+                "reference_text": tokenizer.decode(r),
+                "candidate_text": tokenizer.decode(c),
+            }
+            for p, r, c in zip(prompts, ref_cont, cand_cont, strict=True)
+        ],
+        "tools": versions("torch", "transformers", "onnxruntime"),
+    }
+    write_json(out / "report.json", report)
+    greedy = (
+        f", greedy prefix {numbers['greedy_prefix']:.3f} ({numbers['greedy_identical']}/{len(prompts)} identical "
+        f"over {params.greedy_tokens} tokens)"
+        if prompts
+        else ""
+    )
+    summary = (
+        f"{label or model_dir.name}: top-1 {numbers['top1_agreement']:.4f}, ppl ratio {numbers['ppl_ratio']:.4f} "
+        f"({numbers['ppl_candidate']:.2f} vs {numbers['ppl_reference']:.2f}), KL {numbers['kl_mean']:.4f} "
+        f"(p99 {numbers['kl_p99']:.4f}){greedy} on {len(ids)} passages, {numbers['positions']} positions"
+    )
+    log(summary)
+    if failed and params.on_fail == "fail":
+        raise GateFailed(f"validation gate failed: {'; '.join(failed)} ({summary})")
+    if failed:
+        log(f'validation gate failed (recorded, on_fail = "record"): {"; ".join(failed)}')
+    return {
+        "passed": not failed,
+        "failed_gates": failed,
+        "task": GENERATION,
+        **{
+            k: numbers.get(k)
+            for k in ("top1_agreement", "ppl_ratio", "kl_mean", "greedy_prefix", "greedy_match")
+        },
+        "n": len(ids),
+        "positions": numbers["positions"],
     }

@@ -1,4 +1,10 @@
-"""The `weights` target: a checkpoint sanitised into a canonical Hugging Face folder."""
+"""The `weights` target: a checkpoint sanitised into a canonical Hugging Face folder.
+
+Task-aware: for "embedding" the family's base model is loaded and the folder is checked by
+the cosine of its embeddings; for "text-generation" its causal LM (tied lm_head stored once,
+as `model.embed_tokens.weight`), checked by its next-token logits, with the chat template
+kept in tokenizer_config.json and generation_config.json carried over.
+"""
 
 from __future__ import annotations
 
@@ -55,7 +61,7 @@ class WeightsKind(TargetKind):
         require("torch", "transformers", "safetensors")
         if ctx.source is None:
             raise ValueError("the weights target needs the model's source checkpoint (ctx.source)")
-        return build_weights(ctx.source, ctx.out, ctx.tmp, ctx.family, ctx.params, ctx.log)
+        return build_weights(ctx.source, ctx.out, ctx.tmp, ctx.family, ctx.params, ctx.log, task=ctx.task)
 
 
 def _files(folder: Path, patterns: tuple[str, ...]) -> list[Path]:
@@ -125,13 +131,17 @@ def _check_tokenizer_files(src: Path) -> list[str]:
     return present
 
 
-def build_weights(src: Path, out: Path, tmp: Path, family_obj: Any, params: Any, log: Any) -> dict[str, Any]:
+def build_weights(
+    src: Path, out: Path, tmp: Path, family_obj: Any, params: Any, log: Any, task: str = "embedding"
+) -> dict[str, Any]:
     import torch
 
     from mopt_ml.common import compare, validation_texts, write_json
-    from mopt_ml.families import DTYPES, as_family
+    from mopt_ml.families import DTYPES, TEXT_GENERATION, as_family, task_kwargs
 
-    family = as_family(family_obj, src)
+    family = as_family(family_obj, src, task=task)
+    generation = task == TEXT_GENERATION
+    tk = task_kwargs(task)
     cfg_path = src / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{src} has no config.json")
@@ -160,8 +170,10 @@ def build_weights(src: Path, out: Path, tmp: Path, family_obj: Any, params: Any,
     del tensors, staged
 
     # 2. tokenizer: loads, is fast, has a pad token, ids fit the embedding table
-    tokenizer = family.load_tokenizer(stage)
+    tokenizer = family.load_tokenizer(stage, **tk)
     tok_notes = family.sanitize_tokenizer(tokenizer)
+    if generation and not getattr(tokenizer, "chat_template", None):
+        tok_notes.append("the tokenizer has no chat template: chat endpoints will need one")
     raw_cfg = json.loads(cfg_path.read_text())
     vocab = raw_cfg.get("vocab_size")
     probe = tokenizer(validation_texts()[:8])["input_ids"]
@@ -173,12 +185,13 @@ def build_weights(src: Path, out: Path, tmp: Path, family_obj: Any, params: Any,
         )
 
     # 3. load through the family's model class: this is what decides which tensors matter
-    from transformers import AutoModel
+    from transformers import AutoModel, AutoModelForCausalLM
 
     from mopt_ml.families import quiet_transformers
 
     quiet_transformers()
-    model, info = AutoModel.from_pretrained(
+    auto = AutoModelForCausalLM if generation else AutoModel
+    model, info = auto.from_pretrained(
         str(stage),
         output_loading_info=True,
         attn_implementation=family.attn_implementation,
@@ -194,7 +207,13 @@ def build_weights(src: Path, out: Path, tmp: Path, family_obj: Any, params: Any,
     mismatched = info.get("mismatched_keys") or []
     if mismatched:
         raise ValueError(f"tensors with the wrong shape: {list(mismatched)[:5]}")
-    reference = family.embed(model, tokenizer, validation_texts()[:16])
+    if generation:
+        from mopt_ml.genruntime import causal_logits
+
+        check_texts = validation_texts()[:8]
+        reference = causal_logits(model, tokenizer, check_texts)
+    else:
+        reference = family.embed(model, tokenizer, validation_texts()[:16])
     # null keeps the checkpoint's own precision (the model was loaded in fp32 to check it)
     dtype = params.dtype or source_dtype
     if dtype != "fp32":
@@ -216,30 +235,40 @@ def build_weights(src: Path, out: Path, tmp: Path, family_obj: Any, params: Any,
     cfg["dtype"] = DTYPES[dtype]
     cfg.pop("torch_dtype", None)
     cfg.pop("_name_or_path", None)
-    cfg, cfg_notes = family.sanitize_config(cfg, tokenizer)
+    cfg, cfg_notes = family.sanitize_config(cfg, tokenizer, **tk)
     write_json(out / "config.json", cfg)
-    tokenizer.save_pretrained(str(out))
+    # a chat template stays inside tokenizer_config.json (where Qwen3's checkpoints keep it)
+    tokenizer.save_pretrained(str(out), **({"save_jinja_files": False} if generation else {}))
+    if generation:
+        gen_cfg = _generation_config(src, cfg)
+        write_json(out / "generation_config.json", gen_cfg)
     for name in SENTENCE_TRANSFORMERS_FILES:
         if (src / name).is_file():
             (out / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src / name, out / name)
 
     # 6. the saved folder must embed like the source
-    check_model = family.load(out, dtype="fp32")
-    check_tok = family.load_tokenizer(out)
-    again = family.embed(check_model, check_tok, validation_texts()[:16])
-    check = compare(reference, again)
+    check_model = family.load(out, dtype="fp32", **tk)
+    check_tok = family.load_tokenizer(out, **tk)
+    if generation:
+        from mopt_ml.genruntime import compare_logits
+
+        check = compare_logits(reference, causal_logits(check_model, check_tok, check_texts))
+    else:
+        check = compare(reference, family.embed(check_model, check_tok, validation_texts()[:16]))
     # a cast loses precision by design; the source's own precision must round-trip exactly
     threshold = params.check_min_cosine if dtype == source_dtype else min(params.check_min_cosine, 0.99)
     if check["min_cosine"] < threshold:
         raise ValueError(
-            f"the sanitised weights embed differently from the source: min cosine "
+            f"the sanitised weights {'predict' if generation else 'embed'} differently from the source: "
+            f"min cosine {'of next-token logits ' if generation else ''}"
             f"{check['min_cosine']:.6f} < {threshold} (mean {check['mean_cosine']:.6f})"
         )
 
     manifest = {
         "format": "mopt-weights/1",
         "family": family.name,
+        "task": task,
         "model_class": type(model).__name__,
         "dtype": cfg["dtype"],
         "files": sorted(files),
@@ -274,6 +303,7 @@ def build_weights(src: Path, out: Path, tmp: Path, family_obj: Any, params: Any,
     )
     return {
         "family": family.name,
+        "task": task,
         "dtype": cfg["dtype"],
         "num_parameters": manifest["num_parameters"],
         "tensors": len(out_tensors),
@@ -305,12 +335,26 @@ def _renamed(source: list[str], kept: set[str]) -> set[str]:
     return out
 
 
+def _generation_config(src: Path, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The source's generation_config.json (transformers' bookkeeping dropped), or one made
+    of config.json's bos / eos / pad ids."""
+    path = src / "generation_config.json"
+    gen = json.loads(path.read_text()) if path.is_file() else {}
+    gen.pop("transformers_version", None)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if gen.get(key) is None and cfg.get(key) is not None:
+            gen[key] = cfg[key]
+    return gen
+
+
 def _dedupe(state: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
-    """Names to store, and tied names → the stored name they share memory with."""
+    """Names to store, and tied names → the stored name they share memory with. An output
+    head (`lm_head.*`) is the tied copy, never the stored one: transformers ties it to the
+    input embedding, which must be in the file."""
     seen: dict[tuple[int, tuple[int, ...], str], str] = {}
     kept: list[str] = []
     tied: dict[str, str] = {}
-    for name in sorted(state):
+    for name in sorted(state, key=lambda n: (n.startswith("lm_head."), n)):
         t = state[name]
         key = (t.data_ptr(), tuple(t.shape), str(t.dtype))
         if t.numel() and key in seen:

@@ -41,6 +41,7 @@ class Runner:
         source: Path | None = None,
         family: Any = None,
         name: str | None = None,
+        task: str = "embedding",
     ) -> tuple[Path, dict[str, Any]]:
         self.n += 1
         out = self.root / f"{self.n:02d}-{name or kind_cls.name}"
@@ -57,7 +58,7 @@ class Runner:
             inputs=inputs or {},
             model_name="m",
             family=family,
-            task="embedding",
+            task=task,
             source=source,
             hardware=CPU,
             section="m.cpu",
@@ -78,8 +79,10 @@ def runner(tmp_path_factory: pytest.TempPathFactory) -> Runner:
 
 @pytest.fixture(scope="session")
 def source_ctx(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Path], SourceContext]:
-    def make(cache: Path) -> SourceContext:
-        return SourceContext(project_dir=cache, cache_dir=cache, offline=True, family=None, model_name="tiny")
+    def make(cache: Path, task: str = "embedding") -> SourceContext:
+        return SourceContext(
+            project_dir=cache, cache_dir=cache, offline=True, family=None, model_name="tiny", task=task
+        )
 
     return make
 
@@ -162,6 +165,51 @@ def qwen3_chain(
         }
 
     return _paths(_shared(request, tmp_path_factory, "qwen3-chain", build))
+
+
+@pytest.fixture(scope="session")
+def synthetic_chat(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, source_ctx: Any) -> Path:
+    """The synthetic source's tiny Qwen3ForCausalLM (task text-generation)."""
+    from mopt_ml.synthetic import SyntheticSource
+
+    def build(cache: Path) -> dict[str, Any]:
+        s = SyntheticSource()
+        return {"path": str(s.resolve(s.Params(synthetic="qwen3", seed=0), source_ctx(cache, "text-generation")))}
+
+    return Path(_shared(request, tmp_path_factory, "synthetic-chat", build)["path"])
+
+
+@pytest.fixture(scope="session")
+def chat_chain(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    runner: Runner,
+    synthetic_chat: Path,
+) -> dict[str, Any]:
+    """synthetic Qwen3 chat LM → weights → onnx (KV cache) → ort-quantize (dynamic INT8) and
+    ort-quantize (MatMulNBits 4-bit), all with task text-generation."""
+
+    def build(root: Path) -> dict[str, Any]:
+        from mopt_ml.export import OnnxKind
+        from mopt_ml.families import Qwen3Family
+        from mopt_ml.quantize import OrtQuantizeKind
+        from mopt_ml.weights import WeightsKind
+
+        r = Runner(root, runner.project_dir)
+        fam, task = Qwen3Family, "text-generation"
+        meta: dict[str, Any] = {}
+        w, meta["weights"] = r.run(WeightsKind, source=synthetic_chat, family=fam, task=task)
+        o, meta["onnx"] = r.run(OnnxKind, inputs={"model": [r.artifact(w, "weights")]}, family=fam, task=task)
+        q, meta["int8"] = r.run(
+            OrtQuantizeKind, inputs={"model": [r.artifact(o, "onnx")]}, family=fam, task=task, name="int8"
+        )
+        q4, meta["int4"] = r.run(
+            OrtQuantizeKind, {"mode": "matmul-nbits", "nbits_bits": 4, "nbits_accuracy_level": 4},
+            inputs={"model": [r.artifact(o, "onnx")]}, family=fam, task=task, name="int4",
+        )  # fmt: skip
+        return {"family": "qwen3", "meta": meta, "weights": str(w), "onnx": str(o), "int8": str(q), "int4": str(q4)}
+
+    return _paths(_shared(request, tmp_path_factory, "chat-chain", build))
 
 
 @pytest.fixture(scope="session")

@@ -32,6 +32,14 @@ QFORMATS: dict[str, tuple[str, tuple[int, int]]] = {
     "nvfp4": ("NVFP4_DEFAULT_CFG", (10, 0)),
 }
 
+#: the qformats whose ModelOpt export vLLM 0.26 loads (measured on the H200, 2026-12-01:
+#: FP8 served; INT4 AWQ (quant_algo W4A16_AWQ) and INT8 SmoothQuant (W8A8_SQ_PER_CHANNEL)
+#: refused by vLLM's ModelOpt loader, docs/h200-gen-2026-12-01/phase1/vllm-load-*.json)
+VLLM_LOADS = ("fp8", "nvfp4")
+#: what `export_hf_checkpoint` (ModelOpt 0.47) writes as quant_algo for each qformat
+EXPORTED_ALGO = {"fp8": "FP8", "int8_sq": "W8A8_SQ_PER_CHANNEL", "int4_awq": "W4A16_AWQ",
+                 "w4a8_awq": "W4A8_AWQ", "nvfp4": "NVFP4"}  # fmt: skip
+
 WORKER = r"""
 import json, shutil, sys, time
 from pathlib import Path
@@ -49,14 +57,15 @@ tok.padding_side = "right"
 # the causal-LM class: ModelOpt's HF export writes decoder checkpoints of that layout, which
 # vLLM loads for pooling too (--runner pooling --convert embed); an embedding model's base
 # weights load into it (its lm_head is tied to the embeddings)
-model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32).cuda().eval()
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the kind requires a GPU; CPU for its tests
+model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32).to(DEV).eval()
 texts, vtexts = spec["texts"], spec["validate_texts"]
 bs, seq = spec["batch_size"], spec["seq_len"]
 
 def batches(ts):
     for i in range(0, len(ts), bs):
         enc = tok(ts[i:i + bs], return_tensors="pt", padding=True, truncation=True, max_length=seq)
-        yield {k: v.cuda() for k, v in enc.items()}
+        yield {k: v.to(DEV) for k, v in enc.items()}
 
 def embed(m, ts):
     # the family's pooling on the base model's last hidden state (right padding: the last
@@ -76,7 +85,20 @@ def embed(m, ts):
             out.append(torch.nn.functional.normalize(pooled, dim=-1))
     return torch.cat(out)
 
-ref = embed(model, vtexts)  # fp32 reference, before quantization
+def next_token_logprobs(m, ts):
+    # teacher-forced next-token log-probabilities at every real position (right padding)
+    out = []
+    with torch.no_grad():
+        for b in batches(ts):
+            logits = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits.float()
+            lp = torch.log_softmax(logits[:, :-1], -1)
+            keep = b["attention_mask"][:, 1:].bool()
+            out.append((lp[keep], b["input_ids"][:, 1:][keep]))
+    return out
+
+generation = spec.get("task") == "text-generation"
+# fp32 reference, before quantization
+ref = next_token_logprobs(model, vtexts) if generation else embed(model, vtexts)
 model = model.to(torch.bfloat16)
 
 def forward_loop(m):
@@ -89,19 +111,32 @@ cfg = getattr(mtq, spec["config"])
 mtq.quantize(model, cfg, forward_loop)
 t1 = time.time()
 # validation on held-out texts (never the calibration set), with the quantizers active
-cos = (embed(model, vtexts) * ref).sum(-1)
+if generation:
+    # top-1 next-token agreement, mean KL(reference || quantized), perplexity ratio
+    agree = kl = nll_q = nll_r = n = 0.0
+    for (lr, tgt), (lq, _) in zip(ref, next_token_logprobs(model, vtexts)):
+        agree += float((lr.argmax(-1) == lq.argmax(-1)).sum())
+        kl += float((lr.exp() * (lr - lq)).sum())
+        nll_r -= float(lr.gather(1, tgt[:, None]).sum())
+        nll_q -= float(lq.gather(1, tgt[:, None]).sum())
+        n += tgt.numel()
+    metrics = {"top1": agree / n, "mean_kl": kl / n, "ppl_ratio": float(torch.exp(torch.tensor((nll_q - nll_r) / n))),
+               "ppl_reference": float(torch.exp(torch.tensor(nll_r / n))), "validate_tokens": int(n)}
+else:
+    cos = (embed(model, vtexts) * ref).sum(-1)
+    metrics = {"min_cosine": float(cos.min()), "mean_cosine": float(cos.mean())}
 with torch.inference_mode():
     export_hf_checkpoint(model, export_dir=spec["out"])
 t2 = time.time()
 tok.save_pretrained(spec["out"])
 src, out = Path(spec["model"]), Path(spec["out"])
-for rel in spec["copy_files"]:  # sentence-transformers files: pooling for vLLM and ST loaders
+for rel in spec["copy_files"]:  # sentence-transformers files, generation_config.json, chat template
     if (src / rel).is_file() and not (out / rel).exists():
         (out / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src / rel, out / rel)
 report = {
     "modelopt": modelopt.__version__, "config": spec["config"], "calib_texts": len(texts),
-    "validate_texts": len(vtexts), "min_cosine": float(cos.min()), "mean_cosine": float(cos.mean()),
+    "validate_texts": len(vtexts), "task": spec.get("task", "embedding"), **metrics,
     "quantize_s": round(t1 - t0, 2), "export_s": round(t2 - t1, 2),
 }
 Path(spec["report"]).write_text(json.dumps(report, indent=2) + "\n")
@@ -160,6 +195,24 @@ class ModelOptPtqKind(TargetKind):
         min_cosine: float | None = Field(
             default=None, description="gate on the held-out min cosine vs fp32 (null: record only)"
         )
+        min_top1: float | None = Field(
+            default=None,
+            ge=0,
+            le=1,
+            description="text generation: gate on held-out top-1 next-token agreement with fp32 (null: record only)",
+        )
+        max_kl: float | None = Field(
+            default=None,
+            ge=0,
+            description="text generation: gate on the mean KL(fp32 || quantized) per token",
+        )
+        max_ppl_ratio: float | None = Field(
+            default=None, gt=0, description="text generation: gate on held-out perplexity, quantized / fp32"
+        )
+        serve_with: Literal["vllm", "tensorrt-llm"] = Field(
+            default="vllm",
+            description="the engine that will load the export: mopt check refuses qformats it does not load",
+        )
 
     def input_files(self, params: Any, project_dir: Path) -> list[Path]:
         files = [(project_dir / params.calib_texts).resolve()]
@@ -198,6 +251,25 @@ class ModelOptPtqKind(TargetKind):
                 f"{common.cc_str(hw)}",
                 f"qformat = one of {ok}",
                 "qformat",
+            )
+        if params.serve_with == "vllm" and params.qformat not in VLLM_LOADS:
+            add(
+                "error",
+                "qformat-not-served",
+                f"vLLM 0.26 does not load ModelOpt {params.qformat!r} exports ({QFORMATS[params.qformat][0]} is "
+                f"exported as quant_algo {EXPORTED_ALGO[params.qformat]!r}; vLLM's ModelOpt loader takes FP8, "
+                "FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO, NVFP4, W4A16_NVFP4, MXFP8, MIXED_PRECISION: its "
+                "'ModelOpt currently only supports ...' error, seen on the H200 2026-12-01)",
+                'qformat = "fp8" (or "nvfp4" on Blackwell), or serve_with = "tensorrt-llm"',
+                "qformat",
+            )
+        if params.validate_texts is None:
+            add(
+                "warning",
+                "no-heldout",
+                "no validate_texts: the quantized model is checked on calibration texts, which it was fitted to",
+                "validate_texts = a held-out .txt / .jsonl sharing no text with calib_texts",
+                "validate_texts",
             )
         if not 128 <= params.calib_size <= 512:
             add(
@@ -248,8 +320,9 @@ class ModelOptPtqKind(TargetKind):
             "seq_len": p.calib_seq_len,
             "validate_texts": vtexts,
             "pooling": str(getattr(ctx.family, "pooling", "mean") or "mean"),
+            "task": ctx.task,
             "copy_files": ["modules.json", "sentence_bert_config.json", "config_sentence_transformers.json",
-                           "1_Pooling/config.json"],
+                           "1_Pooling/config.json", "generation_config.json", "chat_template.jinja"],
             "report": str(ctx.out / "ptq_report.json"),
         }  # fmt: skip
         (ctx.tmp / "spec.json").write_text(json.dumps(spec))
@@ -264,6 +337,24 @@ class ModelOptPtqKind(TargetKind):
         if proc.returncode != 0:
             raise RuntimeError(f"ModelOpt PTQ failed (exit {proc.returncode}; log above)")
         rep = json.loads((ctx.out / "ptq_report.json").read_text())
+        if ctx.task == "text-generation":
+            bad = gen_gate_failures(rep, p)
+            if bad:
+                raise RuntimeError(f"{p.qformat} on held-out texts vs fp32: " + "; ".join(bad))
+            return {
+                "task": ctx.task,
+                "top1": rep["top1"],
+                "mean_kl": rep["mean_kl"],
+                "ppl_ratio": rep["ppl_ratio"],
+                "validate_texts": rep["validate_texts"],
+                "validate_tokens": rep["validate_tokens"],
+                "quantize_s": rep["quantize_s"],
+                "export_s": rep["export_s"],
+                "qformat": p.qformat,
+                "modelopt_config": config_name,
+                "calib_samples": len(texts),
+                "modelopt": _env.dist_version("nvidia-modelopt"),
+            }
         if p.min_cosine is not None and not rep["min_cosine"] >= p.min_cosine:
             raise RuntimeError(
                 f"{p.qformat} on held-out texts: min cosine {rep['min_cosine']:.5f} vs fp32 < min_cosine {p.min_cosine}"
@@ -279,3 +370,15 @@ class ModelOptPtqKind(TargetKind):
             "calib_samples": len(texts),
             "modelopt": _env.dist_version("nvidia-modelopt"),
         }
+
+
+def gen_gate_failures(rep: dict[str, Any], p: Any) -> list[str]:
+    """The generation gates a quantized model's held-out numbers fail (empty: all pass)."""
+    out = []
+    if p.min_top1 is not None and not rep["top1"] >= p.min_top1:
+        out.append(f"top-1 next-token agreement {rep['top1']:.4f} < min_top1 {p.min_top1}")
+    if p.max_kl is not None and not rep["mean_kl"] <= p.max_kl:
+        out.append(f"mean KL {rep['mean_kl']:.5f} > max_kl {p.max_kl}")
+    if p.max_ppl_ratio is not None and not rep["ppl_ratio"] <= p.max_ppl_ratio:
+        out.append(f"perplexity ratio {rep['ppl_ratio']:.4f} > max_ppl_ratio {p.max_ppl_ratio}")
+    return out

@@ -660,7 +660,8 @@ class ServeCheckKind(TargetKind):
     sandbox = False
     version = "2"
     description = (
-        "start vllm serve, check /health, /v1/models, embeddings vs fp32, /metrics, memory; load test"
+        "start vllm serve, check /health, /v1/models, embeddings (or greedy generation) vs fp32, /metrics, "
+        "memory; load test (TTFT / ITL knee and prefix caching for generation)"
     )
     memory_model = "none"
     consumes = (
@@ -706,6 +707,40 @@ class ServeCheckKind(TargetKind):
             default="vllm-bench",
             description="vllm-bench: vLLM's own `vllm bench serve` code; mopt-loop: the stdlib fallback",
         )
+        # ---- text generation (task "text-generation"; see gen_check.py)
+        ttft_slo_ms: float = Field(
+            default=300.0, gt=0, description="generation knee: highest concurrency with p99 TTFT <= this"
+        )
+        output_len: int = Field(
+            default=128, ge=1, description="generation: output tokens per load-test request"
+        )
+        gen_prompts: int = Field(default=8, ge=1, description="held-out prompts for the greedy check")
+        gen_tokens: int = Field(default=16, ge=1, description="greedy tokens per prompt checked against fp32")
+        min_top1: float = Field(
+            default=0.9,
+            ge=0,
+            le=1,
+            description="share of served greedy tokens that are the fp32 reference's argmax (teacher-forced)",
+        )
+        gen_requests_per_client: int = Field(default=4, ge=1)
+        gen_min_requests: int = Field(default=16, ge=1)
+        gen_max_requests: int = Field(default=1024, ge=1)
+        loadtest_endpoint: Literal["chat", "completions"] = Field(
+            default="chat",
+            description="generation load test: /v1/chat/completions (chat template) or /v1/completions",
+        )
+        prefix_probe: bool = Field(
+            default=True, description="generation: measure prefix caching on a shared system prompt"
+        )
+        prefix_len: int = Field(
+            default=1024, ge=1, description="shared system-prompt tokens of the prefix probe"
+        )
+        prefix_suffix_len: int = Field(
+            default=128, ge=1, description="per-request tokens after the shared prefix"
+        )
+        prefix_output_len: int = Field(default=64, ge=1)
+        prefix_concurrency: int = Field(default=16, ge=1)
+        prefix_requests: int = Field(default=160, ge=1)
 
     def input_files(self, params: Any, project_dir: Path) -> list[Path]:
         return [(project_dir / params.texts).resolve()] if params.texts else []
@@ -736,6 +771,10 @@ class ServeCheckKind(TargetKind):
         if not _env.has_module("vllm"):
             raise RuntimeError(f"target kind 'serve-check' needs the Python package 'vllm' ({INSTALL_VLLM})")
         _env.require_gpu(self.name, ctx.hardware)
+        if ctx.task == "text-generation":
+            from mopt_serve.gen_check import run_generation
+
+            return run_generation(ctx, self)
         serve, model, ref_art = ctx.input("serve"), ctx.input("model"), ctx.input("reference")
         if serve.meta.get("model_target") not in (None, model.target):
             raise RuntimeError(

@@ -2,9 +2,24 @@
 
 Current flow (`flow = "llm-api"`, the default): no engine build. TensorRT-LLM's PyTorch
 backend serves a Hugging Face or ModelOpt checkpoint directly; we write the LLM-API options
-file (`extra_llm_api_options.yaml`, read by `trtllm-serve --extra_llm_api_options` and usable
-as `tensorrt_llm.LLM(model, **options)`) and the `trtllm-serve serve` line with the same
-values, every one explicit.
+file (`extra_llm_api_options.yaml`, read by `trtllm-serve --extra_llm_api_options` -- also
+spelled `--config` in current releases -- and usable as `tensorrt_llm.LLM(model, **options)`)
+and the `trtllm-serve serve` line with the same values, every one explicit. The names follow
+TensorRT-LLM's `TorchLlmArgs` / `KvCacheConfig` / `CudaGraphConfig` / `SchedulerConfig`
+(tensorrt_llm/llmapi/llm_args.py) and `trtllm-serve serve`'s options
+(tensorrt_llm/commands/serve.py), read 2026-12.
+
+For a text-generation model (`task = "text-generation"`) the YAML adds what a chat
+deployment sets: chunked prefill when one pass (`max_num_tokens`) is shorter than a full
+`max_seq_len` prompt, CUDA graphs for decode batches up to `max_batch_size` (padded),
+the capacity scheduler's policy, and an fp8 KV cache where asked. `check()` refuses a
+`max_seq_len` over the model's `max_position_embeddings`, a TP size that does not divide the
+attention heads (and KV heads, or replicate them evenly), and (through `mopt check`'s
+generic rules, `memory_model = "trtllm"`) a KV cache that does not hold one `max_seq_len`
+sequence in `free_gpu_memory_fraction` of what the weights leave.
+
+TensorRT-LLM cannot be installed here (NVIDIA's index only) nor on the H200 machine: the
+config is generated and checked, never run by mopt's tests.
 
 Legacy flow (`flow = "legacy-engine"`): TensorRT-LLM removed its TensorRT-engine backend after
 1.3.0rc20, so this is only for a pinned TensorRT-LLM <= 1.2: `convert_checkpoint.py` (TP/PP are
@@ -57,8 +72,29 @@ class TrtllmParams(Params):
     tokens_per_block: Annotated[int, Role.kv_block_tokens] = Field(
         default=32, ge=1, description="KV cache block size (a power of two)"
     )
-    enable_block_reuse: bool = True
+    enable_block_reuse: bool = Field(default=True, description="kv_cache_config: prefix reuse")
     kv_cache_dtype: Annotated[Literal["auto", "fp8"], Role.kv_cache_precision] = "auto"
+    kv_cache_max_tokens: int | None = Field(
+        default=None, ge=1, description="kv_cache_config.max_tokens: a cap beside the fraction (null: none)"
+    )
+    # ---- text generation (written for task = "text-generation")
+    enable_chunked_prefill: bool | None = Field(
+        default=None,
+        description="generation: prefill in max_num_tokens chunks (null: on when max_num_tokens < max_seq_len)",
+    )
+    cuda_graph: bool = Field(default=True, description="generation: CUDA graphs for decode batches")
+    cuda_graph_max_batch_size: int | None = Field(
+        default=None, ge=1, description="generation: largest decode batch captured (null: max_batch_size)"
+    )
+    capacity_scheduler_policy: Literal["GUARANTEED_NO_EVICT", "MAX_UTILIZATION"] = Field(
+        default="GUARANTEED_NO_EVICT",
+        description="generation: scheduler_config.capacity_scheduler_policy (MAX_UTILIZATION packs more "
+        "requests and may pause some)",
+    )
+    max_beam_width: int = Field(default=1, ge=1, description="generation: beams (1: greedy / sampling)")
+    reasoning_parser: str | None = Field(
+        default=None, description="generation: trtllm-serve --reasoning_parser (e.g. for thinking models)"
+    )
     trust_remote_code: bool = False
     host: str = "0.0.0.0"
     port: int = Field(default=8000, ge=1, le=65535)
@@ -89,10 +125,19 @@ def max_seq_len_of(p: Any, model_config: dict[str, Any]) -> int | None:
     return int(v) if v else None
 
 
-def llm_api_options(p: Any, model_config: dict[str, Any]) -> dict[str, Any]:
-    """The `--extra_llm_api_options` YAML (LLM-API argument names), every value explicit."""
+def chunked_prefill(p: Any, model_config: dict[str, Any]) -> bool:
+    """Whether prefill runs in chunks: the recipe's choice, else when one pass
+    (max_num_tokens) cannot take a full max_seq_len prompt."""
+    if p.enable_chunked_prefill is not None:
+        return bool(p.enable_chunked_prefill)
+    seq = max_seq_len_of(p, model_config)
+    return seq is not None and p.max_num_tokens < seq
+
+
+def llm_api_options(p: Any, model_config: dict[str, Any], task: str = "embedding") -> dict[str, Any]:
+    """The `--extra_llm_api_options` YAML (LLM-API argument names), every value explicit.
+    `backend` is the command line's (`--backend`; a deprecated LlmArgs field)."""
     opts: dict[str, Any] = {
-        "backend": p.backend,
         "dtype": p.dtype,
         "tensor_parallel_size": p.tp_size,
         "pipeline_parallel_size": p.pp_size,
@@ -108,6 +153,19 @@ def llm_api_options(p: Any, model_config: dict[str, Any]) -> dict[str, Any]:
         "enable_block_reuse": p.enable_block_reuse,
         "dtype": p.kv_cache_dtype,
     }
+    if p.kv_cache_max_tokens is not None:
+        opts["kv_cache_config"]["max_tokens"] = p.kv_cache_max_tokens
+    if task == "text-generation":
+        opts["max_beam_width"] = p.max_beam_width
+        opts["enable_chunked_prefill"] = chunked_prefill(p, model_config)
+        opts["scheduler_config"] = {"capacity_scheduler_policy": p.capacity_scheduler_policy}
+        opts["cuda_graph_config"] = (
+            {"enable_padding": True, "max_batch_size": p.cuda_graph_max_batch_size or p.max_batch_size}
+            if p.cuda_graph
+            else None
+        )
+        if p.reasoning_parser:
+            opts["reasoning_parser"] = p.reasoning_parser
     opts["trust_remote_code"] = p.trust_remote_code
     for k, v in p.extra.items():
         if isinstance(v, dict) and isinstance(opts.get(k), dict):
@@ -117,7 +175,9 @@ def llm_api_options(p: Any, model_config: dict[str, Any]) -> dict[str, Any]:
     return opts
 
 
-def serve_argv(p: Any, model_config: dict[str, Any], model: str = "{model}") -> list[str]:
+def serve_argv(
+    p: Any, model_config: dict[str, Any], model: str = "{model}", task: str = "embedding"
+) -> list[str]:
     """`trtllm-serve serve MODEL ...`: the same values on the command line, plus the YAML."""
     argv = ["trtllm-serve", "serve", model]
     if p.flow == "legacy-engine":
@@ -131,6 +191,12 @@ def serve_argv(p: Any, model_config: dict[str, Any], model: str = "{model}") -> 
         argv += ["--max_seq_len", str(seq)]
     argv += ["--tp_size", str(p.tp_size), "--pp_size", str(p.pp_size)]
     argv += ["--kv_cache_free_gpu_memory_fraction", repr(p.free_gpu_memory_fraction)]
+    if task == "text-generation" and p.flow != "legacy-engine":
+        argv += ["--max_beam_width", str(p.max_beam_width)]
+        if chunked_prefill(p, model_config):
+            argv.append("--enable_chunked_prefill")
+        if p.reasoning_parser:
+            argv += ["--reasoning_parser", p.reasoning_parser]
     if p.trust_remote_code:
         argv.append("--trust_remote_code")
     if p.flow != "legacy-engine":
@@ -226,13 +292,48 @@ class TrtllmKind(TargetKind):
                 f"kv_cache_dtype 'fp8' needs compute capability >= 8.9; {hw.name} is {common.cc_str(hw)}",
                 key="kv_cache_dtype",
             )
+        generation = getattr(ctx, "task", "embedding") == "text-generation"
         mpe = cfg.get("max_position_embeddings")
         if params.max_seq_len and isinstance(mpe, int) and params.max_seq_len > mpe:
+            if generation:  # prompt + reply beyond the positions the model was trained on
+                add(
+                    "error",
+                    "len-beyond-model",
+                    f"max_seq_len {params.max_seq_len} exceeds the model's max_position_embeddings {mpe}: "
+                    "TensorRT-LLM refuses it (or, with RoPE scaling, generates past what the model learnt)",
+                    f"max_seq_len ≤ {mpe}, or null (TensorRT-LLM takes the model's)",
+                    key="max_seq_len",
+                )
+            else:
+                add(
+                    "warning",
+                    "len-beyond-model",
+                    f"max_seq_len {params.max_seq_len} exceeds the model's max_position_embeddings {mpe}",
+                    key="max_seq_len",
+                )
+        if generation and params.enable_chunked_prefill is False:
+            seq = max_seq_len_of(params, cfg)
+            if seq and params.max_num_tokens < seq:
+                add(
+                    "error",
+                    "num-tokens-below-seq",
+                    f"enable_chunked_prefill = false with max_num_tokens {params.max_num_tokens} < max_seq_len "
+                    f"{seq}: a prompt longer than {params.max_num_tokens} tokens cannot be scheduled",
+                    f"enable_chunked_prefill = true (or null), or max_num_tokens ≥ {seq}",
+                    key="enable_chunked_prefill",
+                )
+        if (
+            generation
+            and params.cuda_graph_max_batch_size
+            and params.cuda_graph_max_batch_size > params.max_batch_size
+        ):
             add(
                 "warning",
-                "len-beyond-model",
-                f"max_seq_len {params.max_seq_len} exceeds the model's max_position_embeddings {mpe}",
-                key="max_seq_len",
+                "cuda-graph-batch",
+                f"cuda_graph_max_batch_size {params.cuda_graph_max_batch_size} > max_batch_size "
+                f"{params.max_batch_size}: graphs for batches that never run cost memory (~200 MB each)",
+                f"cuda_graph_max_batch_size ≤ {params.max_batch_size}",
+                key="cuda_graph_max_batch_size",
             )
         seq = max_seq_len_of(params, cfg)
         if seq and params.max_num_tokens < seq and params.flow == "legacy-engine":
@@ -252,7 +353,7 @@ class TrtllmKind(TargetKind):
         families_tasks = (
             getattr(ctx.family, "tasks", ("embedding",)) if ctx.family is not None else ("embedding",)
         )
-        if "embedding" in families_tasks:
+        if "embedding" in families_tasks and not generation:
             add(
                 "warning",
                 "trtllm-embeddings",
@@ -272,10 +373,10 @@ class TrtllmKind(TargetKind):
             meta.update(self._legacy(ctx, model_cfg))
             argv = serve_argv(p, model_cfg, model="{here}/engine")
         else:
-            opts = llm_api_options(p, model_cfg)
+            opts = llm_api_options(p, model_cfg, ctx.task)
             yaml_text = "# generated by mopt (kind trtllm): trtllm-serve --extra_llm_api_options\n"
             common.write_text(ctx.out / "extra_llm_api_options.yaml", yaml_text + common.dump_yaml(opts))
-            argv = serve_argv(p, model_cfg)
+            argv = serve_argv(p, model_cfg, task=ctx.task)
             meta["options"] = opts
         common.write_text(ctx.out / "serve.sh", common.shell_script(comment, argv), executable=True)
         common.write_text(ctx.out / "args.json", json.dumps({"argv": argv, "model": where}, indent=2) + "\n")

@@ -214,8 +214,7 @@ def test_trtllm_llm_api_yaml_and_command_line(tmp_path):
                   free_gpu_memory_fraction=0.85, tokens_per_block=64)  # fmt: skip
     meta = TrtllmKind().run(ctx)
     opts = yaml.safe_load((ctx.out / "extra_llm_api_options.yaml").read_text())
-    assert opts == {
-        "backend": "pytorch",
+    assert opts == {  # `backend` is on the command line (a deprecated LlmArgs field)
         "dtype": "auto",
         "tensor_parallel_size": 1,
         "pipeline_parallel_size": 1,
@@ -298,9 +297,26 @@ def test_modelopt_ptq_formats_are_gated_on_the_profile():
     assert codes(check(ModelOptPtqKind, "h200", MINILM, qformat="fp8", calib_texts="c.txt")) == [
         "encoder-model"
     ]
-    assert codes(check(ModelOptPtqKind, "h200", calib_texts="c.txt", calib_size=32), "warning") == [
-        "calib-size"
-    ]
+    assert codes(
+        check(ModelOptPtqKind, "h200", calib_texts="c.txt", calib_size=32, validate_texts="v.txt"), "warning"
+    ) == ["calib-size"]
+    assert codes(check(ModelOptPtqKind, "h200", calib_texts="c.txt"), "warning") == ["no-heldout"]
+
+
+def test_modelopt_qformats_vllm_does_not_load_are_refused_with_the_reason():
+    """Measured on the H200 (2026-12-01): vLLM 0.26 refuses ModelOpt's INT4 AWQ and INT8
+    SmoothQuant exports; TensorRT-LLM is the engine for them."""
+    for q in ("int4_awq", "int8_sq", "w4a8_awq"):
+        f = check(ModelOptPtqKind, "h200", qformat=q, calib_texts="c.txt", validate_texts="v.txt")
+        assert codes(f) == ["qformat-not-served"]
+        assert "vLLM 0.26 does not load" in f[0].message and f[0].key == "qformat"
+    assert (
+        codes(
+            check(ModelOptPtqKind, "h200", qformat="int4_awq", calib_texts="c.txt", serve_with="tensorrt-llm")
+        )
+        == []
+    )
+    assert codes(check(ModelOptPtqKind, "h200", qformat="fp8", calib_texts="c.txt")) == []
 
 
 @pytest.mark.skipif(_env.has_module("modelopt"), reason="modelopt is installed here")
