@@ -376,7 +376,7 @@ class Engine:
             "kind_version": node.kind_version,
             "plugin": node.plugin,
             "plugin_version": node.plugin_version,
-            "params": params.model_dump(mode="json"),
+            "params": node.params_json(),
             "inputs": inputs,
             "model": {"family": node.model.spec.family, "task": node.model.spec.task},
             "fingerprint": self.fingerprint(node.kind),
