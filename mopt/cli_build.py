@@ -523,8 +523,10 @@ def _report_noop(done: dict[str, Any], seconds: float, as_json: bool, quiet: boo
     """Print what a no-op build prints, from the stamp."""
     n = done["n"]
     if as_json:
+        from mopt.cli import dump_json
+
         sys.stdout.write(
-            json.dumps(
+            dump_json(
                 {
                     "recipe": done["recipe"],
                     "seconds": round(seconds, 3),
@@ -532,8 +534,7 @@ def _report_noop(done: dict[str, Any], seconds: float, as_json: bool, quiet: boo
                     "io": {"hashed_files": 0, "hashed_bytes": 0, "stat_hits": 0, "noop_stamp": True},
                     "build_dir": done["build_dir"],
                     "nodes": done["nodes"],
-                },
-                indent=2,
+                }
             )
             + "\n"
         )
