@@ -192,6 +192,11 @@ class Engine:
         self._prefetched = False
         self._prefetched_dirs: set[str] = set()
         self._node_files: dict[str, list[Path]] = {}
+        #: digests of input files hashed while the build loaded (`noop.prehash`): path →
+        #: (stat key, digest), used only while the file's stat is still that one
+        self.prehashed: dict[str, tuple[tuple[int, ...], str]] = {}
+        self.prehashed_files = 0
+        self.prehashed_bytes = 0
         self.planning = False  # plan never downloads a source
         self.index_dir = self.store.root / "index"
         if not read_only:
@@ -764,6 +769,19 @@ class Engine:
             node = self.graph.nodes[i]
             paths.update(self.node_files(node))
         self._prefetch_dirs(paths)
+        for p in paths:
+            pre = self.prehashed.pop(str(p), None)
+            if pre is None or p in self._file_digests:
+                continue
+            try:
+                st = os.stat(p)
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) == pre[0]:
+                self._file_digests[p] = pre[1]
+                self.prehashed_files += 1
+                self.prehashed_bytes += st.st_size
+                self.store.state.record(str(p), st, pre[1])  # the next build finds it by stat
         todo = [p for p in paths if p not in self._file_digests and p.exists()]
         if len(todo) < 2:
             return
@@ -1249,9 +1267,9 @@ def noop_stamp_inputs(engine: Engine, states: dict[str, NodeState]) -> dict[str,
             for address in st.node.addresses:
                 base = engine.address_path(address)
                 files.extend(str(base / e.path) for e in entries)
-    files.extend(engine._source_files)
-    files.extend(str(p) for p in engine._file_digests)
-    return {"files": files, "exist": exist, "absent": absent, "dirs": dirs, "env_extra": env_extra}
+    inputs = [*engine._source_files, *(str(p) for p in engine._file_digests)]
+    files.extend(inputs)
+    return {"files": files, "exist": exist, "absent": absent, "dirs": dirs, "env_extra": env_extra, "inputs": inputs}
 
 
 def _remote_for(project: Any, store: Store, offline: bool) -> Any:
