@@ -37,11 +37,16 @@ from gen_mopt_dag import write as write_recipe  # noqa: E402
 PEERS = (HERE.parent.parent / "shared" / "bench" / "peers").resolve()
 
 
+#: an installed mopt has its .pyc files; a shell with PYTHONDONTWRITEBYTECODE=1 would make
+#: every run compile every module of mopt and its plugins again (~0.5 s here)
+ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+
+
 def mopt(recipe: Path) -> tuple[float, dict]:
     t0 = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-m", "mopt", "build", recipe.name, "--json", "--no-check", "-q"],
-        cwd=recipe.parent, capture_output=True, text=True,
+        cwd=recipe.parent, capture_output=True, text=True, env=ENV,
     )
     dt = time.perf_counter() - t0
     if proc.returncode != 0:
@@ -52,8 +57,8 @@ def mopt(recipe: Path) -> tuple[float, dict]:
 def mopt_plan(recipe: Path) -> float:
     t0 = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "mopt", "plan", recipe.name, "--json"],
-        cwd=recipe.parent, capture_output=True, text=True,
+        [sys.executable, "-m", "mopt", "plan", recipe.name],
+        cwd=recipe.parent, capture_output=True, text=True, env=ENV,
     )
     dt = time.perf_counter() - t0
     if proc.returncode != 0:
@@ -164,13 +169,14 @@ def main() -> None:
     ap.add_argument("--only", choices=["small", "large", "xlarge"], help="one configuration")
     ap.add_argument("--xlarge-peers", action="store_true", help="run Snakemake at 10,000 nodes too")
     ap.add_argument("--fresh", action="store_true", help="rebuild the kept 10,000-node store from empty")
+    ap.add_argument("--root", default="/tmp/peers", help="where the DAGs live (default /tmp/peers)")
     a = ap.parse_args()
     hashing()
     configs = [("small", 40, 64, True), ("large", 400, 1, False), ("xlarge", 2000, 1, False)]
     for name, m, s, full in configs:
         if a.only and a.only != name:
             continue
-        root = Path(f"/tmp/peers/dag_M{m}_S{s}")
+        root = Path(a.root) / f"dag_M{m}_S{s}"
         subprocess.run([sys.executable, str(PEERS / "gen_dag.py"), str(root), "-M", str(m), "-S", str(s),
                         "--tools", "make"], check=True, stdout=subprocess.DEVNULL)
         keep = name == "xlarge" and not a.fresh
@@ -180,6 +186,8 @@ def main() -> None:
             tools = "snakemake" if name == "xlarge" else "dvc snakemake"
             res.update(bench_peers(m, s, a.r, noop_only=not full, tools=tools))
         phases = ["full", "noop", "plan", "all_cached", "touched", "incremental", "after_change"]
+        load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+        print(f"\n(load average after this case: {load} on {os.cpu_count()} CPUs: read the ratios, not the seconds)")
         print(f"\n## M={m} models × 5 stages = {m * 5} targets, weights {s} MiB each")
         print("seconds min/median [outputs rewritten]")
         print("| tool | " + " | ".join(phases) + " |")

@@ -273,6 +273,8 @@ def register(app: click.Group) -> None:
                     "io": {
                         "hashed_files": engine.store.state.hashed_files + engine.prehashed_files,
                         "hashed_bytes": engine.store.state.hashed_bytes + engine.prehashed_bytes,
+                        # of those, hashed while the build loaded (after a no-op miss)
+                        "prehashed_files": engine.prehashed_files,
                         "stat_hits": engine.store.state.hits,
                         # why the no-op fast path was not taken
                         "noop_miss": noop.last_miss if stamp is not None else "no store folder",

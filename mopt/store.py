@@ -486,10 +486,11 @@ class Store:
             return False
         return True
 
-    def tree_entries(self, tree_digest: str) -> list[TreeEntry]:
-        """The entries of the stored tree `tree_digest`."""
+    def tree_entries(self, tree_digest: str, *, present: bool = False) -> list[TreeEntry]:
+        """The entries of the stored tree `tree_digest` (`present`: the caller has just
+        found its blob intact)."""
         known = self._trees.get(tree_digest)
-        if known is not None and self.has(tree_digest):
+        if known is not None and (present or self.has(tree_digest)):
             return list(known)
         try:
             data = self.read_bytes(tree_digest)
@@ -714,7 +715,7 @@ class Store:
         the caller has just found every blob of the tree intact (a cache hit).
         """
         target = Path(self._guard_dest(dest))
-        entries = self.tree_entries(tree_digest)
+        entries = self.tree_entries(tree_digest, present=blobs_checked)
         missing = [] if blobs_checked else sorted({e.digest for e in entries if not self.has(e.digest)})
         if missing:
             raise BlobMissingError(
