@@ -281,7 +281,7 @@ def build_graph(recipe: Recipe, registry: Registry) -> Graph:
     nodes: dict[str, Node] = {}
     by_identity: dict[str, Node] = {}
     kinds: dict[str, TargetKind] = {}  # one instance per kind, not one per target
-    hw_json: dict[str, Any] = {}
+    hw_json: dict[int, Any] = {}  # id(profile) → its JSON
     for section in recipe.sections:
         hw = registry.hardware[section.hardware]
         model = recipe.models[section.model]
@@ -344,7 +344,7 @@ def _make_node(
     inputs: dict[str, list[str]],
     label: str,
     nodes: dict[str, Node],
-    hw_json: dict[str, Any] | None = None,
+    hw_json: dict[int, Any] | None = None,
 ) -> Node:
     cls = registry.targets[t.kind]
     plugin = registry.plugin_of("targets", t.kind)
