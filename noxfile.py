@@ -66,7 +66,8 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Benchmarks that print numbers: no-op / touch / change vs DVC and Snakemake, hashing;
+    """Benchmarks that print numbers: no-op / plan / all-cached / touch / change at 200, 2,000
+    and 10,000 nodes vs DVC and Snakemake (10,000: mopt only; its first run builds ~16 min), hashing;
     all-MiniLM-L6-v2 on this CPU: PyTorch fp32, ONNX Runtime fp32, mopt's ORT INT8 variants and
     OpenVINO (f32, bf16, NNCF INT8) side by side, latency and accuracy, alternating rounds."""
     install_all(session, "dvc", "snakemake")

@@ -110,14 +110,16 @@ def address_path(build_dir: Path, address: str, recipe: Any = None) -> Path:
     """build/<model>/<section>/<target> for an address `<section id>:<label>`.
 
     The folders come from the section's own model and section names (`recipe`: the recipe,
-    or a list of its sections), never from splitting the id at a dot: a model may be named
+    a list of its sections, or a dict of section id → (model, section name)), never from splitting the id at a dot: a model may be named
     `qwen2.5-0.5b`. Without `recipe` the id is split at its first dot (names without dots).
     Each part must be one path component (the recipe checks names when it loads; this
     holds for addresses from anywhere else too).
     """
     section_id, _, label = address.partition(":")
     parts: tuple[str, str] | None = None
-    if recipe is not None:
+    if isinstance(recipe, dict):  # section id → (model, section name), made by the caller
+        parts = recipe.get(section_id)
+    elif recipe is not None:
         for sec in getattr(recipe, "sections", recipe):
             if sec.id == section_id:
                 parts = (sec.model, sec.key)
@@ -188,6 +190,13 @@ class Engine:
         self._index_data: dict[str, Any] | None = None
         self._index_dirty = False
         self._prefetched = False
+        self._prefetched_dirs: set[str] = set()
+        self._node_files: dict[str, list[Path]] = {}
+        #: digests of input files hashed while the build loaded (`noop.prehash`): path →
+        #: (stat key, digest), used only while the file's stat is still that one
+        self.prehashed: dict[str, tuple[tuple[int, ...], str]] = {}
+        self.prehashed_files = 0
+        self.prehashed_bytes = 0
         self.planning = False  # plan never downloads a source
         self.index_dir = self.store.root / "index"
         if not read_only:
@@ -377,7 +386,7 @@ class Engine:
             "kind_version": node.kind_version,
             "plugin": node.plugin,
             "plugin_version": node.plugin_version,
-            "params": params.model_dump(mode="json"),
+            "params": node.params_json(),
             "inputs": inputs,
             "model": {"family": node.model.spec.family, "task": node.model.spec.task},
             "fingerprint": self.fingerprint(node.kind),
@@ -399,7 +408,7 @@ class Engine:
             }
         if missing:
             parts["missing"] = {s: [[m.label, m.status] for m in ms] for s, ms in sorted(missing.items())}
-        files = kind.input_files(params, self.recipe.project_dir)
+        files = self.node_files(node)
         if files:
             parts["files"] = {self._rel(f): self.file_digest(f) for f in files}
         if kind.per_hardware:
@@ -459,6 +468,7 @@ class Engine:
         """Per node: up to date / new / why it will run, without running anything."""
         self.planning = True
         self._prefetch()
+        self._prefetch_dirs([f for i in ids for f in self.node_files(self.graph.nodes[i])])
         outputs: dict[str, str | None] = {}
         result: dict[str, dict[str, Any]] = {}
         gone: dict[str, str] = {}  # nodes that will not build here: id → unbuildable|blocked
@@ -622,64 +632,66 @@ class Engine:
         try:
             while pending or running:
                 progressed = False
-                for _ in range(len(pending)):
-                    i = pending.popleft()
-                    st = states[i]
-                    node = st.node
-                    ready, why_not, missing = readiness(node, states, outputs, self.graph)
-                    if ready == "blocked":
-                        st.status = "blocked"
-                        st.reason = why_not
-                        reporter.done(st)
-                        progressed = True
-                        continue
-                    if stop or ready == "wait":
-                        if stop and not running:
+                # one shared gc lock over the pass (its hits materialize), not one per hit
+                with self.store.in_use():
+                    for _ in range(len(pending)):
+                        i = pending.popleft()
+                        st = states[i]
+                        node = st.node
+                        ready, why_not, missing = readiness(node, states, outputs, self.graph)
+                        if ready == "blocked":
                             st.status = "blocked"
-                            st.reason = "not started after an earlier failure (use --keep-going)"
+                            st.reason = why_not
                             reporter.done(st)
                             progressed = True
                             continue
-                        pending.append(i)
-                        continue
-                    if st.key is None:
-                        st.missing = missing
-                        st.parts = self.parts(node, built_inputs(node, outputs), missing)
-                        st.key = action_key(st.parts)
-                        entry = self.hit(st.key)
-                        if entry is not None:
-                            self._finish_hit(st, entry, outputs)
-                            reporter.done(st)
-                            progressed = True
+                        if stop or ready == "wait":
+                            if stop and not running:
+                                st.status = "blocked"
+                                st.reason = "not started after an earlier failure (use --keep-going)"
+                                reporter.done(st)
+                                progressed = True
+                                continue
+                            pending.append(i)
                             continue
-                        why = self.unmet(node)
-                        if why:
-                            st.status = "unbuildable"
-                            st.reason = f"unbuildable here: {why}"
-                            reporter.done(st)
-                            progressed = True
+                        if st.key is None:
+                            st.missing = missing
+                            st.parts = self.parts(node, built_inputs(node, outputs), missing)
+                            st.key = action_key(st.parts)
+                            entry = self.hit(st.key)
+                            if entry is not None:
+                                self._finish_hit(st, entry, outputs)
+                                reporter.done(st)
+                                progressed = True
+                                continue
+                            why = self.unmet(node)
+                            if why:
+                                st.status = "unbuildable"
+                                st.reason = f"unbuildable here: {why}"
+                                reporter.done(st)
+                                progressed = True
+                                continue
+                        need = self._resources(node, slots)
+                        if any(used[r] + n > slots.get(r, 0) for r, n in need.items()):
+                            if all(v == 0 for v in used.values()) and any(
+                                n > slots.get(r, 0) for r, n in need.items()
+                            ):
+                                st.status = "unbuildable"
+                                st.reason = f"unbuildable here: needs {need} slots, this machine has {slots}"
+                                reporter.done(st)
+                                progressed = True
+                                continue
+                            pending.append(i)
                             continue
-                    need = self._resources(node, slots)
-                    if any(used[r] + n > slots.get(r, 0) for r, n in need.items()):
-                        if all(v == 0 for v in used.values()) and any(
-                            n > slots.get(r, 0) for r, n in need.items()
-                        ):
-                            st.status = "unbuildable"
-                            st.reason = f"unbuildable here: needs {need} slots, this machine has {slots}"
-                            reporter.done(st)
-                            progressed = True
-                            continue
-                        pending.append(i)
-                        continue
-                    for r, n in need.items():
-                        used[r] += n
-                    if runner is None:
-                        runner = self.runner = self._local_runner(max(1, jobs + slots["gpu"]))
-                    st.status = "running"
-                    st.started = time.time()
-                    reporter.started(st)
-                    running[pool.submit(self._execute, st, reporter)] = (i, need)
-                    progressed = True
+                        for r, n in need.items():
+                            used[r] += n
+                        if runner is None:
+                            runner = self.runner = self._local_runner(max(1, jobs + slots["gpu"]))
+                        st.status = "running"
+                        st.started = time.time()
+                        reporter.started(st)
+                        running[pool.submit(self._execute, st, reporter)] = (i, need)
+                        progressed = True
                 if not running:
                     if pending and not progressed:
                         raise AssertionError(f"scheduler stuck on {list(pending)[:3]}")
@@ -751,7 +763,21 @@ class Engine:
         paths: set[Path] = set()
         for i in ids:
             node = self.graph.nodes[i]
-            paths.update(self.kind(node.kind).input_files(node.target.params, self.recipe.project_dir))
+            paths.update(self.node_files(node))
+        self._prefetch_dirs(paths)
+        for p in paths:
+            pre = self.prehashed.pop(str(p), None)
+            if pre is None or p in self._file_digests:
+                continue
+            try:
+                st = os.stat(p)
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) == pre[0]:
+                self._file_digests[p] = pre[1]
+                self.prehashed_files += 1
+                self.prehashed_bytes += st.st_size
+                self.store.state.record(str(p), st, pre[1])  # the next build finds it by stat
         todo = [p for p in paths if p not in self._file_digests and p.exists()]
         if len(todo) < 2:
             return
@@ -759,11 +785,28 @@ class Engine:
             for p, d in zip(todo, pool.map(self.store.state.path_digest, todo)):
                 self._file_digests[p] = d
 
+    def node_files(self, node: Node) -> list[Path]:
+        """The declared input files of `node` (its kind's `input_files`, asked once a build)."""
+        files = self._node_files.get(node.id)
+        if files is None:
+            files = self._node_files[node.id] = list(
+                self.kind(node.kind).input_files(node.target.params, self.recipe.project_dir)
+            )
+        return list(files)
+
+    def _prefetch_dirs(self, paths: Any) -> None:
+        """The stat records under the folders of `paths` in one query per folder."""
+        for d in sorted({os.path.dirname(os.path.abspath(p)) for p in paths} - self._prefetched_dirs):
+            self._prefetched_dirs.add(d)
+            self.store.state.prefetch(d)
+
     def _prefetch(self) -> None:
-        """One query for the stat records of every blob: hits then cost a stat each."""
+        """One query for the stat records of every blob and every materialized file: hits
+        then cost a stat each (not a SELECT each)."""
         if not self._prefetched:
             self._prefetched = True
             self.store.state.prefetch(self.store.cas_dir)
+            self.store.state.prefetch(self.build_dir)
 
     def hit(self, key: str, *, fetch: bool = True) -> ActionEntry | None:
         """The cache entry for `key` if it and every blob it names are intact.
@@ -820,7 +863,7 @@ class Engine:
         st.entry = entry
         self._meta[entry.outputs_tree] = dict(entry.meta.get("result") or {})
         outputs[st.node.id] = entry.outputs_tree
-        self._materialize(st.node, entry.outputs_tree)
+        self._materialize(st.node, entry.outputs_tree, blobs_checked=True)
         assert st.key is not None and st.parts is not None
         self.record(st.node, st.key, st.parts)
 
@@ -828,10 +871,13 @@ class Engine:
         """build/<model>/<section>/<target> of `address` in this recipe."""
         cache = self.__dict__.setdefault("_address_paths", {})
         if address not in cache:
-            cache[address] = address_path(self.build_dir, address, self.recipe)
+            names = self.__dict__.get("_section_names")
+            if names is None:  # one dict, not a scan of 10,000 sections per address
+                names = self._section_names = {sec.id: (sec.model, sec.key) for sec in self.recipe.sections}
+            cache[address] = address_path(self.build_dir, address, names)
         return cache[address]
 
-    def _materialize(self, node: Node, tree: str) -> None:
+    def _materialize(self, node: Node, tree: str, *, blobs_checked: bool = False) -> None:
         if node.id not in getattr(self, "_want", {node.id}):
             return
         with self.store.in_use():
@@ -839,7 +885,7 @@ class Engine:
                 # materialize checks every file by stat (or by inode for large, linked ones)
                 # and rebuilds the folder if one was edited or removed: a repair of this
                 # target's folder only, never of the blob another target's file shares
-                self.store.materialize(tree, self.address_path(address))
+                self.store.materialize(tree, self.address_path(address), blobs_checked=blobs_checked)
 
     def _execute(self, st: NodeState, reporter: Reporter) -> NodeState:
         """Run one action under its lock (another process may have built it meanwhile).
@@ -866,7 +912,7 @@ class Engine:
                 inputs, digests, names = self._inputs(st, in_dir)
                 source = self.source(node.model.name)[0] if kind.uses_source else None
                 watched = [in_dir, *([source] if source is not None else [])]
-                watched += kind.input_files(node.target.params, self.recipe.project_dir)
+                watched += self.node_files(node)
                 watch = InputWatch.take(watched, digests)
                 spawn = Spawn(
                     key=key,
@@ -1218,9 +1264,9 @@ def noop_stamp_inputs(engine: Engine, states: dict[str, NodeState]) -> dict[str,
             for address in st.node.addresses:
                 base = engine.address_path(address)
                 files.extend(str(base / e.path) for e in entries)
-    files.extend(engine._source_files)
-    files.extend(str(p) for p in engine._file_digests)
-    return {"files": files, "exist": exist, "absent": absent, "dirs": dirs, "env_extra": env_extra}
+    inputs = [*engine._source_files, *(str(p) for p in engine._file_digests)]
+    files.extend(inputs)
+    return {"files": files, "exist": exist, "absent": absent, "dirs": dirs, "env_extra": env_extra, "inputs": inputs}
 
 
 def _remote_for(project: Any, store: Store, offline: bool) -> Any:

@@ -172,20 +172,27 @@ def register(app: click.Group) -> None:
         t0 = time.time()
         store_dir = noop.find_store_dir(str(recipe)) if recipe.exists() else None
         stamp = noop.stamp_path(store_dir, str(recipe), list(selectors), offline) if store_dir else None
+        prehashing = None
         if stamp is not None:
             done = noop.check(stamp)
             if done is not None:  # nothing it depends on changed: no plugins, no keys
                 _report_noop(done, time.time() - t0, as_json, quiet)
                 return
+            if noop.changed_inputs:
+                prehashing = noop.prehash(list(noop.changed_inputs))
         from mopt import procs
         from mopt.build import Engine, LockFileError, current_lock, frozen_diff, noop_stamp_inputs, write_lock
 
         s = Session(recipe)
+        if prehashing is not None:
+            prehashing.join()
         wanted = s.graph.match(list(selectors))
         ids = s.graph.closure(wanted)
         if not no_check:
             _run_check(s, ids)
         engine = Engine(s, offline=offline)
+        if prehashing is not None:
+            engine.prehashed = dict(prehashing.results)
         lock_now = current_lock(engine, ids)
         if frozen:
             diffs = frozen_diff(s.recipe.path, lock_now)
@@ -264,8 +271,10 @@ def register(app: click.Group) -> None:
                     "seconds": round(time.time() - t0, 3),
                     "counts": counts,
                     "io": {
-                        "hashed_files": engine.store.state.hashed_files,
-                        "hashed_bytes": engine.store.state.hashed_bytes,
+                        "hashed_files": engine.store.state.hashed_files + engine.prehashed_files,
+                        "hashed_bytes": engine.store.state.hashed_bytes + engine.prehashed_bytes,
+                        # of those, hashed while the build loaded (after a no-op miss)
+                        "prehashed_files": engine.prehashed_files,
                         "stat_hits": engine.store.state.hits,
                         # why the no-op fast path was not taken
                         "noop_miss": noop.last_miss if stamp is not None else "no store folder",
@@ -523,8 +532,10 @@ def _report_noop(done: dict[str, Any], seconds: float, as_json: bool, quiet: boo
     """Print what a no-op build prints, from the stamp."""
     n = done["n"]
     if as_json:
+        from mopt.cli import dump_json
+
         sys.stdout.write(
-            json.dumps(
+            dump_json(
                 {
                     "recipe": done["recipe"],
                     "seconds": round(seconds, 3),
@@ -532,8 +543,7 @@ def _report_noop(done: dict[str, Any], seconds: float, as_json: bool, quiet: boo
                     "io": {"hashed_files": 0, "hashed_bytes": 0, "stat_hits": 0, "noop_stamp": True},
                     "build_dir": done["build_dir"],
                     "nodes": done["nodes"],
-                },
-                indent=2,
+                }
             )
             + "\n"
         )

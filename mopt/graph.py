@@ -41,9 +41,13 @@ class Node:
     addresses: list[str] = field(default_factory=list)
     #: slots that take whatever of their inputs got built (`Input.partial`)
     partial_slots: tuple[str, ...] = ()
+    #: `target.params` as JSON, dumped once (params are frozen); treat it as read-only
+    params_dump: Any = None
 
     def params_json(self) -> Any:
-        return self.target.params.model_dump(mode="json")
+        if self.params_dump is None:
+            self.params_dump = self.target.params.model_dump(mode="json")
+        return self.params_dump
 
     def input_ids(self) -> list[str]:
         return [i for ids in self.inputs.values() for i in ids]
@@ -276,13 +280,17 @@ def build_graph(recipe: Recipe, registry: Registry) -> Graph:
     """Expand the recipe's sections into the graph of nodes."""
     nodes: dict[str, Node] = {}
     by_identity: dict[str, Node] = {}
+    kinds: dict[str, TargetKind] = {}  # one instance per kind, not one per target
+    hw_json: dict[int, Any] = {}  # id(profile) → its JSON
     for section in recipe.sections:
         hw = registry.hardware[section.hardware]
         model = recipe.models[section.model]
         wiring = _wire(section, registry)
         variants: dict[str, list[Target]] = {}
         for t in section.targets:
-            kind = registry.targets[t.kind]()
+            kind = kinds.get(t.kind)
+            if kind is None:
+                kind = kinds[t.kind] = registry.targets[t.kind]()
             t.params = kind.bind(t.params, model=section.model, hardware=section.key, section=section.id)
             variants.setdefault(t.name, []).append(t)
         built: dict[str, list[Node]] = {}  # target name → its nodes in this section
@@ -309,7 +317,7 @@ def build_graph(recipe: Recipe, registry: Registry) -> Graph:
                         if is_multi:
                             suffix.append(inodes[0].label)
                     label = t.label + (f"[{','.join(suffix)}]" if suffix else "")
-                    node = _make_node(registry, section, model, hw, t, inputs, label, nodes)
+                    node = _make_node(registry, section, model, hw, t, inputs, label, nodes, hw_json)
                     existing = by_identity.get(node.identity)
                     if existing is not None:
                         addr = f"{section.id}:{label}"
@@ -336,22 +344,29 @@ def _make_node(
     inputs: dict[str, list[str]],
     label: str,
     nodes: dict[str, Node],
+    hw_json: dict[int, Any] | None = None,
 ) -> Node:
     cls = registry.targets[t.kind]
     plugin = registry.plugin_of("targets", t.kind)
+    params_json = t.params.model_dump(mode="json")
     definition: dict[str, Any] = {
         "kind": t.kind,
         "kind_version": cls.version,
         "plugin": plugin.name,
         "plugin_version": plugin.version,
-        "params": t.params.model_dump(mode="json"),
+        "params": params_json,
         "inputs": {s: [nodes[i].identity for i in ids] for s, ids in sorted(inputs.items())},
         "model": {"family": model.spec.family, "task": model.spec.task},
     }
     if cls.uses_source:
         definition["source"] = model.spec.source
     if cls.per_hardware:
-        definition["hardware"] = hw.model_dump(mode="json")
+        if hw_json is None or id(hw) not in hw_json:
+            dumped = hw.model_dump(mode="json")
+            if hw_json is None:
+                hw_json = {}
+            hw_json[id(hw)] = dumped
+        definition["hardware"] = hw_json[id(hw)]
     identity = hash_bytes(canonical_json(definition))
     node_id = f"{section.id}:{label}"
     return Node(
@@ -369,6 +384,7 @@ def _make_node(
         label=label,
         addresses=[node_id],
         partial_slots=tuple(s.name for s in cls.consumes if s.gather and s.partial),
+        params_dump=params_json,
     )
 
 

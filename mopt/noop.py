@@ -73,24 +73,29 @@ def find_store_dir(recipe: str) -> str | None:
 
 #: why the last `check` found no usable stamp ("" when it did): `mopt build --json` reports it
 last_miss = ""
+#: the declared input files whose stat changed, as the last missed `check` found them
+changed_inputs: list[str] = []
 
 
 def check(path: str) -> dict[str, Any] | None:
     """The stamp's recorded result if nothing it depends on changed, else None (the reason
     is left in `last_miss`)."""
     global last_miss
-    last_miss = _miss(path)
+    del changed_inputs[:]
+    stamp: dict[str, Any] = {}
+    last_miss = _miss(path, stamp)
     if last_miss:
         return None
-    with open(path) as fh:
-        result: dict[str, Any] = json.load(fh).get("result", {})
+    result: dict[str, Any] = stamp.get("result", {})
     return result
 
 
-def _miss(path: str) -> str:
+def _miss(path: str, out: dict[str, Any]) -> str:
+    """Why the stamp at `path` does not hold ("" if it does); the stamp is put in `out`
+    (read once: at 10,000 nodes it is ~10 MB of JSON)."""
     try:
-        with open(path) as fh:
-            stamp = json.load(fh)
+        with open(path, "rb") as fh:
+            stamp = json.loads(fh.read())
     except OSError:
         try:
             with open(path + ".skipped") as fh:
@@ -99,17 +104,32 @@ def _miss(path: str) -> str:
             return "no stamp"
     except ValueError:
         return "unreadable stamp"
+    if not isinstance(stamp, dict):
+        return "unreadable stamp"
+    out.update(stamp)
     if stamp.get("version") != STAMP_VERSION or stamp.get("python") != sys.executable:
         return "another stamp version or Python"
     if stamp.get("host") != _host():  # platform() parts (CPU class) are per machine
         return "another host"
     if _env(stamp.get("env_extra", [])) != stamp.get("env"):
         return "environment changed"
-    for p, want in stamp.get("files", {}).items():
-        if _stat(p) != want:
+    files = stamp.get("files", {})
+    stat = os.stat  # the loop below is the whole no-op at 10,000 nodes: no call per file
+    for p, want in files.items():
+        try:
+            st = stat(p)
+            now: list[int] | None = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+        except OSError:
+            now = None
+        if now != want:
+            # the full path will digest the changed input files first: name them, so that
+            # hashing them can start while it loads (see `prehash`)
+            changed_inputs[:] = [q for q in stamp.get("inputs", []) if q in files and _stat(q) != files[q]]
             return f"changed: {p}"
     for p in stamp.get("exist", []):
-        if not os.path.exists(p):
+        try:
+            stat(p)
+        except OSError:
             return f"gone: {p}"
     for p in stamp.get("absent", []):
         if os.path.exists(p):
@@ -133,8 +153,10 @@ def write(
     dirs: list[str],
     env_extra: list[str],
     result: dict[str, Any],
+    inputs: list[str] | None = None,
 ) -> None:
-    """Record a successful build's dependencies (stats taken now)."""
+    """Record a successful build's dependencies (stats taken now). `inputs`: those of
+    `files` that are declared input files or model sources (see `changed_inputs`)."""
     mods = set()
     for m in list(sys.modules.values()):
         f = getattr(m, "__file__", None)
@@ -148,6 +170,10 @@ def write(
 
     now = time.time_ns()
     racy = [p for p, st in stats.items() if st is not None and now - st[2] < RACY_NS]
+    # A module edited while this build ran: the stamp would take its new stat for the code
+    # this process ran (an edited kind would then look built). Its ctime says so.
+    started = getattr(sys.modules.get("mopt"), "STARTED_NS", now)
+    racy += [p for p in sorted(mods) if (st := stats.get(p)) is not None and st[2] >= started]
     if racy:
         invalidate(path)
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -164,11 +190,58 @@ def write(
         "exist": sorted(set(exist)),
         "absent": sorted(set(absent)),
         "dirs": {d: _dir_mtime(d) for d in sorted(set(dirs) | set(_path_dirs()))},
+        "inputs": sorted(set(inputs or ())),
         "result": result,
     }
     os.makedirs(os.path.dirname(path), exist_ok=True)
     replace_durably(path, json.dumps(stamp, separators=(",", ":")).encode())
     _remove(path + ".skipped")
+
+
+def prehash(paths: list[str]) -> Any:
+    """Start digesting the files `paths` on background threads; return the thread, whose
+    `results` (path → (stat, digest)) the engine takes once it is joined (`Engine.prehashed`).
+    After a `touch` of many large input files, hashing them is most of the build: this runs
+    while the full path loads plugins and the recipe (BLAKE3 leaves the GIL to the loading
+    thread). A digest is kept only if the file's stat was the same before and after hashing,
+    and the engine uses it only while the file's stat still is that one; anything that
+    fails here is left to the full path to digest and report."""
+    import stat as stat_
+    import threading
+
+    results: dict[str, tuple[tuple[int, ...], str]] = {}  # path → (stat key, digest)
+
+    def one(p: str, hash_file: Any) -> None:
+        try:
+            st = os.stat(p)
+            if not stat_.S_ISREG(st.st_mode):
+                return  # folders: the full path digests them
+            digest = hash_file(p)
+            after = os.stat(p)
+        except (OSError, ValueError):
+            return
+        if _key(after) == _key(st):  # not written meanwhile
+            results[p] = (_key(st), digest)
+
+    def work() -> None:
+        try:
+            from concurrent.futures import ThreadPoolExecutor
+
+            from mopt.digest import hash_file
+
+            with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+                list(pool.map(lambda p: one(p, hash_file), paths))
+        except Exception:  # a head start only: the full path digests what is missing
+            pass
+
+    t = threading.Thread(target=work, name="mopt-prehash", daemon=True)
+    t.results = results  # type: ignore[attr-defined]
+    t.start()
+    return t
+
+
+def _key(st: os.stat_result) -> tuple[int, ...]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def replace_durably(path: str, data: bytes, mode: int = 0o644) -> None:

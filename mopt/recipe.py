@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeGuard
 
@@ -112,7 +112,6 @@ class Target:
     inputs: list[str] | None
     variant: tuple[tuple[str, Any], ...] = ()
     where: Where | None = None
-    origins: dict[str, Any] = field(default_factory=dict)
     input_where: Where | None = None
 
     @property
@@ -388,6 +387,7 @@ class _Layer:
 
 def _collect_sections(chain: list[_File], models: dict[str, Model], registry: Registry) -> list[Section]:
     order: list[tuple[str, str]] = []
+    seen: set[tuple[str, str]] = set()  # a set: 10,000 sections, not a list scan each
     for f in chain:
         for key, body in f.data.items():
             if key in RESERVED_TOP:
@@ -411,7 +411,8 @@ def _collect_sections(chain: list[_File], models: dict[str, Model], registry: Re
                 bad = check_name(hw)
                 if bad:
                     raise f.error(bad, [key], hw, hint="rename the section")
-                if (key, hw) not in order:
+                if (key, hw) not in seen:
+                    seen.add((key, hw))
                     order.append((key, hw))
     # Section ids join model and section with a dot, and names may hold dots: two tables
     # must not make one id (["a.b".c] and [a."b.c"]), or they would silently merge.
@@ -432,10 +433,26 @@ def _collect_sections(chain: list[_File], models: dict[str, Model], registry: Re
                 raise f.error(
                     f"{k!r} belongs in a build section, not in [defaults]", ["defaults"], k
                 )
-    return [_section(chain, models, registry, m, hw) for m, hw in order]
+    memo: dict[Any, tuple[list[tuple[Target, Any]], list[_Layer]]] = {}
+    return [_section(chain, models, registry, m, hw, memo) for m, hw in order]
 
 
-def _section(chain: list[_File], models: dict[str, Model], registry: Registry, model: str, hw: str) -> Section:
+def lookup_key(key: str, layers: list[_Layer]) -> tuple[Any, _Layer | None]:
+    """The value of `key` in the highest layer that sets it, and that layer."""
+    for lay in reversed(layers):
+        if key in lay.body:
+            return lay.body[key], lay
+    return None, None
+
+
+def _section(
+    chain: list[_File],
+    models: dict[str, Model],
+    registry: Registry,
+    model: str,
+    hw: str,
+    memo: dict[Any, tuple[list[tuple[Target, Any]], list[_Layer]]] | None = None,
+) -> Section:
     layers: list[_Layer] = []  # lowest priority first
     for f in chain:
         if "defaults" in f.data:
@@ -446,12 +463,7 @@ def _section(chain: list[_File], models: dict[str, Model], registry: Registry, m
     sec_layers = [lay for lay in layers if lay.table[0] != "defaults"]
     decl = sec_layers[-1]
 
-    def lookup(key: str, layers_: list[_Layer]) -> tuple[Any, _Layer | None]:
-        for lay in reversed(layers_):
-            if key in lay.body:
-                return lay.body[key], lay
-        return None, None
-
+    lookup = lookup_key
     hardware, hw_layer = lookup("hardware", sec_layers)
     if hardware is None:
         hardware, hw_layer = hw, None
@@ -471,7 +483,88 @@ def _section(chain: list[_File], models: dict[str, Model], registry: Registry, m
             or did_you_mean(hardware, registry.hardware, "profiles") + "; see `mopt hardware`",
         )
     description, _ = lookup("description", sec_layers)
-    targets, t_layer = lookup("targets", layers)
+    # Sections whose layers hold the same values (10,000 sections under one [defaults])
+    # resolve to the same targets: merge and validate once, then only the places differ.
+    key = _layers_key(layers)
+    cached = memo.get(key) if memo is not None and key is not None else None
+    if cached is not None:
+        out = _rebase_targets(cached[0], cached[1], layers, decl)
+    else:
+        made = _section_targets(layers, sec_layers, decl, registry, model, hw)
+        if memo is not None and key is not None:
+            memo[key] = (made, layers)
+        out = [t for t, _ in made]
+    return Section(
+        model=model,
+        key=hw,
+        hardware=hardware,
+        targets=out,
+        description=description or "",
+        where=decl.file.where(decl.table),
+    )
+
+
+def _freeze(v: Any) -> Any:
+    """A hashable value equal for equal TOML values, types and key order (a sweep's order
+    names its variants; 1 is not 1.0 or true)."""
+    if isinstance(v, dict):
+        return ("t", tuple((k, _freeze(x)) for k, x in v.items()))
+    if isinstance(v, list):
+        return ("a", tuple(_freeze(x) for x in v))
+    return (type(v).__name__, v)
+
+
+def _layers_key(layers: list[_Layer]) -> Any:
+    """What a section's targets are made of: each layer's file and values; None: no memo."""
+    try:
+        key = tuple(
+            (id(lay.file), True, id(lay.body)) if lay.table[0] == "defaults" else (id(lay.file), False, _freeze(lay.body))
+            for lay in layers
+        )
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _rebase_targets(
+    made: list[tuple[Target, Any]], old: list[_Layer], layers: list[_Layer], decl: _Layer
+) -> list[Target]:
+    """The targets `made` for the layers `old`, placed in the equal layers `layers`."""
+    remap = {(id(o.file), tuple(o.table)): (len(o.table), n) for o, n in zip(old, layers, strict=True)}
+
+    def rebase(origin: Any) -> Any:
+        f, table, *rest = origin
+        hit = remap.get((id(f), tuple(table[:1]))) or remap[(id(f), tuple(table[:2]))]
+        n, lay = hit
+        return (lay.file, lay.table + list(table[n:]), *rest)
+
+    out = []
+    for t, in_origin in made:
+        in_where = None
+        if in_origin is not None:
+            o = rebase(in_origin)
+            in_where = o[0].where(o[1], "input")
+        out.append(
+            Target(
+                name=t.name,
+                kind=t.kind,
+                params=t.params,
+                raw=t.raw,
+                inputs=None if t.inputs is None else list(t.inputs),
+                variant=t.variant,
+                where=decl.file.where(decl.table + [t.name]),
+                input_where=in_where,
+            )
+        )
+    return out
+
+
+def _section_targets(
+    layers: list[_Layer], sec_layers: list[_Layer], decl: _Layer, registry: Registry, model: str, hw: str
+) -> list[tuple[Target, Any]]:
+    """The section's targets (one per sweep variant), each with the origin of its `input`."""
+    targets, t_layer = lookup_key("targets", layers)
     if targets is None:
         raise decl.file.error(
             "no `targets` for this section",
@@ -557,7 +650,7 @@ def _section(chain: list[_File], models: dict[str, Model], registry: Registry, m
 
     sweep = _sweep_axes(sec_layers, kinds, model, hw)
 
-    out: list[Target] = []
+    out: list[tuple[Target, Any]] = []
     for name in targets:
         kind = kinds[name]
         cls = registry.targets[kind]
@@ -623,26 +716,21 @@ def _section(chain: list[_File], models: dict[str, Model], registry: Registry, m
                     hint="sweep over values without '/' (or fewer of them)",
                 )
             out.append(
-                Target(
-                    name=name,
-                    kind=kind,
-                    params=validated,
-                    raw=p,
-                    inputs=inputs,
-                    variant=tuple(variant),
-                    where=decl.file.where(decl.table + [name]),
-                    origins=o,
-                    input_where=in_where,
+                (
+                    Target(
+                        name=name,
+                        kind=kind,
+                        params=validated,
+                        raw=p,
+                        inputs=inputs,
+                        variant=tuple(variant),
+                        where=decl.file.where(decl.table + [name]),
+                        input_where=in_where,
+                    ),
+                    in_origin,
                 )
             )
-    return Section(
-        model=model,
-        key=hw,
-        hardware=hardware,
-        targets=out,
-        description=description or "",
-        where=decl.file.where(decl.table),
-    )
+    return out
 
 
 def _toml_key(name: str) -> str:

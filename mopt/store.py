@@ -6,8 +6,9 @@ Layout under the root::
     ac/<key>.json          one entry per successful action: its outputs tree, log, timings
     tmp/                   temp files; complete ones are renamed into cas/ or ac/
     logs/                  failed-<key>.log: the log of a failed action (failures are not cached)
-    locks/                 <key>.lock: one flock per action key; entries.lock: byte-range
-                           locks saying which entries running builds use (gc skips them)
+    locks/                 <key>.lock: one flock per action key; entries-<NN>.lock (64 of
+                           them): byte-range locks saying which entries running builds use
+                           (gc skips them)
     roots/                 symlinks to the lock files of projects using this store (gc roots)
     state.db               the stat cache
 
@@ -261,9 +262,10 @@ class Store:
         # their real paths, resolved once: a link that appears later on the way to one makes
         # paths under it resolve elsewhere, so they are refused (it fails closed)
         self._real_roots: list[str] = [os.path.realpath(self.root)]
-        self._use_fd: int | None = None
+        self._use_fds: dict[int, int | None] = {}  # shard → descriptor of locks/entries-<NN>.lock
         self._used: set[str] = set()
         self._use_lock = threading.Lock()
+        self._tls = threading.local()  # per thread: whether it holds the shared gc lock (`in_use`)
         if not read_only:
             for d in (self.cas_dir, self.ac_dir, self.tmp_dir, self.logs_dir, self.locks_dir):
                 try:
@@ -284,10 +286,11 @@ class Store:
         if self._state is not None:
             self._state.close()
         with self._use_lock:
-            if self._use_fd is not None:
-                os.close(self._use_fd)  # drops every byte-range lock this process holds on it
-                self._use_fd = None
-                self._used.clear()
+            for fd in self._use_fds.values():
+                if fd is not None:
+                    os.close(fd)  # drops every byte-range lock this process holds on it
+            self._use_fds.clear()
+            self._used.clear()
 
     def allow(self, folder: StrPath) -> None:
         """Let this store write and delete under `folder` too (a build/ folder)."""
@@ -460,7 +463,8 @@ class Store:
     def read_bytes(self, digest: str) -> bytes:
         """The content of blob `digest`; BlobMissingError if it is not in the store."""
         try:
-            return self.blob_path(digest).read_bytes()
+            with open(self.blob_str(digest), "rb") as fh:
+                return fh.read()
         except FileNotFoundError:
             raise BlobMissingError(f"blob {digest} is not in the store {self.root}") from None
 
@@ -482,10 +486,11 @@ class Store:
             return False
         return True
 
-    def tree_entries(self, tree_digest: str) -> list[TreeEntry]:
-        """The entries of the stored tree `tree_digest`."""
+    def tree_entries(self, tree_digest: str, *, present: bool = False) -> list[TreeEntry]:
+        """The entries of the stored tree `tree_digest` (`present`: the caller has just
+        found its blob intact)."""
         known = self._trees.get(tree_digest)
-        if known is not None and self.has(tree_digest):
+        if known is not None and (present or self.has(tree_digest)):
             return list(known)
         try:
             data = self.read_bytes(tree_digest)
@@ -531,17 +536,19 @@ class Store:
         `check_blobs=False` leaves the blob check to the caller (the engine checks them
         through the stat cache, which also catches changed bytes)."""
         path = self._ac_path(key)
-        if not os.path.lexists(path):
+        try:
+            st = os.lstat(path)
+        except OSError:  # absent (or its folder unreadable): a miss
             return None
         if not self.read_only:
             # Say "in use" before reading, so a gc deciding now keeps the entry and its
             # blobs for as long as this build runs (see `use`).
             self.use(key)
         try:
-            st = os.lstat(path)
             if not stat.S_ISREG(st.st_mode):
                 raise ValueError("not a regular file")
-            data = path.read_bytes()
+            with open(path, "rb") as fh:
+                data = fh.read()
             e = ActionEntry.model_validate_json(data)
             if e.key != key:
                 raise ValueError(f"it is the entry of {e.key!r}")
@@ -572,28 +579,33 @@ class Store:
     def use(self, key: str) -> None:
         """Hold a shared lock on entry `key` until `close`: gc leaves it and its blobs alone.
 
-        One byte per key (POSIX record locks on locks/entries.lock), so a build using a
-        thousand entries holds one descriptor, and the locks die with the process. gc
-        takes the exclusive lock of each entry it would drop, without waiting.
+        One byte per key (POSIX record locks on locks/entries-<NN>.lock), so a build using
+        ten thousand entries holds at most 64 descriptors, and the locks die with the
+        process. gc takes the exclusive lock of each entry it would drop, without waiting.
+        The locks are spread over 64 files because the kernel keeps a file's record locks
+        in one list that every new lock walks: 10,000 locks on one file cost seconds.
         """
         if self.read_only:
             return
         with self._use_lock:
             if key in self._used:
                 return
-            if self._use_fd is None:
-                self._use_fd = self._open_entries_lock()
-                if self._use_fd is None:
-                    return
+            offset = _lock_offset(key)
+            shard = offset % _LOCK_SHARDS
+            if shard not in self._use_fds:
+                self._use_fds[shard] = self._open_entries_lock(shard)
+            fd = self._use_fds[shard]
+            if fd is None:
+                return
             try:
-                fcntl.lockf(self._use_fd, fcntl.LOCK_SH, 1, _lock_offset(key))
+                fcntl.lockf(fd, fcntl.LOCK_SH, 1, offset)
             except OSError as e:
                 log.debug("could not lock entry %s: %s", key, e)
                 return
             self._used.add(key)
 
-    def _open_entries_lock(self) -> int | None:
-        path = self.locks_dir / "entries.lock"
+    def _open_entries_lock(self, shard: int) -> int | None:
+        path = self.locks_dir / f"entries-{shard:02x}.lock"
         for flags in (os.O_RDWR | os.O_CREAT, os.O_RDONLY):
             try:
                 return os.open(path, flags | os.O_CLOEXEC, 0o666)
@@ -673,23 +685,38 @@ class Store:
 
     @contextmanager
     def in_use(self) -> Iterator[None]:
-        """Keep `gc` out while storing an action's outputs or materializing a hit."""
+        """Keep `gc` out while storing an action's outputs or materializing a hit.
+
+        Re-entrant per thread: the driver holds it over a pass of cache hits, and each hit's
+        materialize inside does not take it again (an open, a flock and a close each)."""
+        if getattr(self._tls, "in_use", 0):
+            self._tls.in_use += 1
+            try:
+                yield
+            finally:
+                self._tls.in_use -= 1
+            return
         with self._flock(_GC_LOCK, shared=True):
-            yield
+            self._tls.in_use = 1
+            try:
+                yield
+            finally:
+                self._tls.in_use = 0
 
     # -- materialize --------------------------------------------------------------------
 
-    def materialize(self, tree_digest: str, dest: StrPath) -> MaterializeMethod:
+    def materialize(self, tree_digest: str, dest: StrPath, *, blobs_checked: bool = False) -> MaterializeMethod:
         """Make `dest` a read-only copy of the stored tree; return how files were placed.
 
         The tree is built at a temp sibling of `dest` and swapped in, so `dest` is never
         half-built. Files are reflinked, else hard-linked (not executables: a link shares
         the blob's 0o444 mode), else copied. Returns the least efficient method any file
-        needed, or "unchanged" when `dest` already held exactly this tree.
+        needed, or "unchanged" when `dest` already held exactly this tree. `blobs_checked`:
+        the caller has just found every blob of the tree intact (a cache hit).
         """
         target = Path(self._guard_dest(dest))
-        entries = self.tree_entries(tree_digest)
-        missing = sorted({e.digest for e in entries if not self.has(e.digest)})
+        entries = self.tree_entries(tree_digest, present=blobs_checked)
+        missing = [] if blobs_checked else sorted({e.digest for e in entries if not self.has(e.digest)})
         if missing:
             raise BlobMissingError(
                 f"cannot materialize tree {tree_digest} at {target}: "
@@ -811,12 +838,13 @@ class Store:
         if self.read_only:
             raise StoreUnusableError(f"the store {self.root} was opened read-only; gc cannot run")
         with self._flock(_GC_LOCK, shared=False):
-            fd = self._open_entries_lock()
+            fds: dict[int, int | None] = {}
             try:
-                return self._gc(max_size_bytes, older_than_s, set(keep_keys), dry_run, min_blob_age_s, fd)
+                return self._gc(max_size_bytes, older_than_s, set(keep_keys), dry_run, min_blob_age_s, fds)
             finally:
-                if fd is not None:
-                    os.close(fd)  # releases the exclusive locks taken on dropped entries
+                for fd in fds.values():
+                    if fd is not None:
+                        os.close(fd)  # releases the exclusive locks taken on dropped entries
 
     # -- internals ----------------------------------------------------------------------
 
@@ -827,15 +855,22 @@ class Store:
         keep_keys: set[str],
         dry_run: bool,
         min_blob_age_s: float,
-        lock_fd: int | None = None,
+        lock_fds: dict[int, int | None] | None = None,
     ) -> GcReport:
+        fds = {} if lock_fds is None else lock_fds
+
         def free(key: str) -> bool:
             # An entry a running build uses (see `use`) is kept; the exclusive lock taken
             # here is held until gc is done, so no build starts using it meanwhile.
+            offset = _lock_offset(key)
+            shard = offset % _LOCK_SHARDS
+            if shard not in fds:
+                fds[shard] = self._open_entries_lock(shard)
+            lock_fd = fds[shard]
             if lock_fd is None:
                 return True
             try:
-                fcntl.lockf(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, _lock_offset(key))
+                fcntl.lockf(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, offset)
             except OSError:
                 return False
             return True
@@ -1058,7 +1093,10 @@ class Store:
 
     def _holds_tree(self, target: Path, entries: list[TreeEntry]) -> bool:
         """Whether `target` holds exactly `entries`, read-only, checked by stat where possible."""
-        if not target.is_dir() or target.is_symlink():
+        try:
+            if not stat.S_ISDIR(os.lstat(target).st_mode):
+                return False
+        except OSError:
             return False
         want = {e.path: e for e in entries}
         try:
@@ -1075,13 +1113,14 @@ class Store:
             for rel, abs_, st in found:
                 e = want[rel]
                 try:
-                    blob = os.stat(self.blob_path(e.digest))
+                    blob = os.stat(self.blob_str(e.digest))
                 except FileNotFoundError:
                     return False
                 # A hard link to the blob is the blob: no need to read it.
                 if (blob.st_dev, blob.st_ino) == (st.st_dev, st.st_ino):
                     continue
-                if self.state.file_digest(abs_) != e.digest:
+                # iter_files took `st` without following links, and it is a regular file
+                if self.state.digest_of(abs_, st) != e.digest:
                     return False
         return True
 
@@ -1096,7 +1135,7 @@ class Store:
             if parent not in made:
                 os.makedirs(parent, exist_ok=True)
                 made.add(parent)
-            blob = os.fspath(self.blob_path(e.digest))
+            blob = self.blob_str(e.digest)
             mode = _ro_mode(e.mode)
             used = -1
             if can_reflink:
@@ -1124,8 +1163,13 @@ class Store:
 # -- file helpers -------------------------------------------------------------------------
 
 
+#: how many locks/entries-<NN>.lock files the entries' byte-range locks are spread over
+_LOCK_SHARDS = 64
+
+
 def _lock_offset(key: str) -> int:
-    """The byte of locks/entries.lock that stands for entry `key` (48 bits of its hash)."""
+    """The byte that stands for entry `key` (48 bits of its hash), in the file
+    locks/entries-<offset % 64>.lock."""
     return int(hash_bytes(key.encode())[:12], 16)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import run_mopt, write_files
 
 BASE = """\
@@ -122,3 +124,37 @@ def test_help_reads_well(tmp_path: Path) -> None:
     assert proc.returncode == 0
     for cmd in ("build", "plan", "explain", "show", "ls", "graph", "plugins", "hardware", "gc", "schema"):
         assert cmd in proc.stdout
+
+
+def test_sections_with_equal_layers_share_validation_not_places(tmp_path: Path) -> None:
+    """Sections whose layers hold the same values are merged once (10,000 sections under one
+    [defaults]); each still gets its own targets, places and bound params, and a section that
+    differs (an override, a sweep, a bad value) is resolved on its own."""
+    from mopt.errors import MoptError
+    from mopt.graph import build_graph
+    from mopt.plugins import get_registry
+    from mopt.recipe import load_recipe
+
+    base = (
+        'schema = 1\n[defaults]\ntargets = ["a"]\n[defaults.a]\nkind = "command"\n'
+        'files = ["in/{model}.txt"]\nargv = ["cat", "{file}"]\n'
+    )
+    body = "".join(f"[models.m{i}]\n[m{i}.cpu]\n" for i in range(3))
+    body += '[models.s]\n[s.cpu.sweep]\n"a.shell" = [false, true]\n'
+    body += '[models.o]\n[o.cpu]\nshell = true\n'
+    (tmp_path / "r.toml").write_text(base + body)
+    reg = get_registry(())
+    recipe = load_recipe(tmp_path / "r.toml", reg)
+    secs = {s.id: s for s in recipe.sections}
+    assert [t.where.table for t in secs["m2.cpu"].targets] == ["m2.cpu.a"]
+    assert secs["m0.cpu"].targets[0] is not secs["m1.cpu"].targets[0]
+    assert [t.label for t in secs["s.cpu"].targets] == ["a@shell=false", "a@shell=true"]
+    assert secs["o.cpu"].targets[0].params.shell is True and secs["m1.cpu"].targets[0].params.shell is False
+    graph = build_graph(recipe, reg)
+    assert graph.nodes["m1.cpu:a"].target.params.files == ["in/m1.txt"]
+    assert graph.nodes["m2.cpu:a"].target.params.files == ["in/m2.txt"]
+    # a bad value in one of several equal-looking sections is named in its own table
+    (tmp_path / "r.toml").write_text(base + body + '[models.bad]\n[bad.cpu]\nshell = "maybe"\n')
+    with pytest.raises(MoptError) as exc:
+        load_recipe(tmp_path / "r.toml", reg)
+    assert exc.value.table == "bad.cpu", exc.value.render()

@@ -56,11 +56,29 @@ def fast(data: dict) -> bool:
     return bool(data["io"].get("noop_stamp"))
 
 
+def settled(p: Path) -> dict:
+    """A build that takes the fast path. On a shared machine a folder of sys.path outside
+    the project (site-packages: someone else's `pip install`) may change between two
+    builds, which rightly sends the next one down the full path; and a slow machine may
+    leave a file inside the racy window when the stamp is written ("stamp next time").
+    Then build again, a few times at most, and only for those reasons."""
+    data = build(p)
+    for _ in range(3):
+        why = data["io"].get("noop_miss", "")
+        outside = why.startswith("folder changed: ") and not why.startswith(f"folder changed: {p}")
+        racy = why.startswith("no stamp: ") and "had just changed" in why
+        if fast(data) or not (outside or racy):
+            break
+        build(p)  # writes a new stamp
+        data = build(p)
+    return data
+
+
 def test_unchanged_build_takes_the_fast_path(proj: Path) -> None:
     assert build(proj)["counts"] == {"built": 4}
     time.sleep(0.2)  # files written within the racy window are not trusted by stat
     assert not fast(build(proj))  # first no-op: full path, writes the stamp
-    second = build(proj)
+    second = settled(proj)
     assert fast(second), second["io"]["noop_miss"]
     assert second["counts"] == {"cached": 4}
     assert {n["id"] for n in second["nodes"]} == {"m1.cpu:a", "m1.cpu:b", "m2.cpu:a", "m2.cpu:b"}
@@ -74,7 +92,8 @@ def test_any_change_takes_the_full_path(proj: Path, change: str) -> None:
     build(proj)
     time.sleep(0.2)
     build(proj)
-    assert fast(build(proj))
+    first = settled(proj)
+    assert fast(first), first["io"]["noop_miss"]
     env = None
     if change == "touch_input":
         os.utime(proj / "in" / "m1.txt")

@@ -56,11 +56,15 @@ class CommandKind(TargetKind):
         names = {"model": model, "hardware": hardware, "section": section}
 
         def fill(text: str) -> str:
+            if "{" not in text:
+                return text
             return _TOKEN.sub(lambda m: names.get(m.group(1), m.group(0)), text)
 
-        return params.model_copy(
-            update={"argv": [fill(a) for a in params.argv], "files": [fill(f) for f in params.files]}
-        )
+        argv = [fill(a) for a in params.argv]
+        files = [fill(f) for f in params.files]
+        if argv == params.argv and files == params.files:
+            return params  # frozen: shared as it is
+        return params.model_copy(update={"argv": argv, "files": files})
 
     def env_values(self, params: Any) -> dict[str, str | None]:
         """The allow-listed env values (part of the key)."""
