@@ -74,10 +74,84 @@ def median_ci(values: list[float], confidence: float = 0.95) -> tuple[float, flo
     return xs[j - 1], xs[n - j]
 
 
-def measure(fn: Callable[[], Any], timing: dict[str, Any]) -> dict[str, Any]:
+def write_probe(path: Path) -> None:
+    """The drift probe's model (see `Probe`), written by the parent so that the workers
+    need no `onnx` import: two seeded fp32 MatMuls, 128 × 384 × 1536 and back."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper, save
+
+    rng = np.random.default_rng(0)
+    inits, nodes, x = [], [], "x"
+    for i, (k, n) in enumerate([(384, 1536), (1536, 384)]):
+        w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
+        inits.append(numpy_helper.from_array(w, f"w{i}"))
+        nodes.append(helper.make_node("MatMul", [x, f"w{i}"], [f"m{i}"]))
+        nodes.append(helper.make_node("Relu", [f"m{i}"], [f"r{i}"]))
+        x = f"r{i}"
+    graph = helper.make_graph(
+        nodes,
+        "mopt_drift_probe",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [128, 384])],
+        [helper.make_tensor_value_info(x, TensorProto.FLOAT, [128, 384])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = min(model.ir_version, 8)
+    save(model, str(path))
+
+
+class Probe:
+    """The drift probe: a fixed ONNX Runtime workload (`write_probe`: 0.3 GFLOP, 4.5 MiB of
+    weights, a few ms on 2 AVX2 cores) timed between a backend's calls, in its process,
+    with its thread count. Its median says how fast this machine ran while that backend
+    was timed: `select` scales each bench's latencies by (the section's median probe / its
+    own probe), so benchmarks run minutes apart compare as if side by side, and a bench
+    reading its section's shared PyTorch baseline (kind `bench-baseline`) rescales the
+    baseline's latency by the ratio of the two runs' probes."""
+
+    #: at most one probe call per this many seconds of timed calls (a few % of the time)
+    EVERY_S = 0.4
+
+    def __init__(self, path: Path, threads: int) -> None:
+        import numpy as np
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = threads
+        so.inter_op_num_threads = 1
+        so.log_severity_level = 3
+        self.sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        self.feed = {"x": np.random.default_rng(1).standard_normal((128, 384)).astype(np.float32)}
+        self.times: list[float] = []
+        self.last = 0.0
+        for _ in range(2):  # warm-up
+            self.sess.run(None, self.feed)
+
+    def sample(self) -> None:
+        t = time.perf_counter()
+        self.sess.run(None, self.feed)
+        self.last = time.perf_counter()
+        self.times.append(self.last - t)
+
+    def maybe(self) -> None:
+        if time.perf_counter() - self.last >= self.EVERY_S:
+            self.sample()
+
+    def result(self) -> dict[str, Any] | None:
+        if not self.times:
+            return None
+        return {
+            "p50_ms": statistics.median(self.times) * 1000,
+            "min_ms": min(self.times) * 1000,
+            "samples": len(self.times),
+        }
+
+
+def measure(fn: Callable[[], Any], timing: dict[str, Any], probe: Probe | None = None) -> dict[str, Any]:
     """Warm up, then time calls until the estimate is stable: the `confidence` interval of
     the median within `ci_rel` of it on either side, after at least `min_samples` calls; at
-    most `max_samples` calls or `max_seconds` (the point is then marked not stable)."""
+    most `max_samples` calls or `max_seconds` (the point is then marked not stable). With
+    `probe`, a drift-probe call is timed (apart) between calls, every `Probe.EVERY_S`."""
     for _ in range(timing["warmup"]):
         fn()
     conf = timing.get("confidence", 0.95)
@@ -85,10 +159,14 @@ def measure(fn: Callable[[], Any], timing: dict[str, Any]) -> dict[str, Any]:
     times: list[float] = []
     stable = False
     ci: tuple[float, float] | None = None
+    if probe is not None:
+        probe.sample()
     while True:
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
+        if probe is not None:
+            probe.maybe()
         if len(times) >= timing["min_samples"]:
             ci = median_ci(times, conf)
             if ci is not None and stable_ci(statistics.median(times), ci, timing["ci_rel"]):
@@ -259,11 +337,14 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
     load_s = time.perf_counter() - t0
     rss_loaded = rss_mb()
+    # after the backend's own peak memory is reached at load, so its RSS numbers stay its own
+    # (the probe's 9 MiB of weights are counted in the process peak, the same for every backend)
+    probe = Probe(Path(spec["probe"]), threads) if spec.get("probe") else None
     points = []
     grid = spec.get("shapes") or [[b, s] for s in spec["seq_lens"] for b in spec["batch_sizes"]]
     for batch, seq in grid:
         feeds = inputs[(batch, seq)] if inputs is not None else make_inputs(tokenizer, spec["texts"], batch, seq)
-        stats = measure(runner(feeds), spec["timing"])
+        stats = measure(runner(feeds), spec["timing"], probe)
         stats.update(
             {
                 "batch": batch,
@@ -295,6 +376,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         "rss_loaded_mb": rss_loaded,
         "peak_rss_mb": peak_rss_mb(),
         "points": points,
+        # the drift probe's timing over this run (None when the spec asked for none)
+        "probe": probe.result() if probe is not None else None,
     }
 
 
