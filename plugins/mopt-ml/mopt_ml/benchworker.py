@@ -133,6 +133,12 @@ class Probe:
         self.last = time.perf_counter()
         self.times.append(self.last - t)
 
+    def block(self, n: int = 3) -> None:
+        """`n` probe calls in a row: at each grid point's start and after the last one, so a
+        short run has samples too."""
+        for _ in range(n):
+            self.sample()
+
     def maybe(self) -> None:
         if time.perf_counter() - self.last >= self.EVERY_S:
             self.sample()
@@ -160,7 +166,7 @@ def measure(fn: Callable[[], Any], timing: dict[str, Any], probe: Probe | None =
     stable = False
     ci: tuple[float, float] | None = None
     if probe is not None:
-        probe.sample()
+        probe.block()
     while True:
         t = time.perf_counter()
         fn()
@@ -360,6 +366,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             file=sys.stderr,
             flush=True,
         )
+    if probe is not None:
+        probe.block()
     gpu_peak = None
     if spec["backend"] in ("torch-compile", "torch-cuda-eager"):  # on the GPU
         import torch
