@@ -122,8 +122,8 @@ class Shared:
 
         self.folder.mkdir(parents=True, exist_ok=True)
         with open(path.with_name(path.name + ".lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # another quantization computing it: wait, then read
-            if path.is_file():
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another action computing it: wait, then read
+            if path.exists():
                 return load(path)
             part = path.with_name(f".{path.name}.{os.getpid()}.part")
             save(compute(), part)
