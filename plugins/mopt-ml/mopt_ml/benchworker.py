@@ -74,15 +74,19 @@ def median_ci(values: list[float], confidence: float = 0.95) -> tuple[float, flo
     return xs[j - 1], xs[n - j]
 
 
+#: rows of the drift probe's input (its size: see `write_probe`)
+PROBE_ROWS = 512
+
+
 def write_probe(path: Path) -> None:
     """The drift probe's model (see `Probe`), written by the parent so that the workers
-    need no `onnx` import: two seeded fp32 MatMuls, 128 × 384 × 1536 and back."""
+    need no `onnx` import: four seeded fp32 MatMuls, 512 × 384 × 1536 and back, twice."""
     import numpy as np
     from onnx import TensorProto, helper, numpy_helper, save
 
     rng = np.random.default_rng(0)
     inits, nodes, x = [], [], "x"
-    for i, (k, n) in enumerate([(384, 1536), (1536, 384)]):
+    for i, (k, n) in enumerate([(384, 1536), (1536, 384)] * 2):
         w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
         inits.append(numpy_helper.from_array(w, f"w{i}"))
         nodes.append(helper.make_node("MatMul", [x, f"w{i}"], [f"m{i}"]))
@@ -91,8 +95,8 @@ def write_probe(path: Path) -> None:
     graph = helper.make_graph(
         nodes,
         "mopt_drift_probe",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [128, 384])],
-        [helper.make_tensor_value_info(x, TensorProto.FLOAT, [128, 384])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [PROBE_ROWS, 384])],
+        [helper.make_tensor_value_info(x, TensorProto.FLOAT, [PROBE_ROWS, 384])],
         inits,
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
@@ -101,8 +105,9 @@ def write_probe(path: Path) -> None:
 
 
 class Probe:
-    """The drift probe: a fixed ONNX Runtime workload (`write_probe`: 0.3 GFLOP, 4.5 MiB of
-    weights, a few ms on 2 AVX2 cores) timed between a backend's calls, in its process,
+    """The drift probe: a fixed ONNX Runtime workload (`write_probe`: 2.4 GFLOP, 9 MiB of
+    weights, ~20 ms on 2 quiet AVX2 cores: long enough to span scheduler slices, like the
+    calls it tracks) timed between a backend's calls, in its process,
     with its thread count. Its median says how fast this machine ran while that backend
     was timed: `select` scales each bench's latencies by (the section's median probe / its
     own probe), so benchmarks run minutes apart compare as if side by side, and a bench
@@ -121,7 +126,7 @@ class Probe:
         so.inter_op_num_threads = 1
         so.log_severity_level = 3
         self.sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-        self.feed = {"x": np.random.default_rng(1).standard_normal((128, 384)).astype(np.float32)}
+        self.feed = {"x": np.random.default_rng(1).standard_normal((PROBE_ROWS, 384)).astype(np.float32)}
         self.times: list[float] = []
         self.last = 0.0
         for _ in range(2):  # warm-up

@@ -260,8 +260,10 @@ def test_sweep_select_end_to_end(tmp_path: Path) -> None:
     assert rows["compiled"]["why"].startswith("unbuildable here: no NVIDIA GPU")
     measured = {k: r for k, r in rows.items() if r["status"] in ("winner", "lost")}
     assert len(measured) == 3
-    win = min(measured.values(), key=lambda r: r["p50_ms"])
+    # the objective: p50 scaled by each bench's drift probe (timed even with baseline = false)
+    win = min(measured.values(), key=lambda r: r["value"])
     assert sel["winner"] == win["label"] and win["status"] == "winner"
+    assert all(r["probe_ms"] > 0 and r["value"] == pytest.approx(r["p50_ms"] * r["drift"]) for r in measured.values())
     # the winner's files are the build output, with the table and the plot beside them
     assert (best / "model.onnx").is_file() and (best / "pareto.svg").read_text().startswith("<svg")
     assert "<table>" in (best / "selection.html").read_text()
