@@ -264,7 +264,19 @@ def load_family(ref: str) -> Any:
     return obj()
 
 
+def run_probe(spec: dict[str, Any]) -> dict[str, Any]:
+    """`backend = "probe"`: only the drift probe, `samples` calls, in a process of its own
+    (no other runtime's threads beside it: an ONNX Runtime session's spinning workers or
+    OpenVINO's would slow it by different amounts, biasing the comparison between them)."""
+    probe = Probe(Path(spec["probe"]), int(spec["threads"]))
+    probe.block(int(spec.get("samples", 15)))
+    return {"backend": "probe", "label": spec.get("label", "probe"), "threads": int(spec["threads"]),
+            "probe": probe.result(), "times_ms": [t * 1000 for t in probe.times]}  # fmt: skip
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any]:
+    if spec["backend"] == "probe":
+        return run_probe(spec)
     threads = int(spec["threads"])
     runtime: dict[str, Any] | None = None  # OpenVINO: the properties its CPU plugin chose
     rss_start = rss_mb()
@@ -348,8 +360,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
     load_s = time.perf_counter() - t0
     rss_loaded = rss_mb()
-    # after the backend's own peak memory is reached at load, so its RSS numbers stay its own
-    # (the probe's 9 MiB of weights are counted in the process peak, the same for every backend)
+    # in-process probing (spec "probe"; bench uses probe processes instead: see run_probe)
     probe = Probe(Path(spec["probe"]), threads) if spec.get("probe") else None
     points = []
     grid = spec.get("shapes") or [[b, s] for s in spec["seq_lens"] for b in spec["batch_sizes"]]

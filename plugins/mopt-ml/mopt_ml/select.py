@@ -58,7 +58,7 @@ class SelectKind(TargetKind):
     """Pick the best variant of the section by `objective` among those that pass the gates."""
 
     name = "select"
-    version = "1"
+    version = "2"  # 2: drift from the benches' probes
     description = "the best variant of a sweep (objective + gates), with a table of why"
     consumes = (
         Input("candidates", formats=(*TESTED_FORMATS, "vllm-config"), gather=True, partial=True),
@@ -298,7 +298,7 @@ def select(
             points[row.label] = res.get("points", [])
         found[row.label] = (v, b)
     # the machine drifts between benchmarks; each bench times the same fixed workload (the
-    # drift probe, between the variant's own calls) in its run, so scaling a variant's
+    # drift probe, in processes of its own right before and after the variant's), so scaling a variant's
     # latencies by (median probe / its probe) compares the variants as if timed side by
     # side. Benches from before the probe: the PyTorch reference each timed in its run.
     timed = [r for r in rows if r.p50_ms is not None]
