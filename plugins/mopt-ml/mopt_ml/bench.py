@@ -12,6 +12,7 @@ import html
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import threading
@@ -20,42 +21,52 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-from mopt.api import Artifact, BuildContext, Params
+from mopt.api import Artifact, BuildContext, Input, Params, TargetKind
 from pydantic import Field
 
 from mopt_ml.validate import GENERATION, ArtifactTester, _device
 
 
+class TimingParams(Params):
+    """The grid and the stopping rule, shared by `bench` and `bench-baseline`."""
+
+    batch_sizes: list[int] = Field(default=[1, 8, 32], min_length=1, description="batch sizes")
+    seq_lens: list[int] = Field(default=[128], min_length=1, description="sequence lengths (tokens)")
+    threads: int | None = Field(default=None, ge=1, description="intra-op threads (null: the CPUs usable)")
+    torch_attn: Literal["sdpa", "eager"] = Field(default="sdpa", description="baseline attention")
+    warmup: int = Field(default=2, ge=0, description="untimed calls per grid point")
+    min_samples: int = Field(default=6, ge=2, description="timed calls per grid point, at least")
+    max_samples: int = Field(default=60, ge=2, description="timed calls per grid point, at most")
+    ci_rel: float = Field(
+        default=0.03,
+        gt=0,
+        description="stop when the confidence interval of the median is within this fraction of it",
+    )
+    confidence: float = Field(default=0.95, gt=0.5, lt=1.0, description="of that interval")
+    max_seconds: float = Field(default=6.0, gt=0, description="timed seconds per grid point, at most")
+    data: str | None = Field(default=None, description="texts the inputs are made of (null: shipped)")
+
+
 class BenchKind(ArtifactTester):
     """Latency p50/p90/p99, throughput and peak memory of an artifact and its PyTorch FP32
     baseline: warm-up, then timed calls until the median's confidence interval is narrow
-    (bounded by a count and a time cap)."""
+    (bounded by a count and a time cap). A drift probe is timed in processes of its own
+    right before and after each backend's (see `benchworker.Probe`). When the section has a `bench-baseline` target, its timing of
+    the baseline is used (rescaled by the two runs' probes) instead of timing it again."""
 
     name = "bench"
-    version = "1"
+    version = "2"  # 2: the drift probe (results[i].probe), the shared baseline
     description = "latency / throughput / memory of the artifact and the PyTorch FP32 baseline"
     reproducible = False
     exclusive = True  # timed alone: other actions of the build wait while it runs
+    consumes = (
+        *ArtifactTester.consumes,
+        # the section's shared PyTorch baseline, timed once for all its benches
+        Input("baseline", formats=("report",), kinds=("bench-baseline",), required=False),
+    )
 
-    class Params(Params):
-        batch_sizes: list[int] = Field(default=[1, 8, 32], min_length=1, description="batch sizes")
-        seq_lens: list[int] = Field(default=[128], min_length=1, description="sequence lengths (tokens)")
-        threads: int | None = Field(
-            default=None, ge=1, description="intra-op threads (null: the CPUs usable)"
-        )
+    class Params(TimingParams):
         baseline: bool = Field(default=True, description="also time the PyTorch FP32 reference")
-        torch_attn: Literal["sdpa", "eager"] = Field(default="sdpa", description="baseline attention")
-        warmup: int = Field(default=2, ge=0, description="untimed calls per grid point")
-        min_samples: int = Field(default=6, ge=2, description="timed calls per grid point, at least")
-        max_samples: int = Field(default=60, ge=2, description="timed calls per grid point, at most")
-        ci_rel: float = Field(
-            default=0.03,
-            gt=0,
-            description="stop when the confidence interval of the median is within this fraction of it",
-        )
-        confidence: float = Field(default=0.95, gt=0.5, lt=1.0, description="of that interval")
-        max_seconds: float = Field(default=6.0, gt=0, description="timed seconds per grid point, at most")
-        data: str | None = Field(default=None, description="texts the inputs are made of (null: shipped)")
         # ---- text-generation (task = "text-generation"; batch_sizes are its batch steps)
         prompt_len: int = Field(default=128, ge=1, description="generation: prompt tokens per request")
         output_len: int = Field(default=64, ge=1, description="generation: new tokens per request (greedy)")
@@ -86,9 +97,51 @@ class BenchKind(ArtifactTester):
             return bench_generation(
                 art.path, ref, ctx.out, ctx.tmp, p, ctx.project_dir, ctx.log, label, device=device
             )
+        shared = None
+        base = ctx.inputs.get("baseline") or []
+        if base and p.baseline:
+            shared = json.loads((base[0].path / "bench.json").read_text())
+            shared["target"] = base[0].target
         return bench(
-            art.path, ref, ctx.out, ctx.tmp, ctx.family, p, ctx.project_dir, ctx.log, label, art.kind
+            art.path, ref, ctx.out, ctx.tmp, ctx.family, p, ctx.project_dir, ctx.log, label, art.kind, shared
         )
+
+
+class BenchBaselineKind(TargetKind):
+    """The PyTorch FP32 baseline of a section's benches, timed once (with the drift probe)
+    instead of once per bench: each `bench` of the section reads it, rescaled by the ratio
+    of its own drift probe to this one (how much faster or slower the machine ran then)."""
+
+    name = "bench-baseline"
+    version = "2"
+    description = "the PyTorch FP32 baseline of a section's benches, timed once with the drift probe"
+    reproducible = False
+    exclusive = True
+    consumes = (Input("reference", formats=("hf-checkpoint",), kinds=("weights",)),)
+    produces = "report"
+    static_fingerprint = True
+
+    Params = TimingParams
+
+    def fingerprint(self) -> dict[str, str]:
+        from mopt_ml.common import versions
+
+        return versions("torch", "transformers", "onnxruntime", "numpy")
+
+    def platform(self, hardware: Any) -> dict[str, Any]:
+        return {"machine": platform.machine(), "cpu": cpu_model(), "cpus": os.cpu_count()}
+
+    def input_files(self, params: Any, project_dir: Path) -> list[Path]:
+        from mopt_ml.common import data_input_files
+
+        return data_input_files(params.data, project_dir)
+
+    def run(self, ctx: BuildContext) -> dict[str, Any]:
+        from mopt_ml.common import require
+
+        require("torch", "transformers", "onnxruntime")
+        ref = ctx.input("reference")
+        return time_baseline(ref.path, ctx.out, ctx.tmp, ctx.family, ctx.params, ctx.project_dir, ctx.log)
 
 
 _BENCH_LOCK = threading.Lock()
@@ -177,25 +230,14 @@ def bench(
     log: Any,
     label: str = "",
     kind: str = "onnx",
+    shared: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    from mopt_ml.common import cpu_threads, read_meta, texts_from_param, versions, write_json
+    from mopt_ml.common import cpu_threads, read_meta, versions, write_json
     from mopt_ml.families import as_family
 
     family = as_family(family_obj, ref_dir)
     threads = cpu_threads(params.threads)
-    texts = texts_from_param(params.data, project_dir, "validation")
-    timing = {
-        k: getattr(params, k)
-        for k in ("warmup", "min_samples", "max_samples", "ci_rel", "confidence", "max_seconds")
-    }
-    common = {
-        "threads": threads,
-        "batch_sizes": list(params.batch_sizes),
-        "seq_lens": list(params.seq_lens),
-        "timing": timing,
-        "texts": texts,
-        "family": _family_ref(family),
-    }
+    common, timing = _common_spec(params, threads, family, project_dir)
     meta = read_meta(model_dir)
     art_label = label or model_dir.name
     if kind == "torch-compile":
@@ -235,15 +277,28 @@ def bench(
             )
         log("baseline: eager PyTorch in the artifact's precision on the same GPU")
     else:
-        from mopt_ml.benchworker import save_inputs
-
         # tokenized once, here, for every backend (before the benchmark lock: no timing yet)
-        tokenizer = family.load_tokenizer(model_dir)
-        shapes = [(b, s) for s in common["seq_lens"] for b in common["batch_sizes"]]
-        save_inputs(tmp / "inputs.npz", tokenizer, texts, shapes)
-        common["inputs"] = str(tmp / "inputs.npz")
+        _prepare_inputs(family.load_tokenizer(model_dir), common, tmp)
         with exclusive_cpu(log):
-            results = _time_all(model_dir, ref_dir, art_label, common, params, tmp, log)
+            results = _time_all(model_dir, ref_dir, art_label, common, params, tmp, log, shared is None)
+    # the shared baseline's latencies, scaled to this run's machine speed: x (this run's
+    # probe / the baseline run's probe); 1 when the baseline was timed in this run
+    base_scale = 1.0
+    shared_info = None
+    if params.baseline and shared is not None:
+        base_res = dict(shared["results"][0], shared_from=shared["target"])
+        results.append(base_res)
+        mine, theirs = results[0].get("probe"), base_res.get("probe")
+        if mine and theirs:
+            base_scale = mine["p50_ms"] / theirs["p50_ms"]
+        shared_info = {"target": shared["target"], "probe_ratio": base_scale}
+        have = {(p["batch"], p["seq"]) for p in base_res["points"]}
+        lack = [f"{p['batch']}x{p['seq']}" for p in results[0]["points"] if (p["batch"], p["seq"]) not in have]
+        log(
+            f"baseline: {shared['target']} (timed once for the section), x{base_scale:.3f} "
+            "for this run's machine speed (drift probe)"
+            + (f"; it has no point {', '.join(lack)}: give it the bench's grid" if lack else "")
+        )
     speedups = []
     if params.baseline:
         base = {(p["batch"], p["seq"]): p for p in results[1]["points"]}
@@ -251,7 +306,11 @@ def bench(
             b = base.get((p["batch"], p["seq"]))
             if b:
                 speedups.append(
-                    {"batch": p["batch"], "seq": p["seq"], "speedup_p50": b["p50_ms"] / p["p50_ms"]}
+                    {
+                        "batch": p["batch"],
+                        "seq": p["seq"],
+                        "speedup_p50": b["p50_ms"] * base_scale / p["p50_ms"],
+                    }
                 )
     report = {
         "format": "mopt-bench/1",
@@ -273,6 +332,8 @@ def bench(
             "torch_attn": params.torch_attn,
         },
         "results": results,
+        # the section's bench-baseline this bench read (null: the baseline was timed here)
+        "shared_baseline": shared_info,
         "speedup_vs_pytorch_fp32": speedups,
         "tools": versions(
             "torch", "transformers", "onnxruntime", *(("openvino",) if results[0].get("runtime") else ())
@@ -294,8 +355,77 @@ def bench(
     }
 
 
+def _common_spec(params: Any, threads: int, family: Any, project_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The worker spec's fields every backend shares, and the stopping rule."""
+    from mopt_ml.common import texts_from_param
+
+    timing = {
+        k: getattr(params, k)
+        for k in ("warmup", "min_samples", "max_samples", "ci_rel", "confidence", "max_seconds")
+    }
+    common = {
+        "threads": threads,
+        "batch_sizes": list(params.batch_sizes),
+        "seq_lens": list(params.seq_lens),
+        "timing": timing,
+        "texts": texts_from_param(params.data, project_dir, "validation"),
+        "family": _family_ref(family),
+    }
+    return common, timing
+
+
+def _prepare_inputs(tokenizer: Any, common: dict[str, Any], tmp: Path) -> None:
+    """Tokenize the grid's inputs once (an .npz every backend reads) and write the drift
+    probe's model; both paths go into the spec."""
+    from mopt_ml.benchworker import save_inputs, write_probe
+
+    shapes = [(b, s) for s in common["seq_lens"] for b in common["batch_sizes"]]
+    save_inputs(tmp / "inputs.npz", tokenizer, common["texts"], shapes)
+    common["inputs"] = str(tmp / "inputs.npz")
+    write_probe(tmp / "probe.onnx")
+    common["probe_model"] = str(tmp / "probe.onnx")
+
+
+def _probed(spec: dict[str, Any], tmp: Path, log: Any) -> dict[str, Any]:
+    """`_run_worker(spec)` between two drift-probe processes (benchworker.run_probe): the
+    result's `probe` is the median of both, i.e. how fast the machine ran around it."""
+    if not spec.get("probe_model"):
+        return _run_worker(spec, tmp, log)
+    probe = {"backend": "probe", "threads": spec["threads"], "probe": spec["probe_model"], "samples": 12}
+    before = _run_worker({**probe, "label": "probe-before"}, tmp, log)
+    result = _run_worker(spec, tmp, log)
+    after = _run_worker({**probe, "label": "probe-after"}, tmp, log)
+    times = before["times_ms"] + after["times_ms"]
+    result["probe"] = {
+        "p50_ms": statistics.median(times),
+        "min_ms": min(times),
+        "samples": len(times),
+        "before_ms": before["probe"]["p50_ms"],
+        "after_ms": after["probe"]["p50_ms"],
+    }
+    return result
+
+
+def _baseline_spec(common: dict[str, Any], ref_dir: Path, params: Any) -> dict[str, Any]:
+    return {
+        **common,
+        "backend": "torch",
+        "label": "pytorch-fp32",
+        "model": str(ref_dir),
+        "tokenizer": str(ref_dir),
+        "attn": params.torch_attn,
+    }
+
+
 def _time_all(
-    model_dir: Path, ref_dir: Path, art_label: str, common: dict[str, Any], params: Any, tmp: Path, log: Any
+    model_dir: Path,
+    ref_dir: Path,
+    art_label: str,
+    common: dict[str, Any],
+    params: Any,
+    tmp: Path,
+    log: Any,
+    with_baseline: bool = True,
 ) -> list[dict[str, Any]]:
     from mopt_ml.common import model_onnx
     from mopt_ml.validate import is_openvino
@@ -304,23 +434,56 @@ def _time_all(
         spec = {"backend": "openvino", "model": str(model_dir)}
     else:
         spec = {"backend": "onnx", "model": str(model_onnx(model_dir))}
-    results = [_run_worker({**common, **spec, "label": art_label, "tokenizer": str(model_dir)}, tmp, log)]
-    if params.baseline:
-        results.append(
-            _run_worker(
-                {
-                    **common,
-                    "backend": "torch",
-                    "label": "pytorch-fp32",
-                    "model": str(ref_dir),
-                    "tokenizer": str(ref_dir),
-                    "attn": params.torch_attn,
-                },
-                tmp,
-                log,
-            )
-        )
+    results = [_probed({**common, **spec, "label": art_label, "tokenizer": str(model_dir)}, tmp, log)]
+    if params.baseline and with_baseline:
+        results.append(_probed(_baseline_spec(common, ref_dir, params), tmp, log))
     return results
+
+
+def time_baseline(
+    ref_dir: Path, out: Path, tmp: Path, family_obj: Any, params: Any, project_dir: Path, log: Any
+) -> dict[str, Any]:
+    """`bench-baseline`: the PyTorch FP32 reference timed over the grid, once, with the
+    drift probe; bench.json holds it as `results[0]` (a bench copies it to its
+    `results[1]`)."""
+    from mopt_ml.common import cpu_threads, versions, write_json
+    from mopt_ml.families import as_family
+
+    family = as_family(family_obj, ref_dir)
+    threads = cpu_threads(params.threads)
+    common, timing = _common_spec(params, threads, family, project_dir)
+    _prepare_inputs(family.load_tokenizer(ref_dir), common, tmp)
+    with exclusive_cpu(log):
+        result = _probed(_baseline_spec(common, ref_dir, params), tmp, log)
+    report = {
+        "format": "mopt-bench-baseline/1",
+        "artifact": "pytorch-fp32",
+        "precision": "fp32",
+        "quantization": None,
+        "runtime": None,
+        "machine": {"cpu": cpu_model(), "cpus": os.cpu_count(), "threads": threads, "platform": platform.platform()},
+        "settings": {
+            "batch_sizes": list(params.batch_sizes),
+            "seq_lens": list(params.seq_lens),
+            **timing,
+            "torch_attn": params.torch_attn,
+        },
+        "results": [result],
+        "shared_baseline": None,
+        "speedup_vs_pytorch_fp32": [],
+        "tools": versions("torch", "transformers", "onnxruntime"),
+    }
+    write_json(out / "bench.json", report)
+    (out / "report.html").write_text(render_html(report), encoding="utf-8")
+    probe = result.get("probe") or {}
+    return {
+        "threads": threads,
+        "points": len(result["points"]),
+        "p50_ms": {f"{p['batch']}x{p['seq']}": round(p["p50_ms"], 2) for p in result["points"]},
+        "probe_ms": round(probe["p50_ms"], 3) if probe else None,
+        "peak_rss_mb": round(result["peak_rss_mb"], 1),
+        "stable": all(p["stable"] for p in result["points"]),
+    }
 
 
 # --------------------------------------------------------------------------- HTML report

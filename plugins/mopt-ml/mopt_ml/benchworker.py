@@ -74,10 +74,95 @@ def median_ci(values: list[float], confidence: float = 0.95) -> tuple[float, flo
     return xs[j - 1], xs[n - j]
 
 
-def measure(fn: Callable[[], Any], timing: dict[str, Any]) -> dict[str, Any]:
+#: rows of the drift probe's input (its size: see `write_probe`)
+PROBE_ROWS = 512
+
+
+def write_probe(path: Path) -> None:
+    """The drift probe's model (see `Probe`), written by the parent so that the workers
+    need no `onnx` import: four seeded fp32 MatMuls, 512 × 384 × 1536 and back, twice."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper, save
+
+    rng = np.random.default_rng(0)
+    inits, nodes, x = [], [], "x"
+    for i, (k, n) in enumerate([(384, 1536), (1536, 384)] * 2):
+        w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
+        inits.append(numpy_helper.from_array(w, f"w{i}"))
+        nodes.append(helper.make_node("MatMul", [x, f"w{i}"], [f"m{i}"]))
+        nodes.append(helper.make_node("Relu", [f"m{i}"], [f"r{i}"]))
+        x = f"r{i}"
+    graph = helper.make_graph(
+        nodes,
+        "mopt_drift_probe",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [PROBE_ROWS, 384])],
+        [helper.make_tensor_value_info(x, TensorProto.FLOAT, [PROBE_ROWS, 384])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = min(model.ir_version, 8)
+    save(model, str(path))
+
+
+class Probe:
+    """The drift probe: a fixed ONNX Runtime workload (`write_probe`: 2.4 GFLOP, 9 MiB of
+    weights, ~20 ms on 2 quiet AVX2 cores: long enough to span scheduler slices, like the
+    calls it tracks) timed between a backend's calls, in its process,
+    with its thread count. Its median says how fast this machine ran while that backend
+    was timed: `select` scales each bench's latencies by (the section's median probe / its
+    own probe), so benchmarks run minutes apart compare as if side by side, and a bench
+    reading its section's shared PyTorch baseline (kind `bench-baseline`) rescales the
+    baseline's latency by the ratio of the two runs' probes."""
+
+    #: at most one probe call per this many seconds of timed calls (a few % of the time)
+    EVERY_S = 0.4
+
+    def __init__(self, path: Path, threads: int) -> None:
+        import numpy as np
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = threads
+        so.inter_op_num_threads = 1
+        so.log_severity_level = 3
+        self.sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        self.feed = {"x": np.random.default_rng(1).standard_normal((PROBE_ROWS, 384)).astype(np.float32)}
+        self.times: list[float] = []
+        self.last = 0.0
+        for _ in range(2):  # warm-up
+            self.sess.run(None, self.feed)
+
+    def sample(self) -> None:
+        t = time.perf_counter()
+        self.sess.run(None, self.feed)
+        self.last = time.perf_counter()
+        self.times.append(self.last - t)
+
+    def block(self, n: int = 3) -> None:
+        """`n` probe calls in a row: at each grid point's start and after the last one, so a
+        short run has samples too."""
+        for _ in range(n):
+            self.sample()
+
+    def maybe(self) -> None:
+        if time.perf_counter() - self.last >= self.EVERY_S:
+            self.sample()
+
+    def result(self) -> dict[str, Any] | None:
+        if not self.times:
+            return None
+        return {
+            "p50_ms": statistics.median(self.times) * 1000,
+            "min_ms": min(self.times) * 1000,
+            "samples": len(self.times),
+        }
+
+
+def measure(fn: Callable[[], Any], timing: dict[str, Any], probe: Probe | None = None) -> dict[str, Any]:
     """Warm up, then time calls until the estimate is stable: the `confidence` interval of
     the median within `ci_rel` of it on either side, after at least `min_samples` calls; at
-    most `max_samples` calls or `max_seconds` (the point is then marked not stable)."""
+    most `max_samples` calls or `max_seconds` (the point is then marked not stable). With
+    `probe`, a drift-probe call is timed (apart) between calls, every `Probe.EVERY_S`."""
     for _ in range(timing["warmup"]):
         fn()
     conf = timing.get("confidence", 0.95)
@@ -85,10 +170,14 @@ def measure(fn: Callable[[], Any], timing: dict[str, Any]) -> dict[str, Any]:
     times: list[float] = []
     stable = False
     ci: tuple[float, float] | None = None
+    if probe is not None:
+        probe.block()
     while True:
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
+        if probe is not None:
+            probe.maybe()
         if len(times) >= timing["min_samples"]:
             ci = median_ci(times, conf)
             if ci is not None and stable_ci(statistics.median(times), ci, timing["ci_rel"]):
@@ -175,7 +264,19 @@ def load_family(ref: str) -> Any:
     return obj()
 
 
+def run_probe(spec: dict[str, Any]) -> dict[str, Any]:
+    """`backend = "probe"`: only the drift probe, `samples` calls, in a process of its own
+    (no other runtime's threads beside it: an ONNX Runtime session's spinning workers or
+    OpenVINO's would slow it by different amounts, biasing the comparison between them)."""
+    probe = Probe(Path(spec["probe"]), int(spec["threads"]))
+    probe.block(int(spec.get("samples", 15)))
+    return {"backend": "probe", "label": spec.get("label", "probe"), "threads": int(spec["threads"]),
+            "probe": probe.result(), "times_ms": [t * 1000 for t in probe.times]}  # fmt: skip
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any]:
+    if spec["backend"] == "probe":
+        return run_probe(spec)
     threads = int(spec["threads"])
     runtime: dict[str, Any] | None = None  # OpenVINO: the properties its CPU plugin chose
     rss_start = rss_mb()
@@ -259,11 +360,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
     load_s = time.perf_counter() - t0
     rss_loaded = rss_mb()
+    # in-process probing (spec "probe"; bench uses probe processes instead: see run_probe)
+    probe = Probe(Path(spec["probe"]), threads) if spec.get("probe") else None
     points = []
     grid = spec.get("shapes") or [[b, s] for s in spec["seq_lens"] for b in spec["batch_sizes"]]
     for batch, seq in grid:
         feeds = inputs[(batch, seq)] if inputs is not None else make_inputs(tokenizer, spec["texts"], batch, seq)
-        stats = measure(runner(feeds), spec["timing"])
+        stats = measure(runner(feeds), spec["timing"], probe)
         stats.update(
             {
                 "batch": batch,
@@ -279,6 +382,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             file=sys.stderr,
             flush=True,
         )
+    if probe is not None:
+        probe.block()
     gpu_peak = None
     if spec["backend"] in ("torch-compile", "torch-cuda-eager"):  # on the GPU
         import torch
@@ -295,6 +400,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         "rss_loaded_mb": rss_loaded,
         "peak_rss_mb": peak_rss_mb(),
         "points": points,
+        # the drift probe's timing over this run (None when the spec asked for none)
+        "probe": probe.result() if probe is not None else None,
     }
 
 

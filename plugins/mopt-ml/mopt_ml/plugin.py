@@ -11,7 +11,7 @@ from typing import Any
 
 from mopt.api import hookimpl
 
-from mopt_ml.bench import BenchKind
+from mopt_ml.bench import BenchBaselineKind, BenchKind
 from mopt_ml.export import OnnxKind, OnnxSlimKind
 from mopt_ml.families import BertFamily, Qwen3Family
 from mopt_ml.quantize import OrtQuantizeKind
@@ -20,7 +20,9 @@ from mopt_ml.synthetic import SyntheticSource
 from mopt_ml.validate import ValidateKind
 from mopt_ml.weights import WeightsKind
 
-TARGETS = (WeightsKind, OnnxKind, OnnxSlimKind, OrtQuantizeKind, ValidateKind, BenchKind, SelectKind)
+TARGETS = (
+    WeightsKind, OnnxKind, OnnxSlimKind, OrtQuantizeKind, ValidateKind, BenchKind, BenchBaselineKind, SelectKind,
+)  # fmt: skip
 FAMILIES = (Qwen3Family, BertFamily)
 SOURCES = (SyntheticSource,)
 
@@ -41,6 +43,6 @@ def mopt_register_sources(register: Callable[[Any], None]) -> None:
 
 @hookimpl
 def mopt_register_targets(register: Callable[[Any], None]) -> None:
-    """weights, onnx, onnx-slim, ort-quantize, validate, bench, select."""
+    """weights, onnx, onnx-slim, ort-quantize, validate, bench, bench-baseline, select."""
     for kind in TARGETS:
         register(kind)

@@ -112,7 +112,67 @@ class OrtQuantizeKind(TargetKind):
         from mopt_ml.common import require
 
         require("onnx", "onnxruntime")
-        return quantize(ctx.input("model").path, ctx.out, ctx.tmp, ctx.params, ctx.project_dir, ctx.log)
+        src = ctx.input("model")
+        cache = Shared(ctx.cache_dir, src.digest) if ctx.cache_dir else None
+        return quantize(src.path, ctx.out, ctx.tmp, ctx.params, ctx.project_dir, ctx.log, cache)
+
+
+class Shared:
+    """What the section's quantizations of one fp32 graph compute alike, computed once: the
+    preprocessed graph, the calibration activation maxima and the quick check's fp32
+    embeddings (a sweep of smoothing strengths and weight types repeats them all). Kept in
+    the kind's cache folder, keyed by the input graph's digest and everything they depend
+    on; a concurrent action waits on a lock and reads the file. Never for graphs with
+    external data (> 2 GiB): those are rare and too large to keep twice."""
+
+    def __init__(self, folder: Path, digest: str) -> None:
+        self.folder = folder
+        self.digest = digest
+
+    def path(self, what: str, key: Any, suffix: str) -> Path:
+        import os
+
+        from mopt_ml.common import spec_hash, versions
+
+        full = {"graph": self.digest, "what": what, "key": key, "cpus": os.cpu_count(),
+                "tools": versions("onnx", "onnxruntime", "numpy")}  # fmt: skip
+        return self.folder / f"{what}-{spec_hash(full, 32)}{suffix}"
+
+    def get(self, path: Path, compute: Any, save: Any, load: Any) -> Any:
+        """`load(path)` if it is there, else `compute()`, saved atomically by `save(value, tmp)`."""
+        import fcntl
+        import os
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        with open(path.with_name(path.name + ".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another action computing it: wait, then read
+            if path.exists():
+                return load(path)
+            part = path.with_name(f".{path.name}.{os.getpid()}.part")
+            save(compute(), part)
+            os.replace(part, path)
+            return load(path)
+
+
+def _save_npz(value: dict[str, Any], path: Path) -> None:
+    import numpy as np
+
+    with open(path, "wb") as fh:  # a file object: np.savez would append ".npz" to a name
+        np.savez(fh, **value)
+
+
+def _load_npz(path: Path) -> dict[str, Any]:
+    import numpy as np
+
+    with np.load(path) as data:
+        return {k: data[k] for k in data.files}
+
+
+def _save_npy(value: Any, path: Path) -> None:
+    import numpy as np
+
+    with open(path, "wb") as fh:
+        np.save(fh, value)
 
 
 def _calibration_feeds(tokenizer: Any, texts: Sequence[str], params: Any) -> list[dict[str, Any]]:
@@ -130,7 +190,12 @@ def _calibration_feeds(tokenizer: Any, texts: Sequence[str], params: Any) -> lis
     ]
 
 
-def quantize(src: Path, out: Path, tmp: Path, params: Any, project_dir: Path, log: Any) -> dict[str, Any]:
+def quantize(
+    src: Path, out: Path, tmp: Path, params: Any, project_dir: Path, log: Any, cache: Shared | None = None
+) -> dict[str, Any]:
+    import shutil
+
+    import numpy as np
     import onnx
     from onnxruntime.quantization import QuantType, quant_pre_process, quantize_dynamic
 
@@ -144,6 +209,7 @@ def quantize(src: Path, out: Path, tmp: Path, params: Any, project_dir: Path, lo
         ort_session,
         read_meta,
         save_onnx,
+        spec_hash,
         texts_from_param,
         validation_texts,
         versions,
@@ -169,23 +235,42 @@ def quantize(src: Path, out: Path, tmp: Path, params: Any, project_dir: Path, lo
 
     large = bool(meta.get("external_data"))
     current = private_onnx(src, work) if large else model_onnx(src)
+    if large:
+        cache = None
     if params.preprocess:
         pre = work / "pre.onnx"
-        # ORT's symbolic shape inference fails on transformers-5 mask subgraphs
-        quant_pre_process(
-            str(current),
-            str(pre),
-            skip_symbolic_shape=True,
-            save_as_external_data=large,
-            all_tensors_to_one_file=True,
-        )
-        current = pre
+
+        def preprocess(dest: Path = pre) -> Path:
+            # ORT's symbolic shape inference fails on transformers-5 mask subgraphs
+            quant_pre_process(
+                str(current),
+                str(dest),
+                skip_symbolic_shape=True,
+                save_as_external_data=large,
+                all_tensors_to_one_file=True,
+            )
+            return dest
+
+        if cache is None:
+            current = preprocess()
+        else:
+            current = cache.get(
+                cache.path("pre", {}, ".onnx"), preprocess, lambda v, part: shutil.move(v, part), lambda p: p
+            )
 
     smooth_info: dict[str, Any] = {}
     if params.smooth:
         model = onnx.load(str(current))
         groups = matmul_groups(model)
-        act_max = activation_max(current, list(groups), feeds, work)
+
+        def amax() -> dict[str, Any]:
+            return activation_max(current, list(groups), feeds, work)
+
+        if cache is None:
+            act_max = amax()
+        else:
+            key = {"pre": params.preprocess, "feeds": spec_hash([{k: v.tolist() for k, v in f.items()} for f in feeds])}
+            act_max = cache.get(cache.path("amax", key, ".npz"), amax, _save_npz, _load_npz)
         smooth_info = apply_smoothing(model, groups, act_max, params.smooth_alpha)
         current = work / "smooth.onnx"
         save_onnx(model, current, large)
@@ -239,7 +324,14 @@ def quantize(src: Path, out: Path, tmp: Path, params: Any, project_dir: Path, lo
 
     # a quick look (no gate: that is validate's job) against the fp32 input graph
     texts = validation_texts()[: params.check_texts]
-    ref = embed_onnx(ort_session(model_onnx(src)), tokenizer, texts)
+
+    def fp32() -> Any:
+        return embed_onnx(ort_session(model_onnx(src)), tokenizer, texts)
+
+    if cache is None:
+        ref = fp32()
+    else:
+        ref = cache.get(cache.path("check", spec_hash(texts), ".npy"), fp32, _save_npy, np.load)
     got = embed_onnx(ort_session(out / "model.onnx"), tokenizer, texts)
     check = compare(ref, got)
     log(

@@ -75,7 +75,7 @@ class SelectKind(TargetKind):
     """Pick the best variant of the section by `objective` among those that pass the gates."""
 
     name = "select"
-    version = "1"
+    version = "2"  # 2: drift from the benches' probes
     description = "the best variant of a sweep (objective + gates), with a table of why"
     consumes = (
         Input("candidates", formats=(*TESTED_FORMATS, "vllm-config"), gather=True, partial=True),
@@ -136,8 +136,9 @@ class SelectKind(TargetKind):
         )
         normalize: bool = Field(
             default=True,
-            description="scale latencies by each bench's PyTorch reference (timed in the same run) "
-            "to cancel machine drift between benches",
+            description="scale latencies by each bench's drift probe (a fixed workload timed between "
+            "its calls; older benches: the PyTorch reference timed in the same run) to cancel "
+            "machine drift between benches",
         )
         tie_tolerance: float = Field(
             default=0.0,
@@ -228,7 +229,8 @@ class Row:
     p99_ms: float | None = None
     throughput: float | None = None  # sequences per second at the point
     baseline_ms: float | None = None  # the PyTorch reference's p50 at the point, same bench run
-    drift: float = 1.0  # median baseline / this run's baseline (latencies are scaled by it)
+    probe_ms: float | None = None  # the drift probe's p50 in this bench's run (benchworker.Probe)
+    drift: float = 1.0  # median probe (or baseline) / this run's (latencies are scaled by it)
     point: str | None = None  # "32x128"
     memory_mb: float | None = None
     value: float | None = None  # the objective's
@@ -323,17 +325,24 @@ def select(
                     (float(q["p50_ms"]) for q in base if (q["batch"], q["seq"]) == (pt["batch"], pt["seq"])),
                     None,
                 )
+                shared = rep.get("shared_baseline")
+                if row.baseline_ms is not None and shared:  # timed once for the section: at this run's speed
+                    row.baseline_ms *= float(shared.get("probe_ratio") or 1.0)
+                probe = res.get("probe") or {}
+                row.probe_ms = float(probe["p50_ms"]) if probe.get("p50_ms") else None
             points[row.label] = res.get("points", [])
         found[row.label] = (v, b)
-    # the machine drifts between benchmarks; each bench times the same PyTorch reference in
-    # its own run, so scaling a variant's latencies by (median reference / its reference)
-    # compares the variants as if timed side by side
+    # the machine drifts between benchmarks; each bench times the same fixed workload (the
+    # drift probe, in processes of its own right before and after the variant's), so scaling a variant's
+    # latencies by (median probe / its probe) compares the variants as if timed side by
+    # side. Benches from before the probe: the PyTorch reference each timed in its run.
     timed = [r for r in rows if r.p50_ms is not None]
-    if params.normalize and timed and all(r.baseline_ms for r in timed):
-        med = statistics.median(r.baseline_ms for r in timed if r.baseline_ms)
-        for r in timed:
-            assert r.baseline_ms
-            r.drift = med / r.baseline_ms
+    for ref in ("probe_ms", "baseline_ms"):
+        if params.normalize and timed and all(getattr(r, ref) for r in timed):
+            med = statistics.median(getattr(r, ref) for r in timed)
+            for r in timed:
+                r.drift = med / getattr(r, ref)
+            break
     for row in rows:
         v, b = found[row.label]
         if b is not None:
@@ -484,7 +493,7 @@ def render_table(sel: Selection) -> str:
                 _n(r.p50_ms, 1),
                 _n(r.p99_ms, 1),
                 _n(r.throughput, 1),
-                f"{r.drift:.3f}" if r.baseline_ms else "–",
+                f"{r.drift:.3f}" if r.probe_ms or r.baseline_ms else "–",
                 _n((r.bytes or 0) / 2**20, 1) if r.bytes is not None else "–",
                 f"{r.status.upper()}: {r.why}" if r.why else r.status.upper(),
             )
@@ -599,7 +608,7 @@ def render_html(sel: Selection, svg: str, section: str) -> str:
             f'<tr style="{style.get(r.status, "")}"><td>{html.escape(r.label)}</td><td>{html.escape(r.kind)}</td>'
             f"<td>{_n(r.min_cosine, 4)}</td><td>{_n(r.mean_cosine, 4)}</td><td>{_n(r.p50_ms, 1)}</td>"
             f"<td>{_n(r.p99_ms, 1)}</td><td>{_n(r.throughput, 1)}</td>"
-            f"<td>{f'{r.drift:.3f}' if r.baseline_ms else '–'}</td><td>{_fmt_value(sel.objective, r.value)}</td>"
+            f"<td>{f'{r.drift:.3f}' if r.probe_ms or r.baseline_ms else '–'}</td><td>{_fmt_value(sel.objective, r.value)}</td>"
             f"<td>{_n((r.bytes or 0) / 2**20, 2) if r.bytes is not None else '–'}</td>"
             f"<td>{html.escape(r.status)}</td><td>{html.escape(r.why)}</td></tr>"
         )
@@ -610,7 +619,8 @@ def render_html(sel: Selection, svg: str, section: str) -> str:
         "td:first-child,td:nth-child(2),td:nth-last-child(-n+2){text-align:left}</style></head><body>"
         f"<h1>{html.escape(section)}: {html.escape(sel.winner or 'no winner')}</h1>"
         "<p>p50 / p99 are as measured; the objective column scales latencies by <i>drift</i> "
-        "(median PyTorch reference / the reference timed in that variant's bench run), so "
+        "(median drift probe / the probe timed between that variant's calls; benches without "
+        "one: the PyTorch reference timed in its run), so "
         "machine drift between benches does not pick the winner.</p>"
         f"<p>objective <b>{html.escape(sel.objective)}</b>; params "
         f"<code>{html.escape(json.dumps(sel.params, sort_keys=True))}</code></p>"

@@ -113,3 +113,27 @@ def test_auto_weight_type_follows_the_cpu() -> None:
     expected = "qint8" if cpu_int8_dot() in ("vnni", "amx") else "quint8"
     assert resolve_weight_type("auto") == expected
     assert OrtQuantizeKind().platform(None) == {"int8_dot": cpu_int8_dot()}
+
+
+def test_a_sweep_computes_preprocessing_calibration_and_check_once(
+    qwen3_chain: dict[str, Any], tmp_path: Path
+) -> None:
+    """The shared steps of two quantizations of one graph come from the cache the second
+    time, and the result is the same bytes as without the cache."""
+    from mopt_ml.quantize import OrtQuantizeKind, Shared, quantize
+
+    src = qwen3_chain["onnx"]
+    params = OrtQuantizeKind.Params(smooth_alpha=0.5, check_texts=8)
+    outs = []
+    for i, cache in enumerate([None, Shared(tmp_path / "cache", "digest-a"), Shared(tmp_path / "cache", "digest-a")]):
+        out, tmp = tmp_path / f"out{i}", tmp_path / f"tmp{i}"
+        out.mkdir()
+        tmp.mkdir()
+        result = quantize(src, out, tmp, params, tmp_path, lambda _m: None, cache)
+        outs.append(((out / "model.onnx").read_bytes(), result["check_vs_fp32"]))
+    files = {p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")}
+    assert sorted(f.split("-")[0] for f in files) == ["amax", "check", "pre"]
+    assert outs[0] == outs[1] == outs[2]
+    # another graph (digest) does not read them
+    assert Shared(tmp_path / "cache", "digest-a").path("pre", {}, ".onnx").name in files
+    assert Shared(tmp_path / "cache", "digest-b").path("pre", {}, ".onnx").name not in files

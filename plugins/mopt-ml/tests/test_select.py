@@ -33,6 +33,8 @@ def _variant(
     points: list[tuple[int, int, float, float]] | None = None,
     rss: float = 500.0,
     baseline: float | None = None,
+    probe: float | None = None,
+    shared: dict[str, Any] | None = None,
 ) -> tuple[Artifact, Artifact, Artifact]:
     """A candidate folder of `size` bytes, its validate report and its bench result."""
     cand = root / "cand" / label
@@ -49,9 +51,11 @@ def _variant(
     ben.mkdir(parents=True)
     pts = points or [(32, 128, p50, p99 if p99 is not None else p50 * 1.1)]
     results = [{"peak_rss_mb": rss, "points": [{"batch": b, "seq": s, "p50_ms": a, "p99_ms": c} for b, s, a, c in pts]}]
-    if baseline is not None:  # the PyTorch reference, timed in the same bench run
+    if probe is not None:  # the drift probe, timed between the variant's calls
+        results[0]["probe"] = {"p50_ms": probe, "min_ms": probe, "samples": 10}
+    if baseline is not None:  # the PyTorch reference, timed in the same bench run (or shared)
         results.append({"points": [{"batch": b, "seq": s, "p50_ms": baseline, "p99_ms": baseline} for b, s, *_ in pts]})
-    (ben / "bench.json").write_text(json.dumps({"results": results}))
+    (ben / "bench.json").write_text(json.dumps({"results": results, "shared_baseline": shared}))
     return (
         Artifact(cand, "ort-quantize", "int8", "d-" + label, {"precision": "int8"}, label=label),
         Artifact(val, "validate", "validate", "v-" + label, {"passed": passed, "failed_gates": failed},
@@ -256,8 +260,10 @@ def test_sweep_select_end_to_end(tmp_path: Path) -> None:
     assert rows["compiled"]["why"].startswith("unbuildable here: no NVIDIA GPU")
     measured = {k: r for k, r in rows.items() if r["status"] in ("winner", "lost")}
     assert len(measured) == 3
-    win = min(measured.values(), key=lambda r: r["p50_ms"])
+    # the objective: p50 scaled by each bench's drift probe (timed even with baseline = false)
+    win = min(measured.values(), key=lambda r: r["value"])
     assert sel["winner"] == win["label"] and win["status"] == "winner"
+    assert all(r["probe_ms"] > 0 and r["value"] == pytest.approx(r["p50_ms"] * r["drift"]) for r in measured.values())
     # the winner's files are the build output, with the table and the plot beside them
     assert (best / "model.onnx").is_file() and (best / "pareto.svg").read_text().startswith("<svg")
     assert "<table>" in (best / "selection.html").read_text()
@@ -304,6 +310,31 @@ def test_latencies_are_compared_through_each_bench_s_own_reference(tmp_path: Pat
     assert rows["a"].p50_ms == 100 and rows["a"].drift == pytest.approx(0.9)
     assert _select(vs, objective="min_latency_p50", normalize=False).winner == "b"
     assert _select(vs, objective="max_throughput").winner == "a"
+
+
+def test_the_drift_probe_takes_precedence_over_the_reference(tmp_path: Path) -> None:
+    # both benches read one shared baseline (400 ms); "a" ran while the machine was slow
+    # (probe 12 ms), "b" while fast (8 ms): against the median probe (10 ms) a is faster
+    vs = [
+        _variant(tmp_path, "a", min_cos=0.999, mean_cos=0.999, p50=100, baseline=400, probe=12.0,
+                 shared={"target": "baseline", "probe_ratio": 1.2}),
+        _variant(tmp_path, "b", min_cos=0.999, mean_cos=0.999, p50=90, baseline=400, probe=8.0,
+                 shared={"target": "baseline", "probe_ratio": 0.8}),
+    ]
+    sel = _select(vs, objective="min_latency_p50")
+    rows = {r.label: r for r in sel.rows}
+    assert sel.winner == "a"
+    assert rows["a"].drift == pytest.approx(10 / 12) and rows["b"].drift == pytest.approx(10 / 8)
+    assert rows["a"].value == pytest.approx(100 * 10 / 12) and rows["b"].value == pytest.approx(112.5)
+    # the shared baseline is read at each run's machine speed (x its probe ratio)
+    assert rows["a"].baseline_ms == pytest.approx(480) and rows["b"].baseline_ms == pytest.approx(320)
+    assert "0.833" in render_table(sel)
+    # one bench without a probe (timed before it existed): all fall back to the references
+    old = tmp_path / "old"
+    old.mkdir()
+    mixed = [vs[0], _variant(old, "c", min_cos=0.999, mean_cos=0.999, p50=95, baseline=500)]
+    rows = {r.label: r for r in _select(mixed, objective="min_latency_p50").rows}
+    assert rows["a"].drift == pytest.approx(490 / 480) and rows["c"].drift == pytest.approx(490 / 500)
 
 
 def test_serving_targets_take_the_winner(tmp_path: Path) -> None:

@@ -110,6 +110,44 @@ def test_bench_times_the_artifact_and_the_pytorch_baseline(runner: Any, qwen3_ch
     assert meta["points"] == 4 and set(meta["p50_ms"]) == {"1x16", "4x16", "1x32", "4x32"}
 
 
+def test_a_shared_baseline_is_timed_once_and_read_at_each_bench_s_speed(
+    runner: Any, qwen3_chain: dict[str, Any]
+) -> None:
+    from mopt_ml.bench import BenchBaselineKind, BenchKind
+
+    params = {"batch_sizes": [1, 4], "seq_lens": [16], "threads": 1, "warmup": 1, "min_samples": 6,
+              "max_samples": 8, "max_seconds": 2.0}  # fmt: skip
+    weights = runner.artifact(qwen3_chain["weights"], "weights")
+    base_dir, base_meta = runner.run(
+        BenchBaselineKind, {**params, "batch_sizes": [1]}, inputs={"reference": [weights]},
+        family=qwen3_chain["family"],
+    )  # fmt: skip
+    base = json.loads((base_dir / "bench.json").read_text())
+    assert [r["backend"] for r in base["results"]] == ["torch"]
+    assert base_meta["probe_ms"] > 0 and base["results"][0]["probe"]["samples"] >= 6
+    out, meta = runner.run(
+        BenchKind,
+        params,
+        inputs={
+            "model": [runner.artifact(qwen3_chain["onnx"], "onnx")],
+            "reference": [weights],
+            "baseline": [runner.artifact(base_dir, "bench-baseline")],
+        },
+        family=qwen3_chain["family"],
+    )
+    report = json.loads((out / "bench.json").read_text())
+    onnx, torch = report["results"]
+    assert onnx["backend"] == "onnx" and onnx["probe"]["p50_ms"] > 0
+    assert torch == {**base["results"][0], "shared_from": torch["shared_from"]}  # not timed again
+    ratio = onnx["probe"]["p50_ms"] / base["results"][0]["probe"]["p50_ms"]
+    assert report["shared_baseline"]["probe_ratio"] == pytest.approx(ratio)
+    # the baseline has no 4x16: no speedup there (and the log says to align the grids)
+    [sp] = report["speedup_vs_pytorch_fp32"]
+    assert (sp["batch"], sp["seq"]) == (1, 16)
+    assert sp["speedup_p50"] == pytest.approx(torch["points"][0]["p50_ms"] * ratio / onnx["points"][0]["p50_ms"])
+    assert meta["points"] == 2
+
+
 def test_validate_reuses_the_reference_per_weights_and_texts(
     tmp_path: Path, qwen3_chain: dict[str, Any]
 ) -> None:

@@ -77,7 +77,12 @@ class OpenVinoKind(TargetKind):
 
         art = ctx.input("model")
         require("openvino", "transformers", *(("torch",) if art.kind == "weights" else ("onnxruntime",)))
-        return convert(art.path, art.kind, ctx.out, ctx.family, ctx.params, ctx.log)
+        from mopt_ml.quantize import Shared
+
+        # the IR of an ONNX graph is the same for every inference precision (a runtime
+        # property): a section's `openvino` targets of one graph convert and check it once
+        cache = Shared(ctx.cache_dir, art.digest) if ctx.cache_dir and art.kind != "weights" else None
+        return convert(art.path, art.kind, ctx.out, ctx.family, ctx.params, ctx.log, cache)
 
 
 def runtime_settings(params: Any) -> dict[str, Any]:
@@ -89,7 +94,13 @@ def runtime_settings(params: Any) -> dict[str, Any]:
     }
 
 
-def convert(src: Path, src_kind: str, out: Path, family_obj: Any, params: Any, log: Any) -> dict[str, Any]:
+def convert(
+    src: Path, src_kind: str, out: Path, family_obj: Any, params: Any, log: Any, cache: Any = None
+) -> dict[str, Any]:
+    import json
+    import shutil
+
+    import numpy as np
     import openvino as ov
     from mopt_ml.common import (
         INPUT_NAMES,
@@ -101,6 +112,7 @@ def convert(src: Path, src_kind: str, out: Path, family_obj: Any, params: Any, l
         model_onnx,
         ort_session,
         read_meta,
+        spec_hash,
         validation_texts,
         versions,
         write_json,
@@ -112,28 +124,54 @@ def convert(src: Path, src_kind: str, out: Path, family_obj: Any, params: Any, l
     family = as_family(family_obj, src)
     tokenizer = family.load_tokenizer(src)
     texts = validation_texts()[: params.check_texts]
-    t0 = time.perf_counter()
-    if src_kind == "weights":
-        model, reference = _from_weights(src, family, tokenizer, texts, params.max_length)
-        src_meta: dict[str, Any] = {"family": family.name, "pooling": family.pooling}
-    else:
-        model = ov.convert_model(str(model_onnx(src)))
-        reference = embed_onnx(ort_session(model_onnx(src)), tokenizer, texts, max_length=params.max_length)
+    src_meta: dict[str, Any] = {"family": family.name, "pooling": family.pooling}
+    if src_kind != "weights":
         src_meta = read_meta(src)
-    convert_s = time.perf_counter() - t0
-    in_names = [i.get_any_name() for i in model.inputs]
-    if sorted(in_names) != sorted(INPUT_NAMES) or len(model.outputs) != 1:
-        raise RuntimeError(f"converted model has inputs {in_names} and {len(model.outputs)} outputs")
-    model.outputs[0].get_tensor().set_names({OUTPUT_NAME})
-    ov.save_model(model, str(out / runtime.IR_XML), compress_to_fp16=params.compress_to_fp16)
-    del model
-    log(f"converted from {src_kind} in {convert_s:.1f}s (weights {'fp16' if params.compress_to_fp16 else 'fp32'})")
 
-    # the conversion is checked in f32 (the gate); the requested precision is then recorded
-    # as the CPU plugin resolves it, with its numbers (validate gates those)
-    f32 = runtime.compile_model(out / runtime.IR_XML, {"INFERENCE_PRECISION_HINT": "f32"})
-    got = runtime.embed(runtime.Runner(f32), tokenizer, texts, max_length=params.max_length)
-    numbers = compare(reference, got)
+    def converted(dest: Path = out) -> tuple[Any, dict[str, Any], float]:
+        """The IR in `dest`, the source's embeddings of the check texts, the f32 check's
+        numbers, and the conversion's seconds."""
+        t0 = time.perf_counter()
+        if src_kind == "weights":
+            model, reference = _from_weights(src, family, tokenizer, texts, params.max_length)
+        else:
+            model = ov.convert_model(str(model_onnx(src)))
+            reference = embed_onnx(ort_session(model_onnx(src)), tokenizer, texts, max_length=params.max_length)
+        convert_s = time.perf_counter() - t0
+        in_names = [i.get_any_name() for i in model.inputs]
+        if sorted(in_names) != sorted(INPUT_NAMES) or len(model.outputs) != 1:
+            raise RuntimeError(f"converted model has inputs {in_names} and {len(model.outputs)} outputs")
+        model.outputs[0].get_tensor().set_names({OUTPUT_NAME})
+        ov.save_model(model, str(dest / runtime.IR_XML), compress_to_fp16=params.compress_to_fp16)
+        del model
+        # the conversion is checked in f32 (the gate); the requested precision is then recorded
+        # as the CPU plugin resolves it, with its numbers (validate gates those)
+        f32 = runtime.compile_model(dest / runtime.IR_XML, {"INFERENCE_PRECISION_HINT": "f32"})
+        got = runtime.embed(runtime.Runner(f32), tokenizer, texts, max_length=params.max_length)
+        return reference, compare(reference, got), convert_s
+
+    if cache is None:
+        reference, numbers, convert_s = converted()
+        log(f"converted from {src_kind} in {convert_s:.1f}s (weights {'fp16' if params.compress_to_fp16 else 'fp32'})")
+    else:
+
+        def compute() -> Path:
+            work = out / ".convert"
+            work.mkdir()
+            ref, nums, secs = converted(work)
+            np.save(work / "reference.npy", ref)
+            (work / "check.json").write_text(json.dumps({"check": nums, "convert_s": secs}))
+            return work
+
+        key = {"fp16": params.compress_to_fp16, "texts": spec_hash(texts), "max_length": params.max_length}
+        done = cache.get(cache.path("ir", key, ""), compute, lambda v, part: shutil.move(v, part), lambda p: p)
+        for name in (runtime.IR_XML, runtime.IR_BIN):
+            shutil.copyfile(done / name, out / name)
+        reference = np.load(done / "reference.npy")
+        saved = json.loads((done / "check.json").read_text())
+        numbers, convert_s = saved["check"], saved["convert_s"]
+        log(f"converted from {src_kind} in {convert_s:.1f}s (weights {'fp16' if params.compress_to_fp16 else 'fp32'}; "
+            "once for the graph's openvino targets)")  # fmt: skip
     log(
         f"check vs {src_kind} on {len(texts)} sentences (f32): min cosine {numbers['min_cosine']:.6f}, "
         f"mean {numbers['mean_cosine']:.6f}, max abs diff {numbers['max_abs_diff']:.3g}"
@@ -150,7 +188,7 @@ def convert(src: Path, src_kind: str, out: Path, family_obj: Any, params: Any, l
     if eff["inference_precision"] != "f32":
         got = runtime.embed(runtime.Runner(compiled), tokenizer, texts, max_length=params.max_length)
         at_precision = compare(reference, got)
-    del f32, compiled
+    del compiled
     if params.inference_precision != "default" and eff["inference_precision"] != params.inference_precision:
         log(
             f"inference precision {params.inference_precision} requested; this CPU runs "

@@ -98,6 +98,10 @@ def test_tiny_bert_through_the_cli(tmp_path: Path) -> None:
     bf16 = json.loads((cpu / "ov-bf16" / "mopt_ml.json").read_text())
     assert bf16["runtime"]["inference_precision"] == "bf16"
     assert bf16["built_on"]["effective"]["inference_precision"] == ("bf16" if native_bf16() else "f32")
+    # the IR of one ONNX graph is converted and checked once for both precisions
+    assert (cpu / "ov" / "model.bin").read_bytes() == (cpu / "ov-bf16" / "model.bin").read_bytes()
+    assert bf16["check"] == ov["check"]
+    assert len([d for d in (proj / ".mopt" / "cache" / "openvino").glob("ir-*") if d.is_dir()]) == 1
     q = json.loads((cpu / "ov-int8" / "mopt_ml.json").read_text())
     assert q["precision"] == "int8" and q["quantization"]["fake_quantize_ops"] > 0
     assert q["quantization"]["calibration"] == {
