@@ -338,7 +338,6 @@ def test_qwen3_chat_recipe_plans_the_cpu_chain(tmp_path: Path) -> None:
             "qwen3-chat.cpu:validate[int8]", "qwen3-chat.cpu:bench[onnx]", "qwen3-chat.cpu:best"} <= ids  # fmt: skip
 
 
-@pytest.mark.slow
 def test_qwen3_chat_cpu_builds_end_to_end_with_the_gates_evaluated(tmp_path: Path) -> None:
     """`mopt build recipes/qwen3-chat.toml 'qwen3-chat.cpu'`: weights → KV-cache ONNX → INT8 /
     INT4 → validate (generation gates) → bench (TTFT / ITL, PyTorch eager beside it) → best."""
