@@ -154,6 +154,19 @@ class Shared:
             return load(path)
 
 
+def _private_link(src: Path, dest: Path) -> Path:
+    """`dest` as a hard link of `src` (a copy across file systems)."""
+    import os
+    import shutil
+
+    dest.unlink(missing_ok=True)
+    try:
+        os.link(src, dest)
+    except OSError:
+        shutil.copyfile(src, dest)
+    return dest
+
+
 def _save_npz(value: dict[str, Any], path: Path) -> None:
     import numpy as np
 
@@ -254,8 +267,12 @@ def quantize(
         if cache is None:
             current = preprocess()
         else:
+            # the action reads its own link of the cached graph: ORT's quantizers write (and
+            # then delete) "<stem>-inferred.onnx" beside the graph they are given, so two
+            # actions quantizing one shared path at once remove each other's file
             current = cache.get(
-                cache.path("pre", {}, ".onnx"), preprocess, lambda v, part: shutil.move(v, part), lambda p: p
+                cache.path("pre", {}, ".onnx"), preprocess, lambda v, part: shutil.move(v, part),
+                lambda p: _private_link(p, pre),
             )
 
     smooth_info: dict[str, Any] = {}
