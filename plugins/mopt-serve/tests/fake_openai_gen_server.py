@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
+
+from fake_openai_server import Handler as _BaseHandler  # the sibling file (run as a script)
 
 MODEL = os.environ.get("FAKE_MODEL", "fake-gen")
 VOCAB = int(os.environ.get("FAKE_VOCAB", "1000"))
@@ -55,22 +56,8 @@ def chat_tokens(messages: list[dict]) -> list[int]:
     return list(text.encode())
 
 
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def setup(self) -> None:
-        super().setup()
-        self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-    def _send(self, code: int, body: bytes, ctype: str = "application/json") -> None:
-        self.send_response(code)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+class Handler(_BaseHandler):
+    """The embedding fake's HTTP plumbing (TCP_NODELAY, quiet log, `_send`), generation routes."""
 
     def do_GET(self) -> None:
         if self.path == "/health":
