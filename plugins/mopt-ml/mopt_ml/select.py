@@ -333,7 +333,7 @@ def select(
             points[row.label] = res.get("points", [])
         found[row.label] = (v, b)
     # the machine drifts between benchmarks; each bench times the same fixed workload (the
-    # drift probe, in processes of its own right before and after the variant's), so scaling a variant's
+    # drift probe, outside the variant's worker right before and after it), so scaling a variant's
     # latencies by (median probe / its probe) compares the variants as if timed side by
     # side. Benches from before the probe: the PyTorch reference each timed in its run.
     timed = [r for r in rows if r.p50_ms is not None]

@@ -59,7 +59,7 @@ def reference_embeddings(
     folder, the reference artifact's digest) they are computed once per weights, texts,
     settings, threads and library versions and reused by the section's other validate
     actions (a sweep validates every variant against the same reference)."""
-    import os
+    import fcntl
 
     import numpy as np
     import torch
@@ -79,14 +79,29 @@ def reference_embeddings(
         path = cache[0] / f"reference-{spec_hash(key, 32)}.npy"
         if path.is_file():
             return np.load(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # one computes, a concurrent validate of the section (-j 2 starts two at once) waits
+        # and reads its file instead of computing the same reference beside it
+        with open(path.with_name(f".{path.name}.lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if path.is_file():
+                return np.load(path)
+            return _reference(family, ref_dir, texts, kw, path)
+    return _reference(family, ref_dir, texts, kw, None)
+
+
+def _reference(family: Any, ref_dir: Path, texts: list[str], kw: dict[str, Any], path: Path | None) -> Any:
+    import os
+
+    import numpy as np
+
     model = family.load(ref_dir, dtype="fp32")
     reference = family.embed(model, family.load_tokenizer(ref_dir), texts, **kw)
     del model
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
         part = path.with_name(f".{path.name}.{os.getpid()}.{id(reference)}.npy")
         np.save(part, reference)
-        os.replace(part, path)  # atomic: a concurrent validate reads a whole file or none
+        os.replace(part, path)  # atomic: a reader without the lock sees a whole file or none
     return reference
 
 
