@@ -82,7 +82,7 @@ def reference_embeddings(
         path.parent.mkdir(parents=True, exist_ok=True)
         # one computes, a concurrent validate of the section (-j 2 starts two at once) waits
         # and reads its file instead of computing the same reference beside it
-        with open(path.with_name(f".{path.name}.lock"), "a") as lock:
+        with open(path.with_suffix(".lock"), "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if path.is_file():
                 return np.load(path)
