@@ -151,6 +151,42 @@ def test_a_shared_baseline_is_timed_once_and_read_at_each_bench_s_speed(
     assert meta["points"] == 2
 
 
+def test_concurrent_validates_compute_the_reference_once(
+    tmp_path: Path, qwen3_chain: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+    import time
+
+    import numpy as np
+
+    from mopt_ml import validate
+    from mopt_ml.families import as_family
+
+    family = as_family(qwen3_chain["family"])
+    kw = {"max_length": 32, "batch_size": 4, "pad_to": None}
+    texts = ["first sentence", "a second, longer sentence"]
+    computed = []
+    real = validate._reference
+
+    def slow_reference(*args: Any) -> Any:  # the real computation, counted and slowed
+        computed.append(1)
+        time.sleep(0.5)  # the second caller arrives while this one computes
+        return real(*args)
+
+    monkeypatch.setattr(validate, "_reference", slow_reference)
+    got: list[Any] = []
+
+    def call() -> None:
+        got.append(validate.reference_embeddings(family, qwen3_chain["weights"], texts, kw, (tmp_path, "d")))
+
+    threads = [threading.Thread(target=call) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(computed) == 1 and len(got) == 2 and np.array_equal(got[0], got[1])
+
+
 def test_validate_reuses_the_reference_per_weights_and_texts(
     tmp_path: Path, qwen3_chain: dict[str, Any]
 ) -> None:
