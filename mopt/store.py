@@ -182,7 +182,7 @@ def guard_path(path: StrPath, roots: Iterable[StrPath], *, resolved: bool = Fals
     """
     p = os.path.abspath(path)
     parent, name = os.path.split(p)
-    real = os.path.join(os.path.realpath(parent), name)
+    real = os.path.join(_realdir(parent), name)
     real_roots = [os.fspath(r) for r in roots] if resolved else [os.path.realpath(r) for r in roots]
     for r in real_roots:
         if real != r and (real + "/").startswith(r.rstrip("/") + "/"):
@@ -192,6 +192,26 @@ def guard_path(path: StrPath, roots: Iterable[StrPath], *, resolved: bool = Fals
         f"build folder ({', '.join(real_roots)})",
         hint="a name in the recipe or a symbolic link points outside; fix the name or remove the link",
     )
+
+
+def _realdir(folder: str) -> str:
+    """`os.path.realpath(folder)`, resolved by the kernel when `folder` is an existing folder:
+    one open and one readlink of /proc/self/fd instead of an lstat and a string walk per
+    component (realpath is pure Python: ~40 µs a call, once per materialized target);
+    anything else (absent, not a folder, no /proc) goes through realpath."""
+    try:
+        fd = os.open(folder, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except (OSError, AttributeError):  # AttributeError: no O_PATH (not Linux)
+        return os.path.realpath(folder)
+    try:
+        real = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        real = ""
+    finally:
+        os.close(fd)
+    if not real.startswith("/") or real.endswith(" (deleted)"):
+        return os.path.realpath(folder)
+    return real
 
 
 def check_key(key: str) -> str:
