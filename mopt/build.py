@@ -833,7 +833,7 @@ class Engine:
         if not self.store.intact(entry.outputs_tree, repair=repair):
             return None
         try:
-            members = [e.digest for e in self.store.tree_entries(entry.outputs_tree)]
+            members = [e.digest for e in self.store.tree_entries(entry.outputs_tree, present=True)]
         except StoreError as exc:
             logging.getLogger("mopt").warning("%s%s", exc, "; removing it and rebuilding" if repair else "")
             if repair:

@@ -12,7 +12,12 @@ rather than calling mopt, so a bug in mopt's own checks cannot hide itself:
   from: a file's tree mode is 0o755 when its owner may execute it, else 0o644;
 * ``state.db`` is an SQLite database (the stat cache) that must pass ``PRAGMA
   integrity_check``, and a row whose recorded stat still matches its file must name the
-  file's real digest (else the cache would vouch for damaged bytes).
+  file's real digest (else the cache would vouch for damaged bytes);
+* ``ac-memo.json`` (optional, an accelerator): if its first line is the BLAKE3 hex of the
+  rest (else mopt ignores it), every entry row whose recorded stat ``[dev, ino, size,
+  mtime_ns, ctime_ns]`` still matches ``ac/<key>.json`` must equal that file's JSON, and
+  every tree row must be the manifest of that tree (else the memo would vouch for another
+  entry or manifest than the store holds).
 
 Use it as ``check_store(store_dir, build_dir=None) -> list[str]`` (empty: all good), or as a
 script: ``python tests/storecheck.py STORE [BUILD_DIR]`` (exit 1 and one line per problem).
@@ -186,6 +191,10 @@ def check_store(store_dir: str | os.PathLike[str], build_dir: str | os.PathLike[
     if db.exists():
         _check_db(c, db)
 
+    memo = store / "ac-memo.json"
+    if memo.exists():
+        _check_memo(c, store, memo)
+
     for idx in sorted((store / "index").glob("*.json")) if (store / "index").is_dir() else []:
         try:
             json.loads(idx.read_bytes())
@@ -195,6 +204,36 @@ def check_store(store_dir: str | os.PathLike[str], build_dir: str | os.PathLike[
     if build_dir is not None and Path(build_dir).is_dir():
         _check_build(c, Path(build_dir), trees)
     return c.problems
+
+
+def _check_memo(c: _Checker, store: Path, memo: Path) -> None:
+    head, _, body = memo.read_bytes().partition(b"\n")
+    if head.decode("ascii", "replace") != blake3.blake3(body).hexdigest():
+        return  # mopt ignores (and replaces) a memo whose digest does not match
+    try:
+        doc = json.loads(body)
+        entries, trees = doc["entries"], doc["trees"]
+    except (ValueError, KeyError, TypeError) as err:
+        c.say(f"{memo}: digest matches but it is not the memo's JSON: {err}")
+        return
+    for key, (st_key, entry) in entries.items():
+        p = store / "ac" / f"{key}.json"
+        try:
+            st = p.lstat()
+        except OSError:
+            continue  # gone: the row is never used
+        if [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns] != st_key:
+            continue
+        try:
+            on_disk = json.loads(p.read_bytes())
+        except ValueError:
+            on_disk = None
+        if on_disk != entry:
+            c.say(f"{memo}: the row of {key} matches the stat of {p} but not its content")
+    for digest, rows in trees.items():
+        want = _canonical({"entries": rows})
+        if blake3.blake3(want).hexdigest() != digest:
+            c.say(f"{memo}: tree row {digest} is not the manifest of that tree")
 
 
 def _check_db(c: _Checker, db: Path) -> None:

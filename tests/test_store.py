@@ -165,6 +165,108 @@ def test_action_entry_round_trips_and_a_hit_touches_it(tmp_path: Path) -> None:
     assert store.ac_get("other") is None
 
 
+def _settled(*paths: Path) -> None:
+    """Wait until `paths` are out of the memo's racy window (their ctime 100 ms old)."""
+    while any(time.time_ns() - p.stat().st_ctime_ns < 150_000_000 for p in paths):
+        time.sleep(0.05)
+
+
+def test_the_entry_memo_answers_only_for_an_unchanged_entry_file(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    with Store(root) as store:
+        tree = build(store, tmp_path, "k1", {"a.txt": b"a"})
+        build(store, tmp_path, "k2", {"b.txt": b"b"})
+    entry = root / "ac" / "k1.json"
+    _settled(entry, root / "ac" / "k2.json")
+    with Store(root) as store:  # reads the files, writes the memo on close
+        assert store.ac_get("k1")["outputs_tree"] == tree  # type: ignore[index]
+        assert store.ac_get("k2") is not None
+        assert [e.path for e in store.tree_entries(tree)] == ["a.txt"]
+    memo = root / "ac-memo.json"
+    assert memo.exists()
+    with Store(root) as store:  # answered from the memo: no entry file opened
+        real_open = open
+
+        def no_entry_open(f: Any, *a: Any, **kw: Any) -> Any:
+            assert "/ac/" not in str(f), f"read {f} although the memo has it"
+            return real_open(f, *a, **kw)
+
+        real_os_open = os.open
+
+        def no_entry_os_open(f: Any, *a: Any, **kw: Any) -> Any:
+            assert "/ac/" not in str(f), f"read {f} although the memo has it"
+            return real_os_open(f, *a, **kw)
+
+        import builtins
+
+        builtins.open, os.open = no_entry_open, no_entry_os_open  # type: ignore[assignment]
+        try:
+            assert store.ac_get("k1")["outputs_tree"] == tree  # type: ignore[index]
+        finally:
+            builtins.open, os.open = real_open, real_os_open
+        assert store.tree_entries(tree)[0].path == "a.txt"
+    # the entry replaced (a new file: new inode and stat): the memo's row is not used
+    (tmp_path / "o").mkdir()
+    with Store(root) as store:
+        other = build(store, tmp_path / "o", "k1", {"c.txt": b"c"})
+    with Store(root) as store:
+        assert store.ac_get("k1")["outputs_tree"] == other  # type: ignore[index]
+    # a damaged memo is ignored (and replaced), never trusted
+    raw = bytearray(memo.read_bytes())
+    raw[-10] ^= 1
+    memo.write_bytes(bytes(raw))
+    with Store(root) as store:
+        assert store.ac_get("k2") is not None
+        assert store.ac_get("k1")["outputs_tree"] == other  # type: ignore[index]
+    head, _, body = memo.read_bytes().partition(b"\n")
+    assert head.decode() == hash_bytes(body)
+    # an entry whose blob went is a miss even though the memo knows the entry
+    with Store(root) as store:
+        (root / "cas" / other[:2] / other).unlink()
+        assert store.ac_get("k1") is None
+    # gc drops the memo with the entries it removes
+    with Store(root) as store:
+        store.gc(older_than_s=0, min_blob_age_s=0)
+    assert not memo.exists()
+
+
+def test_a_hit_touches_an_entry_only_when_its_last_use_is_old(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    with Store(root) as store:
+        build(store, tmp_path, "k1", {"a.txt": b"a"})
+    entry_path = root / "ac" / "k1.json"
+    age(entry_path, 60)  # used a minute ago: within TOUCH_AFTER_S, left as it is
+    before = entry_path.stat().st_mtime_ns
+    with Store(root) as store:
+        assert store.ac_get("k1") is not None
+    assert entry_path.stat().st_mtime_ns == before
+    age(entry_path, 3600)
+    with Store(root) as store:
+        assert store.ac_get("k1") is not None
+    assert time.time() - entry_path.stat().st_mtime < 60
+    # the touch filed the entry in the memo under its new stat: not read again next time
+    import builtins
+
+    real_open = builtins.open
+
+    def no_entry_open(f: Any, *a: Any, **kw: Any) -> Any:
+        assert "/ac/" not in str(f), f"read {f} although the memo has it"
+        return real_open(f, *a, **kw)
+
+    real_os_open = os.open
+
+    def no_entry_os_open(f: Any, *a: Any, **kw: Any) -> Any:
+        assert "/ac/" not in str(f), f"read {f} although the memo has it"
+        return real_os_open(f, *a, **kw)
+
+    with Store(root) as store:
+        builtins.open, os.open = no_entry_open, no_entry_os_open  # type: ignore[assignment]
+        try:
+            assert store.ac_get("k1") is not None
+        finally:
+            builtins.open, os.open = real_open, real_os_open
+
+
 def test_hit_with_missing_blob_is_a_miss(tmp_path: Path) -> None:
     store = Store(tmp_path / "store")
     tree = build(store, tmp_path, "k1", {"a.txt": b"a", "b.txt": b"b"})
@@ -617,3 +719,19 @@ def test_entry_model_rejects_unknown_fields_and_bad_digests() -> None:
         ActionEntry(**{**base, "outputs_tree": "XYZ"})
     with pytest.raises(ValueError):
         ActionEntry(**{**base, "log": "short"})
+
+
+def test_the_path_guard_resolves_folders_as_realpath_does(tmp_path: Path) -> None:
+    from mopt.store import OutsideError, _realdir, guard_path
+
+    (tmp_path / "root" / "build").mkdir(parents=True)
+    (tmp_path / "elsewhere" / "cpu").mkdir(parents=True)
+    (tmp_path / "root" / "build" / "m").symlink_to(tmp_path / "elsewhere")
+    (tmp_path / "root" / "f").write_text("")
+    for p in ["root/build", "root/build/m", "root/build/m/cpu", "root/build/absent/x", "root/f", "root/f/x"]:
+        assert _realdir(str(tmp_path / p)) == os.path.realpath(tmp_path / p), p
+    roots = [tmp_path / "root"]
+    assert guard_path(tmp_path / "root/build/m", roots) == str(tmp_path / "root/build/m")  # the link itself
+    for p in ["root/build/m/cpu/t", "root/build/m/absent/t"]:  # through the link: outside
+        with pytest.raises(OutsideError):
+            guard_path(tmp_path / p, roots)
