@@ -44,7 +44,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
@@ -301,6 +301,10 @@ class SpawnRunner:
     ) -> Iterator[SpawnResult]:
         raise NotImplementedError
         yield  # pragma: no cover
+
+    def prestart(self, kinds: Iterable[tuple[bool, bool, tuple[str, ...]]]) -> None:
+        """Get ready for actions of these kinds (`(sandboxed, network, preload)`), if the
+        runner has anything to start ahead (see `ProcessRunner.prestart`)."""
 
     def shutdown(self) -> None:
         """Stop the runner's processes (idle ones are asked to exit, busy ones killed)."""
@@ -599,17 +603,43 @@ class ProcessRunner(SpawnRunner):
         ctx = self._scratch() if self._scratch is not None else _TmpScratch(self.tmp_dir)
         return ctx, Path(ctx.__enter__())
 
+    def _zygote(self, sort: str) -> _Zygote:
+        """The zygote of `sort`, started if it is not running (on the spawner thread only)."""
+        z = self._zygotes.get(sort)
+        if z is None or not z.alive:
+            ctx, root = self._new_scratch()
+            try:
+                z = self._zygotes[sort] = _Zygote(self, sort, root, ctx)
+            except BaseException:
+                ctx.__exit__(None, None, None)
+                raise
+        return z
+
+    def prestart(self, kinds: Iterable[tuple[bool, bool, tuple[str, ...]]]) -> None:
+        """Start the zygotes of the actions that may run, now, and have them import those
+        actions' modules (`(sandboxed, network, preload)` of each kind) in the background:
+        a build calls this before it keys its actions (resolving sources, hashing inputs),
+        so the imports overlap that work instead of following the first miss. Kinds that
+        preload nothing start nothing here (their zygote starts at their first miss)."""
+        wanted: dict[str, list[str]] = {}
+        for sandboxed, network, preload in kinds:
+            sort = self._sort(self.sandbox, sandboxed, network)
+            if preload and self._forks(sort):
+                mods = wanted.setdefault(sort, [])
+                mods += [m for m in preload if m not in mods]
+
+        def start(sort: str, mods: tuple[str, ...]) -> None:
+            with self._cond:
+                if self._closed:
+                    return
+            self._zygote(sort).send(("preload", mods))
+
+        for sort, mods in wanted.items():
+            self._spawner.submit(start, sort, tuple(mods))
+
     def _start(self, sort: str, needs: tuple[str, ...] = ()) -> _Worker:
         if self._forks(sort):
-            z = self._zygotes.get(sort)
-            if z is None or not z.alive:
-                ctx, root = self._new_scratch()
-                try:
-                    z = self._zygotes[sort] = _Zygote(self, sort, root, ctx)
-                except BaseException:
-                    ctx.__exit__(None, None, None)
-                    raise
-            return z.fork(needs)
+            return self._zygote(sort).fork(needs)
         ctx, scratch = self._new_scratch()
         parent, child = socket.socketpair()
         try:
@@ -818,6 +848,7 @@ class _Zygote:
         self._status: dict[int, int] = {}
         self._replies: list[Any] = []
         self.alive = True
+        self.forked = 0
         self.errlog = open(root / "zygote.log", "ab")  # noqa: SIM115 (lives as long as the zygote)
         try:
             fd = os.dup(child.fileno())
@@ -897,6 +928,7 @@ class _Zygote:
                 reply = self._replies.pop(0)
             if reply[0] != "forked":
                 raise RuntimeError(f"the action runner's fork server could not fork a worker: {reply[1]}")
+            self.forked += 1
             return _Worker(_ForkedProc(self, reply[1]), parent, scratch, ctx, sandboxed=False,
                            preloaded=frozenset(reply[2]))
         except BaseException:
@@ -907,7 +939,12 @@ class _Zygote:
             child.close()
 
     def close(self) -> None:
-        """Ask the zygote to end (it kills what it forked); kill it if it does not."""
+        """Ask the zygote to end (it kills what it forked); kill it if it does not. One
+        that forked nothing is killed at once: it may be in the middle of a long import
+        (started ahead by `prestart` for a build that turned out to be all hits)."""
+        if not self.forked:
+            self.kill()
+            return
         with contextlib.suppress(OSError):
             self.conn.close()
         with contextlib.suppress(OSError):
@@ -1308,6 +1345,16 @@ def zygote_main(argv: list[str]) -> int:
             with contextlib.suppress(OSError):
                 reap()
 
+    def preload(needs: tuple[str, ...]) -> None:
+        for mod in needs:
+            if mod not in loaded and mod not in failed:
+                try:
+                    __import__(mod)
+                    loaded.append(mod)
+                except BaseException as exc:  # the action meets it again, in its log
+                    failed.append(mod)
+                    print(f"mopt zygote: preloading {mod} failed: {exc!r}", file=sys.stderr, flush=True)
+
     signal.signal(signal.SIGCHLD, on_sigchld)
 
     try:
@@ -1326,18 +1373,14 @@ def zygote_main(argv: list[str]) -> int:
                 with contextlib.suppress(OSError):
                     os.kill(msg[1], signal.SIGKILL)
                 continue
+            if msg[0] == "preload":  # ahead of the first fork: the build is still keying
+                preload(msg[1])
+                continue
             if msg[0] != "fork":
                 break
             _, scratch, needs, writable, landlock = msg
             wfd = recvfds(sock, 1)[0]
-            for mod in needs:
-                if mod not in loaded and mod not in failed:
-                    try:
-                        __import__(mod)
-                        loaded.append(mod)
-                    except BaseException as exc:  # the action meets it again, in its log
-                        failed.append(mod)
-                        print(f"mopt zygote: preloading {mod} failed: {exc!r}", file=sys.stderr, flush=True)
+            preload(needs)
             sys.stdout.flush()
             sys.stderr.flush()
             # what is imported so far is never collected in a fork: the collector would touch
