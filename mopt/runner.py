@@ -378,6 +378,33 @@ def resolve_sandbox(mode: str) -> tuple[bool, str]:
     return False, "bubblewrap not found (apt-get install bubblewrap): actions run unsandboxed"
 
 
+#: set for a zygote's own imports where mopt's environment does not set them (its forked
+#: workers inherit the libraries' state but not the variables: the actions, and what they
+#: start, see mopt's environment as it is)
+ZYGOTE_ENV_DEFAULTS = {
+    # OpenMP threads (torch's intra-op pool, MKL) sleep when idle instead of spinning: in
+    # worker processes beside each other (and beside other processes on the same cores)
+    # the spinning pools made a tiny model's ops ~10x slower (a linear 25 ms instead of
+    # 3 ms on a loaded 2-core machine) and burnt the CPU that the other actions needed
+    "OMP_WAIT_POLICY": "PASSIVE",
+}
+
+
+def _worker_env(zygote: bool = False) -> dict[str, str]:
+    env = {**os.environ, "MOPT_WORKER": "1"}
+    if zygote:
+        added = [k for k in ZYGOTE_ENV_DEFAULTS if k not in env]
+        env.update({k: ZYGOTE_ENV_DEFAULTS[k] for k in added})
+        env["MOPT_ZYGOTE_ADDED"] = " ".join(added)
+    return env
+
+
+def _drop_zygote_env() -> None:
+    """In a forked worker: the variables `_worker_env` added for its zygote's imports go."""
+    for k in os.environ.pop("MOPT_ZYGOTE_ADDED", "").split():
+        os.environ.pop(k, None)
+
+
 class _Worker:
     """One warm worker process and our end of its socket.
 
@@ -412,7 +439,7 @@ class _Worker:
                 stdout=errlog,
                 stderr=errlog,
                 start_new_session=True,  # Ctrl-C reaches mopt only; mopt stops the workers
-                env={**os.environ, "MOPT_WORKER": "1"},
+                env=_worker_env(),
             )
         except BaseException:
             errlog.close()
@@ -861,7 +888,7 @@ class _Zygote:
                     stdout=self.errlog,
                     stderr=self.errlog,
                     start_new_session=True,
-                    env={**os.environ, "MOPT_WORKER": "1"},
+                    env=_worker_env(zygote=True),
                 )
             finally:
                 os.close(fd)
@@ -1396,6 +1423,7 @@ def zygote_main(argv: list[str]) -> int:
                 code = 0
                 try:
                     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # its children are its own
+                    _drop_zygote_env()
                     conn.close()
                     sock.close()
                     os.setsid()  # a process group of its own: killed as one
