@@ -198,6 +198,8 @@ class Engine:
         self.prehashed_files = 0
         self.prehashed_bytes = 0
         self.planning = False  # plan never downloads a source
+        #: the runner `prestart` started, until `build` takes it
+        self._early_runner: SpawnRunner | None = None
         self.index_dir = self.store.root / "index"
         if not read_only:
             self.index_dir.mkdir(exist_ok=True)
@@ -627,9 +629,15 @@ class Engine:
         reporter.start(states)
         pool = ThreadPoolExecutor(max_workers=max(1, jobs + slots["gpu"]), thread_name_prefix="mopt")
         self.sandbox_mode()  # a bad setting is an error before anything runs
-        # the runner (and its workers) start on the first miss: a build of hits starts none
-        runner: SpawnRunner | None = None
+        # workers start on the first miss (a build of hits starts none), but the runner's
+        # zygotes start now and import the kinds' modules while the keys are computed
+        # (sources resolved, inputs hashed); they are killed at the end if nothing ran
+        runner, self._early_runner = self._early_runner, None
         try:
+            if runner is None:
+                runner = self._prestarted_runner(ids, max(1, jobs + slots["gpu"]))
+            if runner is not None:
+                self.runner = runner
             while pending or running:
                 progressed = False
                 # one shared gc lock over the pass (its hits materialize), not one per hit
@@ -717,6 +725,34 @@ class Engine:
             self.flush_index()
             reporter.stop()
         return states
+
+    def prestart(self, ids: list[str], jobs: int | None = None) -> None:
+        """Start the local runner's zygotes now, ahead of `build(ids, jobs=jobs)`, so that
+        they import the kinds' modules while the sources are resolved (the CLI calls this
+        before `current_lock`); `build` then uses this runner. `stop_prestarted` ends it
+        if the build does not happen. Nothing for another executor, or when no kind of
+        `ids` declares `preload`."""
+        if self.project.config.executor.get("kind", "local") != "local" or self._early_runner is not None:
+            return
+        from mopt.procs import gpu_slots
+
+        self._early_runner = self._prestarted_runner(ids, max(1, (jobs or os.cpu_count() or 1) + gpu_slots()))
+
+    def stop_prestarted(self) -> None:
+        """Stop the runner `prestart` started, if `build` did not take it over."""
+        runner, self._early_runner = self._early_runner, None
+        if runner is not None:
+            runner.shutdown()
+
+    def _prestarted_runner(self, ids: list[str], workers: int) -> SpawnRunner | None:
+        """The local runner with its zygotes importing the modules of `ids`' kinds, or None
+        when no kind of them declares `preload` (the runner then starts at the first miss)."""
+        kinds = {k for i in ids if (k := self.registry.targets.get(self.graph.nodes[i].kind)) is not None}
+        if not any(k.preload for k in kinds):
+            return None
+        runner = self._local_runner(workers)
+        runner.prestart((k.sandbox, k.network, tuple(k.preload)) for k in kinds)
+        return runner
 
     def _local_runner(self, workers: int) -> SpawnRunner:
         """The runner of `[executor] sandbox` ("auto": bubblewrap where it works)."""

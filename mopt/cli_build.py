@@ -193,15 +193,21 @@ def register(app: click.Group) -> None:
         engine = Engine(s, offline=offline)
         if prehashing is not None:
             engine.prehashed = dict(prehashing.results)
-        lock_now = current_lock(engine, ids)
-        if frozen:
-            diffs = frozen_diff(s.recipe.path, lock_now)
-            if diffs:
-                raise MoptError(
-                    "--frozen: " + "; ".join(diffs),
-                    file=str(s.recipe.path.parent / "mopt.lock"),
-                    hint="rebuild without --frozen to update the lock file",
-                )
+        # the action runner's zygotes import torch & co. while the sources are resolved
+        engine.prestart(ids, jobs)
+        try:
+            lock_now = current_lock(engine, ids)
+            if frozen:
+                diffs = frozen_diff(s.recipe.path, lock_now)
+                if diffs:
+                    raise MoptError(
+                        "--frozen: " + "; ".join(diffs),
+                        file=str(s.recipe.path.parent / "mopt.lock"),
+                        hint="rebuild without --frozen to update the lock file",
+                    )
+        except BaseException:
+            engine.stop_prestarted()
+            raise
         reporter: Any
         if as_json or not sys.stderr.isatty() or os.environ.get("CI"):
             reporter = LineReporter(sys.stderr, quiet=quiet or as_json)

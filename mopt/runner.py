@@ -44,7 +44,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
@@ -302,6 +302,10 @@ class SpawnRunner:
         raise NotImplementedError
         yield  # pragma: no cover
 
+    def prestart(self, kinds: Iterable[tuple[bool, bool, tuple[str, ...]]]) -> None:
+        """Get ready for actions of these kinds (`(sandboxed, network, preload)`), if the
+        runner has anything to start ahead (see `ProcessRunner.prestart`)."""
+
     def shutdown(self) -> None:
         """Stop the runner's processes (idle ones are asked to exit, busy ones killed)."""
 
@@ -374,6 +378,33 @@ def resolve_sandbox(mode: str) -> tuple[bool, str]:
     return False, "bubblewrap not found (apt-get install bubblewrap): actions run unsandboxed"
 
 
+#: set for a zygote's own imports where mopt's environment does not set them (its forked
+#: workers inherit the libraries' state but not the variables: the actions, and what they
+#: start, see mopt's environment as it is)
+ZYGOTE_ENV_DEFAULTS = {
+    # OpenMP threads (torch's intra-op pool, MKL) sleep when idle instead of spinning: in
+    # worker processes beside each other (and beside other processes on the same cores)
+    # the spinning pools made a tiny model's ops ~10x slower (a linear 25 ms instead of
+    # 3 ms on a loaded 2-core machine) and burnt the CPU that the other actions needed
+    "OMP_WAIT_POLICY": "PASSIVE",
+}
+
+
+def _worker_env(zygote: bool = False) -> dict[str, str]:
+    env = {**os.environ, "MOPT_WORKER": "1"}
+    if zygote:
+        added = [k for k in ZYGOTE_ENV_DEFAULTS if k not in env]
+        env.update({k: ZYGOTE_ENV_DEFAULTS[k] for k in added})
+        env["MOPT_ZYGOTE_ADDED"] = " ".join(added)
+    return env
+
+
+def _drop_zygote_env() -> None:
+    """In a forked worker: the variables `_worker_env` added for its zygote's imports go."""
+    for k in os.environ.pop("MOPT_ZYGOTE_ADDED", "").split():
+        os.environ.pop(k, None)
+
+
 class _Worker:
     """One warm worker process and our end of its socket.
 
@@ -408,7 +439,7 @@ class _Worker:
                 stdout=errlog,
                 stderr=errlog,
                 start_new_session=True,  # Ctrl-C reaches mopt only; mopt stops the workers
-                env={**os.environ, "MOPT_WORKER": "1"},
+                env=_worker_env(),
             )
         except BaseException:
             errlog.close()
@@ -599,17 +630,43 @@ class ProcessRunner(SpawnRunner):
         ctx = self._scratch() if self._scratch is not None else _TmpScratch(self.tmp_dir)
         return ctx, Path(ctx.__enter__())
 
+    def _zygote(self, sort: str) -> _Zygote:
+        """The zygote of `sort`, started if it is not running (on the spawner thread only)."""
+        z = self._zygotes.get(sort)
+        if z is None or not z.alive:
+            ctx, root = self._new_scratch()
+            try:
+                z = self._zygotes[sort] = _Zygote(self, sort, root, ctx)
+            except BaseException:
+                ctx.__exit__(None, None, None)
+                raise
+        return z
+
+    def prestart(self, kinds: Iterable[tuple[bool, bool, tuple[str, ...]]]) -> None:
+        """Start the zygotes of the actions that may run, now, and have them import those
+        actions' modules (`(sandboxed, network, preload)` of each kind) in the background:
+        a build calls this before it keys its actions (resolving sources, hashing inputs),
+        so the imports overlap that work instead of following the first miss. Kinds that
+        preload nothing start nothing here (their zygote starts at their first miss)."""
+        wanted: dict[str, list[str]] = {}
+        for sandboxed, network, preload in kinds:
+            sort = self._sort(self.sandbox, sandboxed, network)
+            if preload and self._forks(sort):
+                mods = wanted.setdefault(sort, [])
+                mods += [m for m in preload if m not in mods]
+
+        def start(sort: str, mods: tuple[str, ...]) -> None:
+            with self._cond:
+                if self._closed:
+                    return
+            self._zygote(sort).send(("preload", mods))
+
+        for sort, mods in wanted.items():
+            self._spawner.submit(start, sort, tuple(mods))
+
     def _start(self, sort: str, needs: tuple[str, ...] = ()) -> _Worker:
         if self._forks(sort):
-            z = self._zygotes.get(sort)
-            if z is None or not z.alive:
-                ctx, root = self._new_scratch()
-                try:
-                    z = self._zygotes[sort] = _Zygote(self, sort, root, ctx)
-                except BaseException:
-                    ctx.__exit__(None, None, None)
-                    raise
-            return z.fork(needs)
+            return self._zygote(sort).fork(needs)
         ctx, scratch = self._new_scratch()
         parent, child = socket.socketpair()
         try:
@@ -818,6 +875,7 @@ class _Zygote:
         self._status: dict[int, int] = {}
         self._replies: list[Any] = []
         self.alive = True
+        self.forked = 0
         self.errlog = open(root / "zygote.log", "ab")  # noqa: SIM115 (lives as long as the zygote)
         try:
             fd = os.dup(child.fileno())
@@ -830,7 +888,7 @@ class _Zygote:
                     stdout=self.errlog,
                     stderr=self.errlog,
                     start_new_session=True,
-                    env={**os.environ, "MOPT_WORKER": "1"},
+                    env=_worker_env(zygote=True),
                 )
             finally:
                 os.close(fd)
@@ -897,6 +955,7 @@ class _Zygote:
                 reply = self._replies.pop(0)
             if reply[0] != "forked":
                 raise RuntimeError(f"the action runner's fork server could not fork a worker: {reply[1]}")
+            self.forked += 1
             return _Worker(_ForkedProc(self, reply[1]), parent, scratch, ctx, sandboxed=False,
                            preloaded=frozenset(reply[2]))
         except BaseException:
@@ -907,7 +966,12 @@ class _Zygote:
             child.close()
 
     def close(self) -> None:
-        """Ask the zygote to end (it kills what it forked); kill it if it does not."""
+        """Ask the zygote to end (it kills what it forked); kill it if it does not. One
+        that forked nothing is killed at once: it may be in the middle of a long import
+        (started ahead by `prestart` for a build that turned out to be all hits)."""
+        if not self.forked:
+            self.kill()
+            return
         with contextlib.suppress(OSError):
             self.conn.close()
         with contextlib.suppress(OSError):
@@ -1308,6 +1372,16 @@ def zygote_main(argv: list[str]) -> int:
             with contextlib.suppress(OSError):
                 reap()
 
+    def preload(needs: tuple[str, ...]) -> None:
+        for mod in needs:
+            if mod not in loaded and mod not in failed:
+                try:
+                    __import__(mod)
+                    loaded.append(mod)
+                except BaseException as exc:  # the action meets it again, in its log
+                    failed.append(mod)
+                    print(f"mopt zygote: preloading {mod} failed: {exc!r}", file=sys.stderr, flush=True)
+
     signal.signal(signal.SIGCHLD, on_sigchld)
 
     try:
@@ -1326,18 +1400,14 @@ def zygote_main(argv: list[str]) -> int:
                 with contextlib.suppress(OSError):
                     os.kill(msg[1], signal.SIGKILL)
                 continue
+            if msg[0] == "preload":  # ahead of the first fork: the build is still keying
+                preload(msg[1])
+                continue
             if msg[0] != "fork":
                 break
             _, scratch, needs, writable, landlock = msg
             wfd = recvfds(sock, 1)[0]
-            for mod in needs:
-                if mod not in loaded and mod not in failed:
-                    try:
-                        __import__(mod)
-                        loaded.append(mod)
-                    except BaseException as exc:  # the action meets it again, in its log
-                        failed.append(mod)
-                        print(f"mopt zygote: preloading {mod} failed: {exc!r}", file=sys.stderr, flush=True)
+            preload(needs)
             sys.stdout.flush()
             sys.stderr.flush()
             # what is imported so far is never collected in a fork: the collector would touch
@@ -1353,6 +1423,7 @@ def zygote_main(argv: list[str]) -> int:
                 code = 0
                 try:
                     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # its children are its own
+                    _drop_zygote_env()
                     conn.close()
                     sock.close()
                     os.setsid()  # a process group of its own: killed as one

@@ -394,11 +394,37 @@ def test_workers_are_forked_from_a_zygote_that_preloaded_the_kinds_modules(
     # has it before run() starts; an exec'd one (MOPT_ZYGOTE=0) does not
     p = Proj(tmp_path, sandbox)
     p.recipe('targets = ["probe"]\n\n[toy.cpu.probe]\nkind = "toy-misbehave"\nhow = "probe"\n')
-    proc = p.build("--json", env={**os.environ, "MOPT_ZYGOTE": zygote})
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    proc = p.build("--json", env={**env, "MOPT_ZYGOTE": zygote})
     assert proc.returncode == 0, proc.stderr
     seen = json.loads((p.dir / "build" / "toy" / "cpu" / "probe" / "seen.json").read_text())
     assert seen["preloaded"] is (zygote == "1")
     assert ("--zygote" in seen["parent"]) is (zygote == "1"), seen
+    # the zygote imported with OpenMP's passive wait policy; the action's environment is
+    # mopt's, without it
+    assert seen["parent_omp_wait_policy"] == ("PASSIVE" if zygote == "1" else None), seen
+    assert seen["omp_wait_policy"] is None, seen
+    p.check()
+    # the same build again, all hits (the no-op stamp is gone): the zygote that was started
+    # ahead is stopped without having forked a worker, and nothing is left running
+    for stamp in (p.dir / ".mopt" / "noop").iterdir():
+        stamp.unlink()
+    proc = p.build("--json", env={**env, "MOPT_ZYGOTE": zygote})
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["counts"] == {"cached": 1}, data["counts"]
+    assert data["io"]["noop_miss"] == "no stamp", data["io"]  # it went through the engine
+    p.check()
+
+
+def test_a_users_omp_wait_policy_is_kept(tmp_path: Path) -> None:
+    p = Proj(tmp_path, "none")
+    p.recipe('targets = ["probe"]\n\n[toy.cpu.probe]\nkind = "toy-misbehave"\nhow = "probe"\n')
+    proc = p.build("--json", env={**os.environ, "MOPT_ZYGOTE": "1", "OMP_WAIT_POLICY": "ACTIVE"})
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads((p.dir / "build" / "toy" / "cpu" / "probe" / "seen.json").read_text())
+    assert seen["parent_omp_wait_policy"] == "ACTIVE", seen
+    assert seen["omp_wait_policy"] == "ACTIVE", seen
     p.check()
 
 

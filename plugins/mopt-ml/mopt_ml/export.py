@@ -46,7 +46,11 @@ class OnnxKind(TargetKind):
     float32). Checked against PyTorch on the shipped validation sentences. For task
     text-generation: the KV-cache graph (module docstring), checked on logits."""
 
-    preload = ("torch", "transformers", "transformers.modeling_utils", "onnx")  # imported once by the build's fork server
+    # imported once by the build's fork server
+    preload = ("torch", "transformers", "transformers.modeling_utils", "onnx",
+               "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto",
+               # what common.require("transformers") imports in every action
+               "transformers.models.bert.modeling_bert", "transformers.models.qwen3.modeling_qwen3")
 
     name = "onnx"
     version = "1"

@@ -113,7 +113,11 @@ class ArtifactTester(TargetKind):
     """Base of the kinds that test one artifact against the PyTorch reference (`validate`,
     `bench`): fanned out over the section's artifacts, reading an optional `data` file."""
 
-    preload = ("torch", "transformers", "transformers.modeling_utils", "onnxruntime")  # imported once by the build's fork server
+    # imported once by the build's fork server
+    preload = ("torch", "transformers", "transformers.modeling_utils", "onnxruntime",
+               "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto",
+               # what common.require("transformers") imports in every action
+               "transformers.models.bert.modeling_bert", "transformers.models.qwen3.modeling_qwen3")
 
     consumes = (
         Input("model", formats=TESTED_FORMATS, fanout=True),

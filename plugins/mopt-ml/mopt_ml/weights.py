@@ -35,7 +35,11 @@ class WeightsKind(TargetKind):
     dtype cast, tied weights stored once, training-only tensors dropped, config.json
     normalised, tokenizer checked, and a manifest.json of every tensor."""
 
-    preload = ("torch", "transformers", "transformers.modeling_utils")  # imported once by the build's fork server
+    # imported once by the build's fork server
+    preload = ("torch", "transformers", "transformers.modeling_utils",
+               "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto",
+               # what common.require("transformers") imports in every action
+               "transformers.models.bert.modeling_bert", "transformers.models.qwen3.modeling_qwen3")
 
     name = "weights"
     version = "1"

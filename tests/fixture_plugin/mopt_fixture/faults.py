@@ -69,6 +69,10 @@ class ToyMisbehave(TargetKind):
                                 "preloaded": preloaded}
         with open(f"/proc/{os.getppid()}/cmdline", "rb") as fh:
             seen["parent"] = fh.read().replace(b"\0", b" ").decode()
+        seen["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY")
+        with open(f"/proc/{os.getppid()}/environ", "rb") as fh:
+            parent_env = dict(e.split(b"=", 1) for e in fh.read().split(b"\0") if b"=" in e)
+        seen["parent_omp_wait_policy"] = (parent_env.get(b"OMP_WAIT_POLICY") or b"").decode() or None
         if ctx.params.torch and how == "probe":
             import torch
 
