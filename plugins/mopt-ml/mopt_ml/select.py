@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from mopt.api import Artifact, BuildContext, Input, Missing, Params, TargetKind
+from mopt.api import Artifact, BuildContext, Input, Missing, Params, TargetKind, latency_throughput_svg
 from pydantic import Field, model_validator
 
 from mopt_ml.validate import TESTED_FORMATS
@@ -862,73 +862,11 @@ def render_serving_table(sel: ServeSelection) -> str:
 
 def serving_svg(sel: ServeSelection, width: int = 680, height: int = 380) -> str:
     """p99 latency against tokens/s for every served config (one curve each), the SLO dashed,
-    knees ringed, the winner's curve thick."""
-    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f"]
-    left, right, top, bottom = 64, 190, 36, 44
-    pw, ph = width - left - right, height - top - bottom
-    series = [r for r in sel.rows if r.steps]
-    pts = [
-        (float(s["tokens_per_s"]), float(s["p99_ms"])) for r in series for s in r.steps if s.get("completed")
-    ]
-    parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-        f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">',
-        f'<text x="{left + pw / 2:.0f}" y="18" text-anchor="middle" font-size="13">'
-        f"p99 latency vs throughput per config (SLO {sel.slo_p99_ms} ms)</text>",
-    ]
-    if not pts:
-        return "".join(parts) + "</svg>"
-    x1 = max(x for x, _ in pts) * 1.08
-    y1 = max([y for _, y in pts] + [sel.slo_p99_ms or 0.0]) * 1.1
-
-    def sx(x: float) -> float:
-        return left + x / max(x1, 1e-9) * pw
-
-    def sy(y: float) -> float:
-        return top + ph - y / max(y1, 1e-9) * ph
-
-    parts.append(
-        f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#999"/>'
-        f'<text x="{left + pw / 2:.0f}" y="{height - 8}" text-anchor="middle">throughput (tokens/s)</text>'
-        f'<text transform="translate(14,{top + ph / 2:.0f}) rotate(-90)" text-anchor="middle">p99 latency (ms)</text>'
-    )
-    for k in range(5):
-        parts.append(
-            f'<text x="{sx(x1 * k / 4):.1f}" y="{top + ph + 14}" text-anchor="middle">{x1 * k / 4:,.0f}</text>'
-            f'<text x="{left - 4}" y="{sy(y1 * k / 4) + 4:.1f}" text-anchor="end">{y1 * k / 4:.0f}</text>'
-        )
-    if sel.slo_p99_ms:
-        y = sy(sel.slo_p99_ms)
-        parts.append(
-            f'<line x1="{left}" x2="{left + pw}" y1="{y:.1f}" y2="{y:.1f}" stroke="#d62728" stroke-dasharray="6 4"/>'
-        )
-    for i, r in enumerate(series):
-        c = colors[i % len(colors)]
-        steps = sorted((s for s in r.steps if s.get("completed")), key=lambda s: s["concurrency"])
-        d = " ".join(f"{sx(float(s['tokens_per_s'])):.1f},{sy(float(s['p99_ms'])):.1f}" for s in steps)
-        wide = 3.5 if r.status == "winner" else 1.5
-        dash = "" if r.status in ("winner", "lost") else ' stroke-dasharray="3 3"'
-        parts.append(f'<polyline points="{d}" fill="none" stroke="{c}" stroke-width="{wide}"{dash}/>')
-        for s in steps:
-            tip = html.escape(
-                f"{r.label} c={s['concurrency']}: {s['tokens_per_s']:,.0f} tok/s, p99 {s['p99_ms']:.1f} ms"
-            )
-            parts.append(
-                f'<circle cx="{sx(float(s["tokens_per_s"])):.1f}" cy="{sy(float(s["p99_ms"])):.1f}" r="3" '
-                f'fill="{c}"><title>{tip}</title></circle>'
-            )
-        if r.knee:
-            parts.append(
-                f'<circle cx="{sx(float(r.knee["tokens_per_s"])):.1f}" cy="{sy(float(r.knee["p99_ms"])):.1f}" '
-                f'r="7" fill="none" stroke="{c}" stroke-width="2"/>'
-            )
-        ly = top + 12 + 16 * i
-        label = ("★ " if r.status == "winner" else "") + r.label
-        parts.append(
-            f'<line x1="{left + pw + 8}" x2="{left + pw + 24}" y1="{ly - 4}" y2="{ly - 4}" stroke="{c}" '
-            f'stroke-width="{wide}"/><text x="{left + pw + 28}" y="{ly}">{html.escape(label[:30])}</text>'
-        )
-    return "".join(parts) + "</svg>"
+    knees ringed, the winner's curve thick, the configs out of the running dashed."""
+    style = {"winner": "winner", "lost": ""}
+    series = [(r.label, r.steps, r.knee, style.get(r.status, "dim")) for r in sel.rows if r.steps]
+    title = f"p99 latency vs throughput per config (SLO {sel.slo_p99_ms} ms)"
+    return latency_throughput_svg(series, sel.slo_p99_ms, title, width, height, legend_px=190)
 
 
 def run_serving(ctx: BuildContext) -> dict[str, Any]:
