@@ -47,6 +47,23 @@ class TimingParams(Params):
     data: str | None = Field(default=None, description="texts the inputs are made of (null: shipped)")
 
 
+class GenerationTiming(Params):
+    """What a text-generation bench times (task = "text-generation"; `batch_sizes` are its
+    batch steps), shared by `bench` and `bench-baseline`."""
+
+    prompt_len: int = Field(default=128, ge=1, description="generation: prompt tokens per request")
+    output_len: int = Field(default=64, ge=1, description="generation: new tokens per request (greedy)")
+    concurrency: list[int] | None = Field(
+        default=None,
+        min_length=1,
+        description="generation: concurrent streamed requests per step instead of static batches "
+        "of batch_sizes (null: batches)",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto", description="generation: where it runs (auto: cuda on a GPU profile with a GPU)"
+    )
+
+
 class BenchKind(ArtifactTester):
     """Latency p50/p90/p99, throughput and peak memory of an artifact and its PyTorch FP32
     baseline: warm-up, then timed calls until the median's confidence interval is narrow
@@ -65,20 +82,8 @@ class BenchKind(ArtifactTester):
         Input("baseline", formats=("report",), kinds=("bench-baseline",), required=False),
     )
 
-    class Params(TimingParams):
+    class Params(TimingParams, GenerationTiming):
         baseline: bool = Field(default=True, description="also time the PyTorch FP32 reference")
-        # ---- text-generation (task = "text-generation"; batch_sizes are its batch steps)
-        prompt_len: int = Field(default=128, ge=1, description="generation: prompt tokens per request")
-        output_len: int = Field(default=64, ge=1, description="generation: new tokens per request (greedy)")
-        concurrency: list[int] | None = Field(
-            default=None,
-            min_length=1,
-            description="generation: concurrent streamed requests per step instead of static batches "
-            "of batch_sizes (null: batches)",
-        )
-        device: Literal["auto", "cpu", "cuda"] = Field(
-            default="auto", description="generation: where it runs (auto: cuda on a GPU profile with a GPU)"
-        )
 
     def fingerprint(self) -> dict[str, str]:
         from mopt_ml.common import versions
@@ -90,18 +95,27 @@ class BenchKind(ArtifactTester):
 
     def test(self, art: Artifact, ref: Path, ctx: BuildContext, label: str) -> dict[str, Any]:
         p = ctx.params
+        shared = None
+        base = ctx.inputs.get("baseline") or []
+        if base and p.baseline:  # the section's bench-baseline: the baseline is not timed again
+            shared = json.loads((base[0].path / "bench.json").read_text())
+            shared["target"] = base[0].target
         if ctx.task == GENERATION:
             from mopt_ml.genbench import bench_generation
 
             device = _device(p.device, ctx.hardware)
             return bench_generation(
-                art.path, ref, ctx.out, ctx.tmp, p, ctx.project_dir, ctx.log, label, device=device
+                art.path,
+                ref,
+                ctx.out,
+                ctx.tmp,
+                p,
+                ctx.project_dir,
+                ctx.log,
+                label,
+                device=device,
+                shared=shared,
             )
-        shared = None
-        base = ctx.inputs.get("baseline") or []
-        if base and p.baseline:
-            shared = json.loads((base[0].path / "bench.json").read_text())
-            shared["target"] = base[0].target
         return bench(
             art.path, ref, ctx.out, ctx.tmp, ctx.family, p, ctx.project_dir, ctx.log, label, art.kind, shared
         )
@@ -121,7 +135,8 @@ class BenchBaselineKind(TargetKind):
     produces = "report"
     static_fingerprint = True
 
-    Params = TimingParams
+    class Params(TimingParams, GenerationTiming):
+        pass
 
     def fingerprint(self) -> dict[str, str]:
         from mopt_ml.common import versions
@@ -141,6 +156,13 @@ class BenchBaselineKind(TargetKind):
 
         require("torch", "transformers", "onnxruntime")
         ref = ctx.input("reference")
+        if ctx.task == GENERATION:
+            from mopt_ml.genbench import time_generation_baseline
+
+            device = _device(ctx.params.device, ctx.hardware)
+            return time_generation_baseline(
+                ref.path, ctx.out, ctx.tmp, ctx.params, ctx.project_dir, ctx.log, device=device
+            )
         return time_baseline(ref.path, ctx.out, ctx.tmp, ctx.family, ctx.params, ctx.project_dir, ctx.log)
 
 
@@ -386,14 +408,16 @@ def _prepare_inputs(tokenizer: Any, common: dict[str, Any], tmp: Path) -> None:
     common["probe_model"] = str(tmp / "probe.onnx")
 
 
-def _probed(spec: dict[str, Any], tmp: Path, log: Any) -> dict[str, Any]:
-    """`_run_worker(spec)` between two drift-probe processes (benchworker.run_probe): the
-    result's `probe` is the median of both, i.e. how fast the machine ran around it."""
+def _probed(spec: dict[str, Any], tmp: Path, log: Any, run: Any = None) -> dict[str, Any]:
+    """`run(spec)` (default `_run_worker`; the generation bench: `genbench.run_worker`)
+    between two drift-probe processes (benchworker.run_probe): the result's `probe` is the
+    median of both, i.e. how fast the machine ran around it."""
+    run = run or _run_worker
     if not spec.get("probe_model"):
-        return _run_worker(spec, tmp, log)
+        return dict(run(spec, tmp, log))
     probe = {"backend": "probe", "threads": spec["threads"], "probe": spec["probe_model"], "samples": 12}
     before = _run_worker({**probe, "label": "probe-before"}, tmp, log)
-    result = _run_worker(spec, tmp, log)
+    result = dict(run(spec, tmp, log))
     after = _run_worker({**probe, "label": "probe-after"}, tmp, log)
     times = before["times_ms"] + after["times_ms"]
     result["probe"] = {

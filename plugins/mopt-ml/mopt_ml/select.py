@@ -176,13 +176,7 @@ class SelectKind(TargetKind):
             ctx.params,
         )
         table = render_table(sel)
-        for line in table.splitlines():
-            ctx.log(line)
-        if sel.winner is None:
-            raise NoWinner(f"no variant of {ctx.section} passed the gates:\n{table}")
-        win = next(r for r in sel.rows if r.label == sel.winner)
-        assert win.path is not None
-        _copy_winner(win.path, ctx.out)
+        win = _materialize_winner(ctx, sel, table)
         doc = sel.to_json()
         (ctx.out / "selection.json").write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
         svg = pareto_svg(sel)
@@ -497,6 +491,19 @@ def _pick_winner(
     sign = 1.0 if lower else -1.0
     rows.sort(key=lambda r: (_ORDER[r.status], sign * r.value if r.value is not None else math.inf, r.label))
     return winner
+
+
+def _materialize_winner(ctx: BuildContext, sel: Selection, table: str) -> Any:
+    """Log the selection's `table`; NoWinner (with the table) when no variant passed; else
+    the winner's files into the output, and its row."""
+    for line in table.splitlines():
+        ctx.log(line)
+    if sel.winner is None:
+        raise NoWinner(f"no variant of {ctx.section} passed the gates:\n{table}")
+    win = next(r for r in sel.rows if r.label == sel.winner)
+    assert win.path is not None
+    _copy_winner(win.path, ctx.out)
+    return win
 
 
 def _copy_winner(src_dir: Path, out: Path) -> None:
@@ -942,7 +949,8 @@ class GenRow:
     ttft_p99_ms: float | None = None
     itl_p50_ms: float | None = None
     itl_p99_ms: float | None = None
-    drift: float = 1.0  # median baseline tok/s / this bench's baseline tok/s
+    drift: float = 1.0  # this bench's probe / the median probe (else: median baseline tok/s / its)
+    probe_ms: float | None = None  # the drift probe's p50 around this bench's run (CPU)
     baseline_tok_s: float | None = None
     baseline_stable: bool = False  # its baseline's step met the bench's ci_rel
     memory_mb: float | None = None
@@ -1021,11 +1029,20 @@ def select_generation(
                 base = _gen_step(rep["results"][1]["steps"], row.step) if len(rep["results"]) > 1 else None
                 row.baseline_tok_s = base.get("output_tok_s") if base else None
                 row.baseline_stable = bool(base and base.get("stable"))
+                shared = rep.get("shared_baseline")
+                if row.baseline_tok_s and shared:  # timed once for the section: at this run's speed
+                    row.baseline_tok_s /= float(shared.get("probe_ratio") or 1.0)
+                row.probe_ms = (res.get("probe") or {}).get("p50_ms")
         found[row.label] = (v, b)
     timed = [r for r in rows if r.output_tok_s is not None]
-    # drift is read off the baselines only when each was timed to the bench's precision: a
+    # drift: from the benches' drift probes (a fixed workload timed around each run) when all
+    # have one; else from the baselines, only when each was timed to the bench's precision: a
     # baseline of one noisy sample would scale a variant by its noise (seen on a loaded CI machine)
-    if params.normalize and timed and all(r.baseline_tok_s and r.baseline_stable for r in timed):
+    if params.normalize and timed and all(r.probe_ms for r in timed):
+        med_probe = statistics.median(float(r.probe_ms or 0.0) for r in timed)
+        for r in timed:
+            r.drift = float(r.probe_ms or 0.0) / med_probe
+    elif params.normalize and timed and all(r.baseline_tok_s and r.baseline_stable for r in timed):
         med = statistics.median(r.baseline_tok_s for r in timed if r.baseline_tok_s)
         for r in timed:
             assert r.baseline_tok_s
@@ -1129,13 +1146,8 @@ def run_generation(ctx: BuildContext) -> dict[str, Any]:
         ctx.params,
     )
     table = render_gen_table(sel)
-    for line in table.splitlines():
-        ctx.log(line)
-    if sel.winner is None:
-        raise NoWinner(f"no variant of {ctx.section} passed the gates:\n{table}")
-    win = next(r for r in sel.rows if r.label == sel.winner)
-    assert isinstance(win, GenRow) and win.path is not None
-    _copy_winner(win.path, ctx.out)
+    win = _materialize_winner(ctx, sel, table)
+    assert isinstance(win, GenRow)
     (ctx.out / "selection.json").write_text(json.dumps(sel.to_json(), indent=2, sort_keys=True) + "\n")
     (ctx.out / "selection.html").write_text(
         "<!doctype html><html><head><meta charset='utf-8'><title>select: "
