@@ -11,6 +11,11 @@ agreement, mean KL(fp32 || variant) in nats and the perplexity ratio, as `valida
 them (mopt_ml.genmetrics). FP8 is simulated: every Linear weight except the head cast to
 torch.float8_e4m3fn with one per-tensor scale (amax / 448) and back, the activations too
 (per tensor, per call: what ModelOpt's FP8 does), compute in fp32. Prints one JSON line a row.
+
+Measured 2026-12-01 (2-core AMD EPYC, shared, load 5-13), FP8 top-1 vs fp32: tiny model at
+init 0.2 0.786 (bf16 0.975); at 0.02 1.000 (it echoes its input token); at 0.02 after 100 Adam
+steps (--train-steps 100) 0.913 (bf16 0.987). Qwen3-0.6B shape at 0.2: 0.198, KL 3.11 (bf16
+0.853; the H200 gave 0.224 / 0.875); at 0.02: 0.661 with near-flat logits (bf16 0.958).
 """
 
 from __future__ import annotations
