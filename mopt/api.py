@@ -33,6 +33,7 @@ from mopt.family import (
     tokenize,
     torch_dtype,
 )
+from mopt.svg import latency_throughput_svg
 
 hookimpl = pluggy.HookimplMarker("mopt")
 
@@ -77,6 +78,7 @@ __all__ = [
     "hash_tree",
     "hookimpl",
     "iter_files",
+    "latency_throughput_svg",
     "mode_of",
     "package_versions",
     "param_roles",

@@ -47,6 +47,23 @@ class TimingParams(Params):
     data: str | None = Field(default=None, description="texts the inputs are made of (null: shipped)")
 
 
+class GenerationTiming(Params):
+    """What a text-generation bench times (task = "text-generation"; `batch_sizes` are its
+    batch steps), shared by `bench` and `bench-baseline`."""
+
+    prompt_len: int = Field(default=128, ge=1, description="generation: prompt tokens per request")
+    output_len: int = Field(default=64, ge=1, description="generation: new tokens per request (greedy)")
+    concurrency: list[int] | None = Field(
+        default=None,
+        min_length=1,
+        description="generation: concurrent streamed requests per step instead of static batches "
+        "of batch_sizes (null: batches)",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto", description="generation: where it runs (auto: cuda on a GPU profile with a GPU)"
+    )
+
+
 class BenchKind(ArtifactTester):
     """Latency p50/p90/p99, throughput and peak memory of an artifact and its PyTorch FP32
     baseline: warm-up, then timed calls until the median's confidence interval is narrow
@@ -65,20 +82,8 @@ class BenchKind(ArtifactTester):
         Input("baseline", formats=("report",), kinds=("bench-baseline",), required=False),
     )
 
-    class Params(TimingParams):
+    class Params(TimingParams, GenerationTiming):
         baseline: bool = Field(default=True, description="also time the PyTorch FP32 reference")
-        # ---- text-generation (task = "text-generation"; batch_sizes are its batch steps)
-        prompt_len: int = Field(default=128, ge=1, description="generation: prompt tokens per request")
-        output_len: int = Field(default=64, ge=1, description="generation: new tokens per request (greedy)")
-        concurrency: list[int] | None = Field(
-            default=None,
-            min_length=1,
-            description="generation: concurrent streamed requests per step instead of static batches "
-            "of batch_sizes (null: batches)",
-        )
-        device: Literal["auto", "cpu", "cuda"] = Field(
-            default="auto", description="generation: where it runs (auto: cuda on a GPU profile with a GPU)"
-        )
 
     def fingerprint(self) -> dict[str, str]:
         from mopt_ml.common import versions
@@ -90,18 +95,27 @@ class BenchKind(ArtifactTester):
 
     def test(self, art: Artifact, ref: Path, ctx: BuildContext, label: str) -> dict[str, Any]:
         p = ctx.params
+        shared = None
+        base = ctx.inputs.get("baseline") or []
+        if base and p.baseline:  # the section's bench-baseline: the baseline is not timed again
+            shared = json.loads((base[0].path / "bench.json").read_text())
+            shared["target"] = base[0].target
         if ctx.task == GENERATION:
             from mopt_ml.genbench import bench_generation
 
             device = _device(p.device, ctx.hardware)
             return bench_generation(
-                art.path, ref, ctx.out, ctx.tmp, p, ctx.project_dir, ctx.log, label, device=device
+                art.path,
+                ref,
+                ctx.out,
+                ctx.tmp,
+                p,
+                ctx.project_dir,
+                ctx.log,
+                label,
+                device=device,
+                shared=shared,
             )
-        shared = None
-        base = ctx.inputs.get("baseline") or []
-        if base and p.baseline:
-            shared = json.loads((base[0].path / "bench.json").read_text())
-            shared["target"] = base[0].target
         return bench(
             art.path, ref, ctx.out, ctx.tmp, ctx.family, p, ctx.project_dir, ctx.log, label, art.kind, shared
         )
@@ -123,7 +137,8 @@ class BenchBaselineKind(TargetKind):
     # timed in the action's process (see `time_baseline`): torch and transformers come imported
     preload = ArtifactTester.preload
 
-    Params = TimingParams
+    class Params(TimingParams, GenerationTiming):
+        pass
 
     def fingerprint(self) -> dict[str, str]:
         from mopt_ml.common import versions
@@ -143,6 +158,13 @@ class BenchBaselineKind(TargetKind):
 
         require("torch", "transformers", "onnxruntime")
         ref = ctx.input("reference")
+        if ctx.task == GENERATION:
+            from mopt_ml.genbench import time_generation_baseline
+
+            device = _device(ctx.params.device, ctx.hardware)
+            return time_generation_baseline(
+                ref.path, ctx.out, ctx.tmp, ctx.params, ctx.project_dir, ctx.log, device=device
+            )
         return time_baseline(ref.path, ctx.out, ctx.tmp, ctx.family, ctx.params, ctx.project_dir, ctx.log)
 
 
@@ -436,18 +458,21 @@ def _run_in_process(spec: dict[str, Any], log: Any) -> dict[str, Any]:
     return result
 
 
-def _probed(spec: dict[str, Any], tmp: Path, log: Any, in_process: bool = False) -> dict[str, Any]:
-    """`_run_worker(spec)` (or `_run_in_process`) between two drift-probe readings
-    (`_ActionProbe`): the result's `probe` is the median of both, i.e. how fast the machine
-    ran around it."""
-    run = (lambda: _run_in_process(spec, log)) if in_process else (lambda: _run_worker(spec, tmp, log))
+def _probed(
+    spec: dict[str, Any], tmp: Path, log: Any, in_process: bool = False, run: Any = None
+) -> dict[str, Any]:
+    """`run(spec, tmp, log)` (default `_run_worker`; the generation bench: `genbench.run_worker`;
+    `in_process`: `_run_in_process`) between two drift-probe readings (`_ActionProbe`): the
+    result's `probe` is the median of both, i.e. how fast the machine ran around it."""
+    if run is None:
+        run = (lambda s, _t, lg: _run_in_process(s, lg)) if in_process else _run_worker
     if not spec.get("probe_model"):
-        return run()
+        return dict(run(spec, tmp, log))
     probe = _ACTION_PROBES.setdefault(
         (spec["probe_model"], int(spec["threads"])), _ActionProbe(spec["probe_model"], int(spec["threads"]))
     )
     before = probe.reading()
-    result = run()
+    result = dict(run(spec, tmp, log))
     after = probe.reading()
     times = before + after
     result["probe"] = {

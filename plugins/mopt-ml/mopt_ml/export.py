@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -101,7 +102,6 @@ class OnnxKind(TargetKind):
 
 
 def export_onnx(src: Path, out: Path, tmp: Path, family_obj: Any, params: Any, log: Any) -> dict[str, Any]:
-    import onnx
     import torch
 
     from mopt_ml.common import (
@@ -113,7 +113,6 @@ def export_onnx(src: Path, out: Path, tmp: Path, family_obj: Any, params: Any, l
         copy_model_files,
         embed_onnx,
         ort_session,
-        save_onnx,
         tokenize,
         validation_texts,
         versions,
@@ -131,34 +130,14 @@ def export_onnx(src: Path, out: Path, tmp: Path, family_obj: Any, params: Any, l
             f"{list(spec.outputs)}; the embedding graphs mopt-ml checks and runs have "
             f"{list(INPUT_NAMES)} → [{OUTPUT_NAME!r}]"
         )
-    opset = params.opset or DEFAULT_OPSET[params.exporter]
-
     # a padded example: mask code paths that skip an all-ones mask must not be traced
     example = tokenize(tokenizer, [calibration_texts()[0], "A short one."], max_length=32)
     args = tuple(torch.from_numpy(example[n]) for n in INPUT_NAMES)
-    stage = tmp / "export"
-    stage.mkdir(parents=True, exist_ok=True)
-    raw = stage / "model.onnx"
-    _quiet_exporters()
-    t0 = time.perf_counter()
-    try:
-        with _EXPORT_LOCK, torch.no_grad():
-            _export(params.exporter, spec, args, raw, opset, model)
-    except Exception as exc:
-        raise RuntimeError(
-            f"torch.onnx.export ({params.exporter} exporter, opset {opset}) failed: {type(exc).__name__}: {exc}"
-        ) from exc
-    export_s = time.perf_counter() - t0
-
-    graph = onnx.load(str(raw))
-    _name_dynamic_axes(graph, getattr(model.config, "hidden_size", None))
-    in_names = [i.name for i in graph.graph.input]
-    out_names = [o.name for o in graph.graph.output]
-    if in_names != list(INPUT_NAMES) or out_names != [OUTPUT_NAME]:
-        raise RuntimeError(f"exported graph has inputs {in_names} and outputs {out_names}")
-    graph.producer_name = "mopt-ml"
-    external = save_onnx(graph, out / "model.onnx", params.external_data)
-    del graph
+    hidden = getattr(model.config, "hidden_size", None)
+    opset, export_s, external = _export_to(
+        out, tmp, model, spec, args, params, "",
+        lambda g: _name_dynamic_axes(g, hidden), INPUT_NAMES, (OUTPUT_NAME,),
+    )  # fmt: skip
     log(f"exported with {params.exporter} (opset {opset}) in {export_s:.1f}s; external data: {external}")
 
     texts = validation_texts()[: params.check_texts]
@@ -199,15 +178,64 @@ def export_onnx(src: Path, out: Path, tmp: Path, family_obj: Any, params: Any, l
     }
 
 
+def _names(xs: Sequence[str]) -> str:
+    return str(list(xs)) if len(xs) <= 5 else f"{list(xs)[:5]}... ({len(xs)})"
+
+
+def _export_to(
+    out: Path,
+    tmp: Path,
+    model: Any,
+    spec: Any,
+    args: tuple[Any, ...],
+    params: Any,
+    what: str,
+    name_axes: Callable[[Any], None],
+    want_in: Sequence[str],
+    want_out: Sequence[str],
+) -> tuple[int, float, bool]:
+    """Export `model` by `spec` (`params.exporter`, `params.opset` or the exporter's default)
+    with the example `args`, name the graph's dynamic axes (`name_axes`), refuse a graph whose
+    input / output names are not `want_in` / `want_out`, save it as out/model.onnx (external
+    data per `params.external_data`). The embedding and the KV-cache export share it.
+    (opset, export seconds, external data written)."""
+    import onnx
+    import torch
+
+    from mopt_ml.common import save_onnx
+
+    opset = params.opset or DEFAULT_OPSET[params.exporter]
+    stage = tmp / "export"
+    stage.mkdir(parents=True, exist_ok=True)
+    raw = stage / "model.onnx"
+    _quiet_exporters()
+    t0 = time.perf_counter()
+    try:
+        with _EXPORT_LOCK, torch.no_grad():
+            _export(params.exporter, spec, args, raw, opset, model)
+    except Exception as exc:
+        raise RuntimeError(
+            f"torch.onnx.export ({params.exporter} exporter, opset {opset}){what} failed: {type(exc).__name__}: {exc}"
+        ) from exc
+    export_s = time.perf_counter() - t0
+    graph = onnx.load(str(raw))
+    name_axes(graph)
+    in_names = [i.name for i in graph.graph.input]
+    out_names = [o.name for o in graph.graph.output]
+    if in_names != list(want_in) or out_names != list(want_out):
+        raise RuntimeError(f"exported graph has inputs {_names(in_names)} and outputs {_names(out_names)}")
+    graph.producer_name = "mopt-ml"
+    external = bool(save_onnx(graph, out / "model.onnx", params.external_data))
+    return opset, export_s, external
+
+
 def export_generation_onnx(
     src: Path, out: Path, tmp: Path, family_obj: Any, params: Any, log: Any
 ) -> dict[str, Any]:
     """The KV-cache graph of a causal LM, checked against PyTorch (module docstring)."""
-    import onnx
-    import torch
     from mopt.api import TEXT_GENERATION, generation_graph_names
 
-    from mopt_ml.common import META_FILE, calibration_texts, copy_model_files, save_onnx, versions, write_json
+    from mopt_ml.common import META_FILE, calibration_texts, copy_model_files, versions, write_json
     from mopt_ml.families import as_family
 
     family = as_family(family_obj, src, task=TEXT_GENERATION)
@@ -224,32 +252,11 @@ def export_generation_onnx(
             f"{list(spec.outputs)[:3]}...; the generation graphs mopt-ml runs have {list(want_in[:5])}... "
             f"→ {list(want_out[:3])}..."
         )
-    opset = params.opset or DEFAULT_OPSET[params.exporter]
     args = _generation_example(tokenizer, calibration_texts()[:2], kv)
-    stage = tmp / "export"
-    stage.mkdir(parents=True, exist_ok=True)
-    raw = stage / "model.onnx"
-    _quiet_exporters()
-    t0 = time.perf_counter()
-    try:
-        with _EXPORT_LOCK, torch.no_grad():
-            _export(params.exporter, spec, args, raw, opset, model)
-    except Exception as exc:
-        raise RuntimeError(
-            f"torch.onnx.export ({params.exporter} exporter, opset {opset}) of the KV-cache graph failed: "
-            f"{type(exc).__name__}: {exc}"
-        ) from exc
-    export_s = time.perf_counter() - t0
-
-    graph = onnx.load(str(raw))
-    _name_generation_axes(graph, spec.dynamic_axes)
-    in_names = [i.name for i in graph.graph.input]
-    out_names = [o.name for o in graph.graph.output]
-    if in_names != list(want_in) or out_names != list(want_out):
-        raise RuntimeError(f"exported graph has inputs {in_names[:5]}... and outputs {out_names[:3]}...")
-    graph.producer_name = "mopt-ml"
-    external = save_onnx(graph, out / "model.onnx", params.external_data)
-    del graph
+    opset, export_s, external = _export_to(
+        out, tmp, model, spec, args, params, " of the KV-cache graph",
+        lambda g: _name_generation_axes(g, spec.dynamic_axes), want_in, want_out,
+    )  # fmt: skip
     log(f"exported the KV-cache graph with {params.exporter} (opset {opset}) in {export_s:.1f}s; "
         f"external data: {external}")  # fmt: skip
     copied = copy_model_files(src, out)

@@ -53,6 +53,8 @@ from typing import Any
 #: how the worker opens a generator ("module:function"); tests point it at a fake
 GENERATOR_OPEN = "mopt_ml.genruntime:open_generator"
 FORMAT = "mopt-genbench/1"
+#: a text-generation section's `bench-baseline` (its results[0]: the PyTorch baseline)
+BASELINE_FORMAT = "mopt-genbench-baseline/1"
 
 
 # --------------------------------------------------------------------------- statistics
@@ -340,24 +342,13 @@ def step_of(st: dict[str, Any]) -> int:
     return int(st.get("batch", st.get("concurrency", 0)))
 
 
-def bench_generation(
-    model_dir: Path,
-    ref_dir: Path,
-    out: Path,
-    tmp: Path,
-    params: Any,
-    project_dir: Path,
-    log: Any,
-    label: str = "",
-    device: str = "cpu",
-) -> dict[str, Any]:
-    """Time the artifact in `model_dir` and (with `baseline`) the PyTorch model of `ref_dir`;
-    write bench.json and report.html; the action's result."""
-    import platform
-
-    from mopt_ml.bench import cpu_model, exclusive_cpu
-    from mopt_ml.common import cpu_threads, load_tokenizer, read_meta, texts_from_param, versions, write_json
-    from mopt_ml.validate import generation_format
+def _common(
+    ref_dir: Path, tmp: Path, params: Any, project_dir: Path, device: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The worker spec's fields every backend shares (prompts, steps, stopping rule, threads,
+    and on CPU the drift probe's model), and the bench.json settings."""
+    from mopt_ml.benchworker import write_probe
+    from mopt_ml.common import cpu_threads, load_tokenizer, texts_from_param
 
     threads = cpu_threads(params.threads) if device == "cpu" else params.threads
     mode = "concurrency" if params.concurrency else "batch"
@@ -378,22 +369,87 @@ def bench_generation(
         "device": device,
         "open": GENERATOR_OPEN,
     }
+    if device == "cpu":  # the drift probe is a CPU workload: it says nothing of a GPU's speed
+        write_probe(tmp / "probe.onnx")
+        common["probe_model"] = str(tmp / "probe.onnx")
+    settings = {"prompt_len": params.prompt_len, "output_len": params.output_len, "steps": steps, **timing}
+    return common, settings
+
+
+def _baseline_spec(common: dict[str, Any], ref_dir: Path) -> dict[str, Any]:
+    dtype = "fp32" if common["device"] == "cpu" else "bf16"
+    return {
+        **common,
+        "model": str(ref_dir),
+        "format": "hf-checkpoint",
+        "dtype": dtype,
+        "label": f"pytorch-{dtype}-eager",
+    }
+
+
+def _machine(threads: Any) -> dict[str, Any]:
+    import platform
+
+    from mopt_ml.bench import cpu_model
+
+    return {"cpu": cpu_model(), "cpus": os.cpu_count(), "threads": threads, "platform": platform.platform()}
+
+
+def _time(spec: dict[str, Any], tmp: Path, log: Any) -> dict[str, Any]:
+    """One backend's worker, between drift probes when the spec has the probe's model."""
+    from mopt_ml.bench import _probed
+
+    return _probed(spec, tmp, log, run=run_worker)
+
+
+def bench_generation(
+    model_dir: Path,
+    ref_dir: Path,
+    out: Path,
+    tmp: Path,
+    params: Any,
+    project_dir: Path,
+    log: Any,
+    label: str = "",
+    device: str = "cpu",
+    shared: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Time the artifact in `model_dir` and (with `baseline`) the PyTorch model of `ref_dir`,
+    or read that baseline from `shared` (the section's `bench-baseline` bench.json, rescaled
+    by the two runs' drift probes); write bench.json and report.html; the action's result."""
+    from mopt_ml.bench import _probes_of_this_action, exclusive_cpu
+    from mopt_ml.common import read_meta, versions, write_json
+    from mopt_ml.validate import generation_format
+
+    if shared is not None and shared.get("format") != BASELINE_FORMAT:
+        raise ValueError(
+            f"bench: the section's bench-baseline {shared['target']!r} is {shared.get('format')!r}, "
+            f"not a text-generation baseline ({BASELINE_FORMAT})"
+        )
+    common, settings = _common(ref_dir, tmp, params, project_dir, device)
+    mode, threads = common["mode"], common["threads"]
     art_label = label or model_dir.name
     fmt = generation_format(model_dir)
     specs = [{**common, "model": str(model_dir), "format": fmt, "label": art_label, "dtype": None}]
-    if params.baseline:
-        base_dtype = "fp32" if device == "cpu" else "bf16"
-        specs.append(
-            {
-                **common,
-                "model": str(ref_dir),
-                "format": "hf-checkpoint",
-                "dtype": base_dtype,
-                "label": f"pytorch-{base_dtype}-eager",
-            }
+    if params.baseline and shared is None:
+        specs.append(_baseline_spec(common, ref_dir))
+    with exclusive_cpu(log), _probes_of_this_action():
+        results = [_time(s, tmp, log) for s in specs]
+    # the shared baseline, at this run's machine speed: x (this run's probe / the baseline run's)
+    scale, shared_info = 1.0, None
+    if params.baseline and shared is not None:
+        base_res = dict(shared["results"][0], shared_from=shared["target"])
+        results.append(base_res)
+        mine, theirs = results[0].get("probe"), base_res.get("probe")
+        if mine and theirs:
+            scale = mine["p50_ms"] / theirs["p50_ms"]
+        shared_info = {"target": shared["target"], "probe_ratio": scale}
+        lack = sorted({step_of(s) for s in results[0]["steps"]} - {step_of(s) for s in base_res["steps"]})
+        log(
+            f"baseline: {shared['target']} (timed once for the section), x{scale:.3f} for this run's "
+            "machine speed (drift probe)"
+            + (f"; it has no step {lack}: give it the bench's steps" if lack else "")
         )
-    with exclusive_cpu(log):
-        results = [run_worker(s, tmp, log) for s in specs]
     speedups = []
     if len(results) > 1:
         base = {step_of(s): s for s in results[1]["steps"]}
@@ -403,8 +459,8 @@ def bench_generation(
                 speedups.append(
                     {
                         "step": step_of(s),
-                        "output_tok_s_ratio": s["output_tok_s"] / b["output_tok_s"],
-                        "ttft_p50_ratio": (b["ttft_ms"]["p50"] / s["ttft_ms"]["p50"])
+                        "output_tok_s_ratio": s["output_tok_s"] * scale / b["output_tok_s"],
+                        "ttft_p50_ratio": (b["ttft_ms"]["p50"] * scale / s["ttft_ms"]["p50"])
                         if s["ttft_ms"]["p50"]
                         else None,
                     }
@@ -419,19 +475,11 @@ def bench_generation(
         "quantization": (meta.get("quantization") or {}).get("mode")
         if isinstance(meta.get("quantization"), dict)
         else meta.get("quantization"),
-        "machine": {
-            "cpu": cpu_model(),
-            "cpus": os.cpu_count(),
-            "threads": threads,
-            "platform": platform.platform(),
-        },
-        "settings": {
-            "prompt_len": params.prompt_len,
-            "output_len": params.output_len,
-            "steps": steps,
-            **timing,
-        },
+        "machine": _machine(threads),
+        "settings": settings,
         "results": results,
+        # the section's bench-baseline this bench read (null: the baseline was timed here)
+        "shared_baseline": shared_info,
         "speedup_vs_baseline": speedups,
         "tools": versions("torch", "transformers", "onnxruntime"),
     }
@@ -452,6 +500,49 @@ def bench_generation(
         else None,
         "peak_rss_mb": _r(results[0]["peak_rss_mb"], 1),
         "stable": all(s["stable"] for r in results for s in r["steps"]),
+    }
+
+
+def time_generation_baseline(
+    ref_dir: Path, out: Path, tmp: Path, params: Any, project_dir: Path, log: Any, device: str = "cpu"
+) -> dict[str, Any]:
+    """`bench-baseline` of a text-generation section: the PyTorch model timed over the steps
+    once (between drift probes on CPU); bench.json (`mopt-genbench-baseline/1`) holds it as
+    `results[0]`, which each bench of the section copies to its `results[1]`."""
+    from mopt_ml.bench import _probes_of_this_action, exclusive_cpu
+    from mopt_ml.common import versions, write_json
+
+    common, settings = _common(ref_dir, tmp, params, project_dir, device)
+    spec = _baseline_spec(common, ref_dir)
+    with exclusive_cpu(log), _probes_of_this_action():
+        result = _time(spec, tmp, log)
+    report = {
+        "format": BASELINE_FORMAT,
+        "task": "text-generation",
+        "artifact": spec["label"],
+        "mode": common["mode"],
+        "precision": spec["dtype"],
+        "quantization": None,
+        "machine": _machine(common["threads"]),
+        "settings": settings,
+        "results": [result],
+        "shared_baseline": None,
+        "speedup_vs_baseline": [],
+        "tools": versions("torch", "transformers", "onnxruntime"),
+    }
+    write_json(out / "bench.json", report)
+    (out / "report.html").write_text(render_html(report), encoding="utf-8")
+    probe = result.get("probe") or {}
+    steps = result["steps"]
+    return {
+        "task": "text-generation",
+        "mode": common["mode"],
+        "threads": common["threads"],
+        "output_tok_s": {str(step_of(s)): _r(s["output_tok_s"]) for s in steps},
+        "ttft_ms_p50": {str(step_of(s)): _r(s["ttft_ms"]["p50"]) for s in steps},
+        "probe_ms": _r(probe.get("p50_ms"), 3),
+        "peak_rss_mb": _r(result["peak_rss_mb"], 1),
+        "stable": all(s["stable"] for s in steps),
     }
 
 

@@ -34,11 +34,12 @@ import json
 import math
 import shutil
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from mopt.api import Artifact, BuildContext, Input, Missing, Params, TargetKind
+from mopt.api import Artifact, BuildContext, Input, Missing, Params, TargetKind, latency_throughput_svg
 from pydantic import Field, model_validator
 
 from mopt_ml.validate import TESTED_FORMATS
@@ -89,22 +90,26 @@ class SelectKind(TargetKind):
     static_fingerprint = True
 
     class Params(Params):
-        objective: Literal[
-            "min_latency_p99",
-            "min_latency_p50",
-            "max_throughput",
-            "min_memory",
-            "max_throughput_under_latency",
-            "max_throughput_under_slo",
-            "max_output_tok_s",
-            "min_ttft_p50",
-            "min_ttft_p99",
-            "min_itl_p50",
-            "min_itl_p99",
-            "max_output_tok_s_under_ttft",
-        ] = Field(
-            default="min_latency_p99",
-            description="what the winner is best at (text-generation: unset means max_output_tok_s)",
+        objective: (
+            Literal[
+                "min_latency_p99",
+                "min_latency_p50",
+                "max_throughput",
+                "min_memory",
+                "max_throughput_under_latency",
+                "max_throughput_under_slo",
+                "max_output_tok_s",
+                "min_ttft_p50",
+                "min_ttft_p99",
+                "min_itl_p50",
+                "min_itl_p99",
+                "max_output_tok_s_under_ttft",
+            ]
+            | None
+        ) = Field(
+            default=None,
+            description="what the winner is best at (null: min_latency_p99 for embeddings, "
+            "max_output_tok_s for text generation)",
         )
         ttft_slo_ms: float | None = Field(
             default=None,
@@ -171,22 +176,7 @@ class SelectKind(TargetKind):
             ctx.params,
         )
         table = render_table(sel)
-        for line in table.splitlines():
-            ctx.log(line)
-        if sel.winner is None:
-            raise NoWinner(f"no variant of {ctx.section} passed the gates:\n{table}")
-        win = next(r for r in sel.rows if r.label == sel.winner)
-        assert win.path is not None
-        for src in sorted(win.path.rglob("*")):
-            rel = src.relative_to(win.path)
-            if rel.parts[0] in OWN_FILES and len(rel.parts) == 1:
-                continue  # a winner that is itself a selection: ours replace its files
-            dest = ctx.out / rel
-            if src.is_dir():
-                dest.mkdir(parents=True, exist_ok=True)
-            else:
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(src, dest)
+        win = _materialize_winner(ctx, sel, table)
         doc = sel.to_json()
         (ctx.out / "selection.json").write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
         svg = pareto_svg(sel)
@@ -208,6 +198,15 @@ class SelectKind(TargetKind):
             "precision": win.meta.get("precision"),
             "quantization": win.meta.get("quantization"),
         }
+
+
+def embedding_params(params: Any) -> Any:
+    """`params` with the embedding default objective (min_latency_p99) where it sets none.
+    The default is resolved here, by task, not in the field: the engine hands an action its
+    params as a full dump, so "unset" cannot be told from the field's default there."""
+    if params.objective is not None:
+        return params
+    return params.model_copy(update={"objective": "min_latency_p99"})
 
 
 # --------------------------------------------------------------------------- selection
@@ -292,6 +291,7 @@ def select(
     params: Any,
 ) -> Selection:
     """Score every candidate and pick the winner (None when no variant passes)."""
+    params = embedding_params(params)
     rows: list[Row] = []
     gates: list[float] = [params.min_cosine] if params.min_cosine is not None else []
     found: dict[str, tuple[Artifact | None, Artifact | None]] = {}
@@ -347,70 +347,24 @@ def select(
         v, b = found[row.label]
         if b is not None:
             row.value = _objective(points.get(row.label, []), row, params)
-        # why it cannot win, first reason only
-        if v is None:
-            gone = [m for m in missing.get("validate", []) if row.label in _missing_for(m)]
-            row.status, row.why = "excluded", _not_there("validate", gone)
-        elif not rep_passed(v):
-            row.status, row.why = (
-                "excluded",
-                "failed its validation gate: " + "; ".join(_failed_gates(v)),
-            )
-        elif params.min_cosine is not None and (row.min_cosine or 0.0) < params.min_cosine:
-            row.status, row.why = "excluded", f"min cosine {row.min_cosine:.4f} < {params.min_cosine}"
-        elif params.mean_cosine is not None and (row.mean_cosine or 0.0) < params.mean_cosine:
-            row.status, row.why = "excluded", f"mean cosine {row.mean_cosine:.4f} < {params.mean_cosine}"
-        elif b is None:
-            gone = [m for m in missing.get("bench", []) if row.label in _missing_for(m)]
-            row.status, row.why = "excluded", _not_there("bench", gone)
-        elif row.point is None:
-            row.status, row.why = "excluded", f"bench has no point {params.batch_size}x{params.seq_len}"
-        elif params.max_memory_mb is not None and (row.memory_mb or 0.0) > params.max_memory_mb:
-            row.status, row.why = (
-                "excluded",
-                f"peak memory {row.memory_mb:.0f} MB > {params.max_memory_mb:.0f} MB",
-            )
-        elif row.value is None:
-            row.status, row.why = "excluded", f"no batch size meets p99 <= {params.latency_budget_ms} ms"
-    for m in missing.get("candidates", []):
-        why = m.reason if m.reason.startswith(m.status) else f"{m.status}: {m.reason or 'no reason given'}"
-        rows.append(Row(label=m.label, kind=m.kind, status="unbuilt", why=why))
-    eligible = [r for r in rows if r.status == "lost"]
-    winner = None
-    if eligible:
-        lower = params.objective.startswith("min_")
-        values = [r.value for r in eligible if r.value is not None]
-        best = min(values) if lower else max(values)
-        tol = params.tie_tolerance * abs(best)
-
-        def tied(r: Row) -> bool:
-            assert r.value is not None
-            return (r.value - best <= tol) if lower else (best - r.value <= tol)
-
-        ties = sorted(
-            (r for r in eligible if tied(r)),
-            key=lambda r: (-(r.mean_cosine or 0.0), r.bytes or 0, r.label),
-        )
-        win = ties[0]
-        win.status, win.why = "winner", "best " + params.objective.replace("_", " ")
-        if len(ties) > 1:
-            win.why += (
-                f" (tied with {', '.join(t.label for t in ties[1:])}; higher mean cosine / smaller / name)"
-            )
-        winner = win.label
-        for r in eligible:
-            if r is win:
-                continue
-            assert r.value is not None and win.value is not None
-            if tied(r):
-                r.why = f"tied with {win.label}, lost the tie-break (mean cosine, size, name)"
-            else:
-                ratio = r.value / win.value if win.value else math.inf
-                r.why = f"{_fmt_value(params.objective, r.value)} vs {_fmt_value(params.objective, win.value)} ({ratio:.2f}x)"
-    order = {"winner": 0, "lost": 1, "excluded": 2, "unbuilt": 3}
-    rows.sort(key=lambda r: (order[r.status], r.value if r.value is not None else math.inf, r.label))
-    if not params.objective.startswith("min_"):
-        rows.sort(key=lambda r: (order[r.status], -(r.value or 0.0), r.label))
+        why = _excluded(
+            row.label, v, b, missing, params,
+            own_gate=_cosine_gate(row, params),
+            no_point=None if row.point else f"bench has no point {params.batch_size}x{params.seq_len}",
+            memory_mb=row.memory_mb,
+            no_value=None if row.value is not None else f"no batch size meets p99 <= {params.latency_budget_ms} ms",
+        )  # fmt: skip
+        if why:
+            row.status, row.why = "excluded", why
+    rows += _unbuilt(missing, Row)
+    winner = _pick_winner(
+        rows,
+        params.objective,
+        params.tie_tolerance,
+        tie_key=lambda r: (-(r.mean_cosine or 0.0), r.bytes or 0, r.label),
+        tie_by=("higher mean cosine", "mean cosine"),
+        fmt=_fmt_value,
+    )
     return Selection(params.objective, params.model_dump(mode="json"), rows, winner, max(gates, default=None))
 
 
@@ -443,6 +397,138 @@ def _not_there(what: str, gone: list[Missing]) -> str:
         g = gone[0]
         return f"{what} {g.status}: {g.reason or g.status}"
     return f"no {what} result for it (add {what!r} to the section's targets)"
+
+
+def _excluded(
+    label: str,
+    v: Artifact | None,
+    b: Artifact | None,
+    missing: dict[str, list[Missing]],
+    params: Any,
+    *,
+    own_gate: str | None,
+    no_point: str | None,
+    memory_mb: float | None,
+    no_value: str | None,
+) -> str | None:
+    """Why a variant cannot win, the first reason only (None: it can): no validate result,
+    a failed validate gate, select's own gate, no bench result, no bench point / step, over
+    the memory gate, no objective value. The embedding and text-generation selects share it."""
+    if v is None:
+        return _not_there("validate", [m for m in missing.get("validate", []) if label in _missing_for(m)])
+    if not rep_passed(v):
+        return "failed its validation gate: " + "; ".join(_failed_gates(v))
+    if own_gate:
+        return own_gate
+    if b is None:
+        return _not_there("bench", [m for m in missing.get("bench", []) if label in _missing_for(m)])
+    if no_point:
+        return no_point
+    if params.max_memory_mb is not None and (memory_mb or 0.0) > params.max_memory_mb:
+        return f"peak memory {memory_mb:.0f} MB > {params.max_memory_mb:.0f} MB"
+    return no_value
+
+
+def _cosine_gate(row: Any, params: Any) -> str | None:
+    """select's own min_cosine / mean_cosine gate on a row (embeddings, served configs)."""
+    if params.min_cosine is not None and (row.min_cosine or 0.0) < params.min_cosine:
+        return f"min cosine {_n(row.min_cosine, 4)} < {params.min_cosine}"
+    if params.mean_cosine is not None and (row.mean_cosine or 0.0) < params.mean_cosine:
+        return f"mean cosine {_n(row.mean_cosine, 4)} < {params.mean_cosine}"
+    return None
+
+
+def _unbuilt(missing: dict[str, list[Missing]], row_type: Any) -> list[Any]:
+    """A row (of `row_type`) for every candidate that was not built, saying why."""
+    rows = []
+    for m in missing.get("candidates", []):
+        why = m.reason if m.reason.startswith(m.status) else f"{m.status}: {m.reason or 'no reason given'}"
+        rows.append(row_type(label=m.label, kind=m.kind, status="unbuilt", why=why))
+    return rows
+
+
+_ORDER = {"winner": 0, "lost": 1, "excluded": 2, "unbuilt": 3}
+
+
+def _pick_winner(
+    rows: list[Any],
+    objective: str,
+    tie_tolerance: float,
+    tie_key: Callable[[Any], Any],
+    tie_by: tuple[str, str],
+    fmt: Callable[[str, float | None], str],
+) -> str | None:
+    """Make the best of the eligible rows (still "lost", with a value) by `objective` the
+    winner and say why each other one lost; values within `tie_tolerance` of the best are
+    ties, broken by `tie_key` (`tie_by`: its name in the winner's and in the losers' why).
+    Sorts `rows`: winner, losers best first, excluded, unbuilt. The winner's label (None:
+    none eligible)."""
+    lower = objective.startswith("min_")
+    eligible = [r for r in rows if r.status == "lost" and r.value is not None]
+    winner = None
+    if eligible:
+        values = [r.value for r in eligible]
+        best = min(values) if lower else max(values)
+        tol = tie_tolerance * abs(best)
+
+        def tied(r: Any) -> bool:
+            return bool((r.value - best <= tol) if lower else (best - r.value <= tol))
+
+        ties = sorted((r for r in eligible if tied(r)), key=tie_key)
+        win = ties[0]
+        win.status, win.why = "winner", "best " + objective.replace("_", " ")
+        if len(ties) > 1:
+            win.why += f" (tied with {', '.join(t.label for t in ties[1:])}; {tie_by[0]} / smaller / name)"
+        winner = win.label
+        for r in eligible:
+            if r is win:
+                continue
+            if tied(r):
+                r.why = f"tied with {win.label}, lost the tie-break ({tie_by[1]}, size, name)"
+            else:
+                ratio = r.value / win.value if win.value else math.inf
+                r.why = f"{fmt(objective, r.value)} vs {fmt(objective, win.value)} ({ratio:.2f}x)"
+    sign = 1.0 if lower else -1.0
+    rows.sort(key=lambda r: (_ORDER[r.status], sign * r.value if r.value is not None else math.inf, r.label))
+    return winner
+
+
+def _materialize_winner(ctx: BuildContext, sel: Selection, table: str) -> Any:
+    """Log the selection's `table`; NoWinner (with the table) when no variant passed; else
+    the winner's files into the output, and its row."""
+    for line in table.splitlines():
+        ctx.log(line)
+    if sel.winner is None:
+        raise NoWinner(f"no variant of {ctx.section} passed the gates:\n{table}")
+    win = next(r for r in sel.rows if r.label == sel.winner)
+    assert win.path is not None
+    _copy_winner(win.path, ctx.out)
+    return win
+
+
+def _copy_winner(src_dir: Path, out: Path) -> None:
+    """The winner's files into the select's output, modes kept (serve.sh stays executable),
+    writable; a winner that is itself a selection: its selection files are left out (ours
+    replace them)."""
+    for src in sorted(src_dir.rglob("*")):
+        rel = src.relative_to(src_dir)
+        if len(rel.parts) == 1 and rel.parts[0] in OWN_FILES:
+            continue
+        dest = out / rel
+        if src.is_dir():
+            dest.mkdir(parents=True, exist_ok=True)
+        else:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, dest)
+            dest.chmod(src.stat().st_mode & 0o777 | 0o200)
+
+
+def _text_table(head: tuple[str, ...], lines: list[tuple[str, ...]]) -> str:
+    """Rows of cells as a plain-text table, columns aligned."""
+    widths = [max(len(h), *(len(x[i]) for x in lines)) if lines else len(h) for i, h in enumerate(head)]
+    out = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)).rstrip()]
+    out += ["  ".join(c.ljust(w) for c, w in zip(x, widths, strict=True)).rstrip() for x in lines]
+    return "\n".join(out)
 
 
 def _objective(points: list[dict[str, Any]], row: Row, params: Any) -> float | None:
@@ -498,10 +584,7 @@ def render_table(sel: Selection) -> str:
                 f"{r.status.upper()}: {r.why}" if r.why else r.status.upper(),
             )
         )
-    widths = [max(len(h), *(len(x[i]) for x in lines)) if lines else len(h) for i, h in enumerate(head)]
-    out = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)).rstrip()]
-    out += ["  ".join(c.ljust(w) for c, w in zip(x, widths, strict=True)).rstrip() for x in lines]
-    return "\n".join(out)
+    return _text_table(head, lines)
 
 
 def _n(v: float | None, nd: int) -> str:
@@ -718,15 +801,11 @@ def select_serving(
             row.status, row.why = "excluded", "serve-check failed: " + "; ".join(doc.get("failures", []))
         elif row.errors:
             row.status, row.why = "excluded", f"{row.errors} load-test requests failed"
-        elif params.min_cosine is not None and (row.min_cosine or 0.0) < params.min_cosine:
-            row.status, row.why = "excluded", f"min cosine {row.min_cosine:.4f} < {params.min_cosine}"
-        elif params.mean_cosine is not None and (row.mean_cosine or 0.0) < params.mean_cosine:
-            row.status, row.why = "excluded", f"mean cosine {row.mean_cosine:.4f} < {params.mean_cosine}"
+        elif gate := _cosine_gate(row, params):
+            row.status, row.why = "excluded", gate
         elif row.value is None:
             row.status, row.why = "excluded", f"no load step met p99 <= {doc.get('slo_p99_ms')} ms"
-    for m in missing.get("candidates", []):
-        why = m.reason if m.reason.startswith(m.status) else f"{m.status}: {m.reason or 'no reason given'}"
-        rows.append(ServeRow(label=m.label, kind=m.kind, status="unbuilt", why=why))
+    rows += _unbuilt(missing, ServeRow)
     if len(set(slos)) > 1:
         # throughputs at different SLOs do not compare: say so rather than pick by them
         for r in rows:
@@ -780,9 +859,7 @@ def render_serving_table(sel: ServeSelection) -> str:
         )
         for r in sel.rows
     ]
-    widths = [max(len(h), *(len(x[i]) for x in lines)) if lines else len(h) for i, h in enumerate(head)]
-    out = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)).rstrip()]
-    out += ["  ".join(c.ljust(w) for c, w in zip(x, widths, strict=True)).rstrip() for x in lines]
+    out = [_text_table(head, lines)]
     if sel.ratio is not None:
         out.append(
             f"winner {sel.winner} vs baseline {sel.baseline} at p99 <= {sel.slo_p99_ms} ms: {sel.ratio:.2f}x"
@@ -792,73 +869,11 @@ def render_serving_table(sel: ServeSelection) -> str:
 
 def serving_svg(sel: ServeSelection, width: int = 680, height: int = 380) -> str:
     """p99 latency against tokens/s for every served config (one curve each), the SLO dashed,
-    knees ringed, the winner's curve thick."""
-    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f"]
-    left, right, top, bottom = 64, 190, 36, 44
-    pw, ph = width - left - right, height - top - bottom
-    series = [r for r in sel.rows if r.steps]
-    pts = [
-        (float(s["tokens_per_s"]), float(s["p99_ms"])) for r in series for s in r.steps if s.get("completed")
-    ]
-    parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-        f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">',
-        f'<text x="{left + pw / 2:.0f}" y="18" text-anchor="middle" font-size="13">'
-        f"p99 latency vs throughput per config (SLO {sel.slo_p99_ms} ms)</text>",
-    ]
-    if not pts:
-        return "".join(parts) + "</svg>"
-    x1 = max(x for x, _ in pts) * 1.08
-    y1 = max([y for _, y in pts] + [sel.slo_p99_ms or 0.0]) * 1.1
-
-    def sx(x: float) -> float:
-        return left + x / max(x1, 1e-9) * pw
-
-    def sy(y: float) -> float:
-        return top + ph - y / max(y1, 1e-9) * ph
-
-    parts.append(
-        f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#999"/>'
-        f'<text x="{left + pw / 2:.0f}" y="{height - 8}" text-anchor="middle">throughput (tokens/s)</text>'
-        f'<text transform="translate(14,{top + ph / 2:.0f}) rotate(-90)" text-anchor="middle">p99 latency (ms)</text>'
-    )
-    for k in range(5):
-        parts.append(
-            f'<text x="{sx(x1 * k / 4):.1f}" y="{top + ph + 14}" text-anchor="middle">{x1 * k / 4:,.0f}</text>'
-            f'<text x="{left - 4}" y="{sy(y1 * k / 4) + 4:.1f}" text-anchor="end">{y1 * k / 4:.0f}</text>'
-        )
-    if sel.slo_p99_ms:
-        y = sy(sel.slo_p99_ms)
-        parts.append(
-            f'<line x1="{left}" x2="{left + pw}" y1="{y:.1f}" y2="{y:.1f}" stroke="#d62728" stroke-dasharray="6 4"/>'
-        )
-    for i, r in enumerate(series):
-        c = colors[i % len(colors)]
-        steps = sorted((s for s in r.steps if s.get("completed")), key=lambda s: s["concurrency"])
-        d = " ".join(f"{sx(float(s['tokens_per_s'])):.1f},{sy(float(s['p99_ms'])):.1f}" for s in steps)
-        wide = 3.5 if r.status == "winner" else 1.5
-        dash = "" if r.status in ("winner", "lost") else ' stroke-dasharray="3 3"'
-        parts.append(f'<polyline points="{d}" fill="none" stroke="{c}" stroke-width="{wide}"{dash}/>')
-        for s in steps:
-            tip = html.escape(
-                f"{r.label} c={s['concurrency']}: {s['tokens_per_s']:,.0f} tok/s, p99 {s['p99_ms']:.1f} ms"
-            )
-            parts.append(
-                f'<circle cx="{sx(float(s["tokens_per_s"])):.1f}" cy="{sy(float(s["p99_ms"])):.1f}" r="3" '
-                f'fill="{c}"><title>{tip}</title></circle>'
-            )
-        if r.knee:
-            parts.append(
-                f'<circle cx="{sx(float(r.knee["tokens_per_s"])):.1f}" cy="{sy(float(r.knee["p99_ms"])):.1f}" '
-                f'r="7" fill="none" stroke="{c}" stroke-width="2"/>'
-            )
-        ly = top + 12 + 16 * i
-        label = ("★ " if r.status == "winner" else "") + r.label
-        parts.append(
-            f'<line x1="{left + pw + 8}" x2="{left + pw + 24}" y1="{ly - 4}" y2="{ly - 4}" stroke="{c}" '
-            f'stroke-width="{wide}"/><text x="{left + pw + 28}" y="{ly}">{html.escape(label[:30])}</text>'
-        )
-    return "".join(parts) + "</svg>"
+    knees ringed, the winner's curve thick, the configs out of the running dashed."""
+    style = {"winner": "winner", "lost": ""}
+    series = [(r.label, r.steps, r.knee, style.get(r.status, "dim")) for r in sel.rows if r.steps]
+    title = f"p99 latency vs throughput per config (SLO {sel.slo_p99_ms} ms)"
+    return latency_throughput_svg(series, sel.slo_p99_ms, title, width, height, legend_px=190)
 
 
 def run_serving(ctx: BuildContext) -> dict[str, Any]:
@@ -872,17 +887,7 @@ def run_serving(ctx: BuildContext) -> dict[str, Any]:
         raise NoWinner(f"no served config of {ctx.section} passed the gates:\n{table}")
     win = next(r for r in sel.rows if r.label == sel.winner)
     assert win.path is not None
-    for src in sorted(win.path.rglob("*")):
-        rel = src.relative_to(win.path)
-        if len(rel.parts) == 1 and rel.parts[0] in OWN_FILES:
-            continue
-        dest = ctx.out / rel
-        if src.is_dir():
-            dest.mkdir(parents=True, exist_ok=True)
-        else:
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(src, dest)
-            dest.chmod(src.stat().st_mode & 0o777 | 0o200)
+    _copy_winner(win.path, ctx.out)
     (ctx.out / "selection.json").write_text(json.dumps(sel.to_json(), indent=2, sort_keys=True) + "\n")
     svg = serving_svg(sel)
     (ctx.out / "serving.svg").write_text(svg, encoding="utf-8")
@@ -944,7 +949,8 @@ class GenRow:
     ttft_p99_ms: float | None = None
     itl_p50_ms: float | None = None
     itl_p99_ms: float | None = None
-    drift: float = 1.0  # median baseline tok/s / this bench's baseline tok/s
+    drift: float = 1.0  # this bench's probe / the median probe (else: median baseline tok/s / its)
+    probe_ms: float | None = None  # the drift probe's p50 around this bench's run (CPU)
     baseline_tok_s: float | None = None
     baseline_stable: bool = False  # its baseline's step met the bench's ci_rel
     memory_mb: float | None = None
@@ -959,7 +965,7 @@ class GenRow:
 def gen_objective(params: Any) -> str:
     """The objective of a text-generation select: the recipe's, or max_output_tok_s when it
     sets none; an embedding objective is refused with the list of generation ones."""
-    if "objective" not in params.model_fields_set:
+    if params.objective is None:
         return "max_output_tok_s"
     if params.objective not in GEN_OBJECTIVES:
         raise ValueError(
@@ -1023,11 +1029,20 @@ def select_generation(
                 base = _gen_step(rep["results"][1]["steps"], row.step) if len(rep["results"]) > 1 else None
                 row.baseline_tok_s = base.get("output_tok_s") if base else None
                 row.baseline_stable = bool(base and base.get("stable"))
+                shared = rep.get("shared_baseline")
+                if row.baseline_tok_s and shared:  # timed once for the section: at this run's speed
+                    row.baseline_tok_s /= float(shared.get("probe_ratio") or 1.0)
+                row.probe_ms = (res.get("probe") or {}).get("p50_ms")
         found[row.label] = (v, b)
     timed = [r for r in rows if r.output_tok_s is not None]
-    # drift is read off the baselines only when each was timed to the bench's precision: a
+    # drift: from the benches' drift probes (a fixed workload timed around each run) when all
+    # have one; else from the baselines, only when each was timed to the bench's precision: a
     # baseline of one noisy sample would scale a variant by its noise (seen on a loaded CI machine)
-    if params.normalize and timed and all(r.baseline_tok_s and r.baseline_stable for r in timed):
+    if params.normalize and timed and all(r.probe_ms for r in timed):
+        med_probe = statistics.median(float(r.probe_ms or 0.0) for r in timed)
+        for r in timed:
+            r.drift = float(r.probe_ms or 0.0) / med_probe
+    elif params.normalize and timed and all(r.baseline_tok_s and r.baseline_stable for r in timed):
         med = statistics.median(r.baseline_tok_s for r in timed if r.baseline_tok_s)
         for r in timed:
             assert r.baseline_tok_s
@@ -1035,60 +1050,24 @@ def select_generation(
     for row in rows:
         v, b = found[row.label]
         row.value = _gen_value(objective, row, all_steps.get(row.label, []), params)
-        if v is None:
-            gone = [m for m in missing.get("validate", []) if row.label in _missing_for(m)]
-            row.status, row.why = "excluded", _not_there("validate", gone)
-        elif not rep_passed(v):
-            row.status, row.why = "excluded", "failed its validation gate: " + "; ".join(_failed_gates(v))
-        elif b is None:
-            gone = [m for m in missing.get("bench", []) if row.label in _missing_for(m)]
-            row.status, row.why = "excluded", _not_there("bench", gone)
-        elif row.step is None:
-            row.status, row.why = "excluded", f"bench has no step {params.batch_size}"
-        elif params.max_memory_mb is not None and (row.memory_mb or 0.0) > params.max_memory_mb:
-            row.status, row.why = (
-                "excluded",
-                f"peak memory {row.memory_mb:.0f} MB > {params.max_memory_mb:.0f} MB",
-            )
-        elif row.value is None:
-            row.status, row.why = "excluded", f"no step meets TTFT p99 <= {params.ttft_slo_ms} ms"
-    for m in missing.get("candidates", []):
-        why = m.reason if m.reason.startswith(m.status) else f"{m.status}: {m.reason or 'no reason given'}"
-        rows.append(GenRow(label=m.label, kind=m.kind, status="unbuilt", why=why))
-    eligible = [r for r in rows if r.status == "lost" and r.value is not None]
-    winner = None
-    lower = objective.startswith("min_")
-    if eligible:
-        best = (
-            min(r.value for r in eligible if r.value is not None)
-            if lower
-            else max(r.value for r in eligible if r.value is not None)
-        )
-        tol = params.tie_tolerance * abs(best)
-
-        def tied(r: GenRow) -> bool:
-            assert r.value is not None
-            return (r.value - best <= tol) if lower else (best - r.value <= tol)
-
-        ties = sorted((r for r in eligible if tied(r)), key=lambda r: (r.kl or 0.0, r.bytes or 0, r.label))
-        win = ties[0]
-        win.status, win.why = "winner", "best " + objective.replace("_", " ")
-        if len(ties) > 1:
-            win.why += f" (tied with {', '.join(t.label for t in ties[1:])}; lower KL / smaller / name)"
-        winner = win.label
-        for r in eligible:
-            if r is win:
-                continue
-            assert r.value is not None and win.value is not None
-            ratio = r.value / win.value if win.value else math.inf
-            r.why = (
-                f"tied with {win.label}, lost the tie-break (KL, size, name)"
-                if tied(r)
-                else f"{_gen_fmt(objective, r.value)} vs {_gen_fmt(objective, win.value)} ({ratio:.2f}x)"
-            )
-    order = {"winner": 0, "lost": 1, "excluded": 2, "unbuilt": 3}
-    sign = 1.0 if lower else -1.0
-    rows.sort(key=lambda r: (order[r.status], sign * r.value if r.value is not None else math.inf, r.label))
+        why = _excluded(
+            row.label, v, b, missing, params,
+            own_gate=None,
+            no_point=None if row.step is not None else f"bench has no step {params.batch_size}",
+            memory_mb=row.memory_mb,
+            no_value=None if row.value is not None else f"no step meets TTFT p99 <= {params.ttft_slo_ms} ms",
+        )  # fmt: skip
+        if why:
+            row.status, row.why = "excluded", why
+    rows += _unbuilt(missing, GenRow)
+    winner = _pick_winner(
+        rows,
+        objective,
+        params.tie_tolerance,
+        tie_key=lambda r: (r.kl or 0.0, r.bytes or 0, r.label),
+        tie_by=("lower KL", "KL"),
+        fmt=_gen_fmt,
+    )
     doc_params = params.model_dump(mode="json") | {"objective": objective}
     return Selection(objective, doc_params, rows, winner)  # type: ignore[arg-type]
 
@@ -1155,10 +1134,7 @@ def render_gen_table(sel: Selection) -> str:
         )
         for r in sel.rows
     ]
-    widths = [max(len(h), *(len(x[i]) for x in lines)) if lines else len(h) for i, h in enumerate(head)]
-    out = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)).rstrip()]
-    out += ["  ".join(c.ljust(w) for c, w in zip(x, widths, strict=True)).rstrip() for x in lines]
-    return "\n".join(out)
+    return _text_table(head, lines)
 
 
 def run_generation(ctx: BuildContext) -> dict[str, Any]:
@@ -1170,22 +1146,8 @@ def run_generation(ctx: BuildContext) -> dict[str, Any]:
         ctx.params,
     )
     table = render_gen_table(sel)
-    for line in table.splitlines():
-        ctx.log(line)
-    if sel.winner is None:
-        raise NoWinner(f"no variant of {ctx.section} passed the gates:\n{table}")
-    win = next(r for r in sel.rows if r.label == sel.winner)
-    assert isinstance(win, GenRow) and win.path is not None
-    for src in sorted(win.path.rglob("*")):
-        rel = src.relative_to(win.path)
-        if rel.parts[0] in OWN_FILES and len(rel.parts) == 1:
-            continue
-        dest = ctx.out / rel
-        if src.is_dir():
-            dest.mkdir(parents=True, exist_ok=True)
-        else:
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(src, dest)
+    win = _materialize_winner(ctx, sel, table)
+    assert isinstance(win, GenRow)
     (ctx.out / "selection.json").write_text(json.dumps(sel.to_json(), indent=2, sort_keys=True) + "\n")
     (ctx.out / "selection.html").write_text(
         "<!doctype html><html><head><meta charset='utf-8'><title>select: "

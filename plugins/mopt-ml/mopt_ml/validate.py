@@ -352,11 +352,7 @@ def validate(
         f"max abs diff {numbers['max_abs_diff']:.4f}, top-1 agreement {numbers.get('top1_agreement', 1.0):.3f} "
         f"on {len(texts)} texts"
     )
-    log(summary)
-    if failed and params.on_fail == "fail":
-        raise GateFailed(f"validation gate failed: {'; '.join(failed)} ({summary})")
-    if failed:
-        log(f'validation gate failed (recorded, on_fail = "record"): {"; ".join(failed)}')
+    gate_outcome(failed, summary, params.on_fail, log)
     return {
         "passed": not failed,
         "failed_gates": failed,
@@ -373,6 +369,16 @@ def validate(
 #: the params that shape a generation validate's numbers (recorded in its report)
 GEN_SETTINGS = ("max_tokens", "passage_sentences", "max_texts", "greedy_prompts", "prompt_tokens",
                 "greedy_tokens", "top_k")  # fmt: skip
+
+
+def gate_outcome(failed: list[str], summary: str, on_fail: str, log: Any) -> None:
+    """The end of a validation (embedding or generation): the summary in the log, then
+    GateFailed when a gate failed and on_fail = "fail", or the failures logged as recorded."""
+    log(summary)
+    if failed and on_fail == "fail":
+        raise GateFailed(f"validation gate failed: {'; '.join(failed)} ({summary})")
+    if failed:
+        log(f'validation gate failed (recorded, on_fail = "record"): {"; ".join(failed)}')
 
 
 def _device(choice: str, hardware: Any) -> str:
@@ -574,11 +580,7 @@ def validate_generation(
         f"({numbers['ppl_candidate']:.2f} vs {numbers['ppl_reference']:.2f}), KL {numbers['kl_mean']:.4f} "
         f"(p99 {numbers['kl_p99']:.4f}){greedy} on {len(ids)} passages, {numbers['positions']} positions"
     )
-    log(summary)
-    if failed and params.on_fail == "fail":
-        raise GateFailed(f"validation gate failed: {'; '.join(failed)} ({summary})")
-    if failed:
-        log(f'validation gate failed (recorded, on_fail = "record"): {"; ".join(failed)}')
+    gate_outcome(failed, summary, params.on_fail, log)
     return {
         "passed": not failed,
         "failed_gates": failed,

@@ -127,3 +127,62 @@ def test_kind_writes_genbench_json_with_artifact_and_baseline(tmp_path: Path, mo
     assert sp1["step"] == 1 and 1.3 < sp1["output_tok_s_ratio"] < 3.0  # twice as fast, on a busy machine
     assert meta["task"] == "text-generation" and set(meta["output_tok_s"]) == {"1", "2"}
     assert "Output tokens / s" in (out / "report.html").read_text()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs subprocesses")
+def test_benches_read_the_sections_generation_baseline_instead_of_timing_it(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    pytest.importorskip("transformers")
+    from mopt_ml.bench import BenchBaselineKind
+    from mopt_ml.common import calibration_texts, validation_texts
+    from mopt_ml.families import Qwen3Family
+
+    tok = Qwen3Family().synthetic_tokenizer(calibration_texts() + validation_texts())
+    ref = genfake.make_model(tmp_path / "weights", tok)
+    (ref / "fake.json").write_text(json.dumps({"delay_s": 2 * D}))  # the baseline: twice as slow
+    monkeypatch.setattr(genbench, "GENERATOR_OPEN", "genfake:open_generator")
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
+    )
+    grid = {"batch_sizes": [1], "prompt_len": 12, "output_len": 6, "threads": 1, **TIMING}
+    ref_art = Artifact(ref, "weights", "weights", "d0")
+
+    def ctx(name: str, params: Any, inputs: dict[str, list[Artifact]]) -> BuildContext:
+        (tmp_path / name).mkdir()
+        (tmp_path / f"{name}-tmp").mkdir()
+        return BuildContext(
+            out=tmp_path / name, tmp=tmp_path / f"{name}-tmp", params=params, inputs=inputs,
+            model_name="chat", family=None, task="text-generation", source=None, hardware=CPU,
+            section="chat.cpu", target=name, project_dir=tmp_path, logger=logging.getLogger("genbench-test"),
+        )  # fmt: skip
+
+    bctx = ctx("baseline", BenchBaselineKind.Params(**grid), {"reference": [ref_art]})
+    base_meta = BenchBaselineKind().run(bctx)
+    base = json.loads((bctx.out / "bench.json").read_text())
+    assert base["format"] == "mopt-genbench-baseline/1" and base_meta["probe_ms"] > 0
+    assert [r["label"] for r in base["results"]] == ["pytorch-fp32-eager"] and base["results"][0]["probe"]
+    shared = Artifact(bctx.out, "bench-baseline", "baseline", "d2")
+    for name, noise in (("int8", 0.05), ("int4", 0.2)):
+        cand = genfake.make_model(tmp_path / f"{name}-model", tok, noise=noise, delay_s=D)
+        c = ctx(name, BenchKind.Params(**grid), {"model": [Artifact(cand, "onnx", name, "d1", label=name)],
+                                                 "reference": [ref_art], "baseline": [shared]})  # fmt: skip
+        BenchKind().test(c.input("model"), ref, c, name)
+        rep = json.loads((c.out / "bench.json").read_text())
+        # the baseline was not timed again: only the artifact's worker ran here
+        assert sorted(p.name for p in c.tmp.glob("*.genspec.json")) == [f"{name}.genspec.json"]
+        assert rep["results"][1]["shared_from"] == "baseline" and rep["results"][0]["probe"]["p50_ms"] > 0
+        ratio = rep["shared_baseline"]["probe_ratio"]
+        assert rep["shared_baseline"]["target"] == "baseline" and ratio > 0
+        sp = rep["speedup_vs_baseline"][0]
+        want = rep["results"][0]["steps"][0]["output_tok_s"] * ratio / base["results"][0]["steps"][0]["output_tok_s"]
+        assert sp["output_tok_s_ratio"] == pytest.approx(want) and 1.3 < sp["output_tok_s_ratio"] < 3.5
+    # an embedding baseline given to a generation bench: one clear error
+    emb = tmp_path / "emb-baseline"
+    emb.mkdir()
+    (emb / "bench.json").write_text(json.dumps({"format": "mopt-bench-baseline/1", "results": [{}]}))
+    cand = genfake.make_model(tmp_path / "x-model", tok, delay_s=D)
+    c = ctx("x", BenchKind.Params(**grid), {"model": [Artifact(cand, "onnx", "x", "d1", label="x")],
+                                            "reference": [ref_art], "baseline": [Artifact(emb, "bench-baseline", "b", "d3")]})  # fmt: skip
+    with pytest.raises(ValueError, match="not a text-generation baseline"):
+        BenchKind().test(c.input("model"), ref, c, "x")

@@ -335,7 +335,8 @@ def test_qwen3_chat_recipe_plans_the_cpu_chain(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     ids = {n["id"] for n in json.loads(proc.stdout)["nodes"]}
     assert {"qwen3-chat.cpu:weights", "qwen3-chat.cpu:onnx", "qwen3-chat.cpu:int8", "qwen3-chat.cpu:int4",
-            "qwen3-chat.cpu:validate[int8]", "qwen3-chat.cpu:bench[onnx]", "qwen3-chat.cpu:best"} <= ids  # fmt: skip
+            "qwen3-chat.cpu:validate[int8]", "qwen3-chat.cpu:bench[onnx]", "qwen3-chat.cpu:baseline",
+            "qwen3-chat.cpu:best"} <= ids  # fmt: skip
 
 
 def test_qwen3_chat_cpu_builds_end_to_end_with_the_gates_evaluated(tmp_path: Path) -> None:
@@ -358,6 +359,8 @@ def test_qwen3_chat_cpu_builds_end_to_end_with_the_gates_evaluated(tmp_path: Pat
     assert bench["task"] == "text-generation"
     backends = [r["backend"] for r in bench["results"]]
     assert backends == ["onnxruntime", "torch-eager"]
+    # PyTorch eager was timed once for the section (bench-baseline), not once per variant
+    assert bench["results"][1]["shared_from"] == "baseline" and bench["shared_baseline"]["probe_ratio"] > 0
     assert all(s["ttft_ms"]["p50"] > 0 and s["itl_ms"]["p50"] > 0 for r in bench["results"] for s in r["steps"])
     selection = json.loads((build / "best" / "selection.json").read_text())
     assert selection["objective"] == "max_output_tok_s" and selection["winner"] in ("onnx", "int8")

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from mopt.api import Artifact, BuildContext, HardwareProfile
 
-from mopt_ml.select import NoWinner, SelectKind, gen_objective, select_generation
+from mopt_ml.select import NoWinner, SelectKind, gen_objective, select, select_generation
 
 CPU = HardwareProfile(name="cpu", description="cpu", device="cpu", gpu_count=0)
 
@@ -141,6 +141,16 @@ def test_drift_between_benches_is_normalized_by_the_baseline(tmp_path: Path) -> 
         (b_art.path / "bench.json").write_text(json.dumps(doc))
     sel = select_generation(*arts, {}, SelectKind.Params())
     assert sel.winner == "onnx" and all(r.drift == 1.0 for r in sel.rows)
+
+
+def test_the_default_objective_is_the_tasks_after_the_engines_params_round_trip(sweep: Any) -> None:
+    # the engine hands an action its params as a full dump (runner: Params.model_validate of
+    # params.model_dump), so every field counts as set there: the default must still apply
+    params = SelectKind.Params.model_validate(SelectKind.Params().model_dump(mode="json"))
+    assert "objective" in params.model_fields_set
+    assert gen_objective(params) == "max_output_tok_s"
+    assert select_generation(*sweep, {}, params).objective == "max_output_tok_s"
+    assert select(*sweep, {}, params).objective == "min_latency_p99"  # an embedding section's
 
 
 def test_embedding_objectives_are_refused_for_generation() -> None:

@@ -508,22 +508,10 @@ def run_gen_load_test(
 
 
 def finish_generation(ctx: Any, out: Any) -> dict[str, Any]:
-    from mopt_serve.serve_check import loadtest_svg
+    from mopt_serve.serve_check import write_outcome
 
     p, doc = ctx.params, out.doc
-    doc["passed"] = not out.failures
-    doc["failures"] = out.failures
-    (ctx.out / "serve.json").write_text(json.dumps(doc, indent=2) + "\n")
-    kn = doc.get("knee")
-    (ctx.out / "loadtest.svg").write_text(
-        loadtest_svg([(doc.get("serve_target", "server"), doc["loadtest"], kn)], p.ttft_slo_ms,
-                     f"{doc.get('serve_target', '')}: p99 TTFT vs output tokens/s"),
-        encoding="utf-8",
-    )  # fmt: skip
-    for line in summary_lines(doc):
-        ctx.log(line)
-    if out.failures and p.on_fail == "error":
-        raise RuntimeError("serve-check failed: " + "; ".join(out.failures))
+    kn = write_outcome(ctx, out, p.ttft_slo_ms, "p99 TTFT vs output tokens/s", summary_lines)
     v = doc.get("verify") or {}
     pe = doc.get("prefix_caching") or {}
     return {

@@ -23,7 +23,6 @@ and errors, and the knee (the highest load whose p99 meets `slo_p99_ms`). Also t
 from __future__ import annotations
 
 import contextlib
-import html
 import json
 import math
 import os
@@ -46,6 +45,7 @@ from typing import Annotated, Any, ClassVar, Literal, Protocol
 from pydantic import Field
 
 from mopt.api import BuildContext, CheckContext, Finding, Input, Params, Role, TargetKind
+from mopt.api import latency_throughput_svg as loadtest_svg  # the one p99-vs-tokens/s drawer
 from mopt.api import plugin_env as _env
 
 INSTALL_VLLM = "pip install vllm (CUDA wheels on PyPI)"
@@ -526,83 +526,31 @@ def parse_vllm_log(text: str) -> dict[str, Any]:
     return out
 
 
-# --------------------------------------------------------------------------- plot
+# --------------------------------------------------------------------------- the end of a check
 
 
-def loadtest_svg(series: list[tuple[str, list[dict[str, Any]], dict[str, Any] | None]], slo_p99_ms: float | None,
-                 title: str, width: int = 620, height: int = 360) -> str:  # fmt: skip
-    """p99 latency (y) against tokens/s (x), one polyline per series, points labelled with
-    their concurrency, the SLO as a dashed line and each series' knee ringed."""
-    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f"]
-    left, right, top, bottom = 64, 150, 36, 44
-    pw, ph = width - left - right, height - top - bottom
-    pts = [(float(s["tokens_per_s"]), float(s["p99_ms"])) for _, steps, _ in series for s in steps
-           if s.get("completed") and not math.isnan(float(s["p99_ms"]))]  # fmt: skip
-    parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-        f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">',
-        f'<text x="{(left + pw / 2):.0f}" y="18" text-anchor="middle" font-size="13">{html.escape(title)}</text>',
-    ]
-    if not pts:
-        parts.append(
-            f'<text x="{width / 2:.0f}" y="{height / 2:.0f}" text-anchor="middle">no load steps</text>'
-        )
-        return "".join(parts) + "</svg>"
-    x1 = max(x for x, _ in pts) * 1.08
-    ys = [y for _, y in pts] + ([slo_p99_ms] if slo_p99_ms else [])
-    y1 = max(ys) * 1.1
-
-    def sx(x: float) -> float:
-        return left + x / max(x1, 1e-9) * pw
-
-    def sy(y: float) -> float:
-        return top + ph - y / max(y1, 1e-9) * ph
-
-    parts.append(
-        f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#999"/>'
-        f'<text x="{left + pw / 2:.0f}" y="{height - 8}" text-anchor="middle">throughput (tokens/s)</text>'
-        f'<text transform="translate(14,{top + ph / 2:.0f}) rotate(-90)" text-anchor="middle">p99 latency (ms)</text>'
+def write_outcome(
+    ctx: BuildContext, out: Outcome, slo_ms: float | None, title: str, summary: Any
+) -> dict[str, Any] | None:
+    """A serve-check's end, for embeddings and text generation alike: passed / failures into
+    the doc, serve.json, loadtest.svg (p99 against tokens/s, `title` after the served
+    target's name), the `summary(doc)` lines in the log, and the error when it failed with
+    on_fail = "error". The knee (None: no step met the SLO)."""
+    doc = out.doc
+    doc["passed"] = not out.failures
+    doc["failures"] = out.failures
+    (ctx.out / "serve.json").write_text(json.dumps(doc, indent=2) + "\n")
+    kn: dict[str, Any] | None = doc.get("knee")
+    name = doc.get("serve_target", "server")
+    (ctx.out / "loadtest.svg").write_text(
+        loadtest_svg([(name, doc["loadtest"], kn)], slo_ms, f"{doc.get('serve_target', '')}: {title}"),
+        encoding="utf-8",
     )
-    for k in range(5):
-        xv, yv = x1 * k / 4, y1 * k / 4
-        parts.append(
-            f'<text x="{sx(xv):.1f}" y="{top + ph + 14}" text-anchor="middle">{xv:,.0f}</text>'
-            f'<text x="{left - 4}" y="{sy(yv) + 4:.1f}" text-anchor="end">{yv:.0f}</text>'
-        )
-    if slo_p99_ms:
-        parts.append(
-            f'<line x1="{left}" x2="{left + pw}" y1="{sy(slo_p99_ms):.1f}" y2="{sy(slo_p99_ms):.1f}" '
-            f'stroke="#d62728" stroke-dasharray="6 4"/><text x="{left + 4}" y="{sy(slo_p99_ms) - 4:.1f}" '
-            f'fill="#d62728">SLO p99 {slo_p99_ms:g} ms</text>'
-        )
-    for i, (name, steps, kn) in enumerate(series):
-        c = colors[i % len(colors)]
-        good = [s for s in steps if s.get("completed") and not math.isnan(float(s["p99_ms"]))]
-        good.sort(key=lambda s: s["concurrency"])
-        d = " ".join(f"{sx(float(s['tokens_per_s'])):.1f},{sy(float(s['p99_ms'])):.1f}" for s in good)
-        parts.append(f'<polyline points="{d}" fill="none" stroke="{c}" stroke-width="1.8"/>')
-        for s in good:
-            x, y = sx(float(s["tokens_per_s"])), sy(float(s["p99_ms"]))
-            tip = html.escape(
-                f"{name} c={s['concurrency']}: {s['requests_per_s']:.0f} req/s, {s['tokens_per_s']:,.0f} tok/s, "
-                f"p50 {s['p50_ms']:.1f} ms, p99 {s['p99_ms']:.1f} ms, errors {s['errors']}"
-            )
-            parts.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3.5" fill="{c}"><title>{tip}</title></circle>'
-                         f'<text x="{x + 4:.1f}" y="{y - 5:.1f}" fill="{c}" font-size="9">{s["concurrency"]}</text>')  # fmt: skip
-        if kn:
-            parts.append(
-                f'<circle cx="{sx(float(kn["tokens_per_s"])):.1f}" cy="{sy(float(kn["p99_ms"])):.1f}" r="7" '
-                f'fill="none" stroke="{c}" stroke-width="2"/>'
-            )
-        ly = top + 14 + 16 * i
-        parts.append(
-            f'<line x1="{left + pw + 10}" x2="{left + pw + 28}" y1="{ly - 4}" y2="{ly - 4}" stroke="{c}" stroke-width="2"/>'
-            f'<text x="{left + pw + 32}" y="{ly}">{html.escape(name[:22])}</text>'
-        )
-    parts.append(
-        f'<text x="{left + pw + 10}" y="{top + ph}" font-size="9" fill="#555">labels: concurrency; ring: knee</text>'
-    )
-    return "".join(parts) + "</svg>"
+    for line in summary(doc):
+        ctx.log(line)
+    if out.failures and ctx.params.on_fail == "error":
+        raise RuntimeError("serve-check failed: " + "; ".join(out.failures))
+    return kn
 
 
 # --------------------------------------------------------------------------- the kind
@@ -810,19 +758,7 @@ class ServeCheckKind(TargetKind):
 
     def _finish(self, ctx: BuildContext, out: Outcome) -> dict[str, Any]:
         p, doc = ctx.params, out.doc
-        doc["passed"] = not out.failures
-        doc["failures"] = out.failures
-        (ctx.out / "serve.json").write_text(json.dumps(doc, indent=2) + "\n")
-        kn = doc.get("knee")
-        (ctx.out / "loadtest.svg").write_text(
-            loadtest_svg([(doc.get("serve_target", "server"), doc["loadtest"], kn)], p.slo_p99_ms,
-                         f"{doc.get('serve_target', '')}: p99 vs throughput"),
-            encoding="utf-8",
-        )  # fmt: skip
-        for line in summary_lines(doc):
-            ctx.log(line)
-        if out.failures and p.on_fail == "error":
-            raise RuntimeError("serve-check failed: " + "; ".join(out.failures))
+        kn = write_outcome(ctx, out, p.slo_p99_ms, "p99 vs throughput", summary_lines)
         return {
             "passed": doc["passed"],
             "failures": out.failures,
