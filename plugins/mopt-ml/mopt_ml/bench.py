@@ -24,6 +24,7 @@ from typing import Any, Literal
 from mopt.api import Artifact, BuildContext, Input, Params, TargetKind
 from pydantic import Field
 
+from mopt_ml.common import probe_level
 from mopt_ml.validate import GENERATION, ArtifactTester, _device
 
 
@@ -72,7 +73,8 @@ class BenchKind(ArtifactTester):
     the baseline is used (rescaled by the two runs' probes) instead of timing it again."""
 
     name = "bench"
-    version = "3"  # 2: the drift probe (results[i].probe), the shared baseline; 3: probed in the action
+    version = "4"  # 2: the drift probe (results[i].probe), the shared baseline; 3: probed in the action;
+    # 4: the probe's level_ms (the faster end), which select and the shared baseline's scaling read
     description = "latency / throughput / memory of the artifact and the PyTorch FP32 baseline"
     reproducible = False
     exclusive = True  # timed alone: other actions of the build wait while it runs
@@ -127,7 +129,7 @@ class BenchBaselineKind(TargetKind):
     of its own drift probe to this one (how much faster or slower the machine ran then)."""
 
     name = "bench-baseline"
-    version = "3"  # 3: the drift probe in the action's process (as bench 3's)
+    version = "4"  # 3: the drift probe in the action's process (as bench 3's); 4: its level_ms
     description = "the PyTorch FP32 baseline of a section's benches, timed once with the drift probe"
     reproducible = False
     exclusive = True
@@ -314,7 +316,7 @@ def bench(
         results.append(base_res)
         mine, theirs = results[0].get("probe"), base_res.get("probe")
         if mine and theirs:
-            base_scale = mine["p50_ms"] / theirs["p50_ms"]
+            base_scale = float(probe_level(mine) or 1.0) / float(probe_level(theirs) or 1.0)
         shared_info = {"target": shared["target"], "probe_ratio": base_scale}
         have = {(p["batch"], p["seq"]) for p in base_res["points"]}
         lack = [f"{p['batch']}x{p['seq']}" for p in results[0]["points"] if (p["batch"], p["seq"]) not in have]
@@ -481,6 +483,8 @@ def _probed(
         "samples": len(times),
         "before_ms": statistics.median(before),
         "after_ms": statistics.median(after),
+        # what drift correction uses (common.probe_level): the faster end
+        "level_ms": min(statistics.median(before), statistics.median(after)),
     }
     return result
 
@@ -573,7 +577,7 @@ def time_baseline(
         "threads": threads,
         "points": len(result["points"]),
         "p50_ms": {f"{p['batch']}x{p['seq']}": round(p["p50_ms"], 2) for p in result["points"]},
-        "probe_ms": round(probe["p50_ms"], 3) if probe else None,
+        "probe_ms": round(float(probe_level(probe) or 0.0), 3) if probe else None,
         "peak_rss_mb": round(result["peak_rss_mb"], 1),
         "stable": all(p["stable"] for p in result["points"]),
     }

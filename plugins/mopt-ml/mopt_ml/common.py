@@ -364,6 +364,19 @@ def cosines(reference: np.ndarray, candidate: np.ndarray) -> np.ndarray:
     return np.sum(rn * cn, axis=1)
 
 
+def probe_level(probe: dict[str, Any] | None) -> float | None:
+    """How fast the machine ran around one bench run, from its drift probe (`bench._probed`): the
+    faster of the two readings taken right before and right after the backend's worker
+    (`level_ms`). A slowdown at one end only (another tenant of the VM, a process winding down)
+    must not rescale the whole run: on a quiet 2-core machine one such reading (26 ms before,
+    18 ms after, 16-17 ms for every other bench) made `select` scale a variant 1.5x faster
+    than it ran and pick it. Results from before `level_ms` give their median (`p50_ms`)."""
+    if not probe:
+        return None
+    value = probe.get("level_ms") or probe.get("p50_ms")
+    return float(value) if value else None
+
+
 def cpu_threads(value: int | None) -> int:
     """`value`, or the CPUs this process may use."""
     if value:

@@ -418,7 +418,7 @@ def bench_generation(
     or read that baseline from `shared` (the section's `bench-baseline` bench.json, rescaled
     by the two runs' drift probes); write bench.json and report.html; the action's result."""
     from mopt_ml.bench import _probes_of_this_action, exclusive_cpu
-    from mopt_ml.common import read_meta, versions, write_json
+    from mopt_ml.common import probe_level, read_meta, versions, write_json
     from mopt_ml.validate import generation_format
 
     if shared is not None and shared.get("format") != BASELINE_FORMAT:
@@ -442,7 +442,7 @@ def bench_generation(
         results.append(base_res)
         mine, theirs = results[0].get("probe"), base_res.get("probe")
         if mine and theirs:
-            scale = mine["p50_ms"] / theirs["p50_ms"]
+            scale = float(probe_level(mine) or 1.0) / float(probe_level(theirs) or 1.0)
         shared_info = {"target": shared["target"], "probe_ratio": scale}
         lack = sorted({step_of(s) for s in results[0]["steps"]} - {step_of(s) for s in base_res["steps"]})
         log(
@@ -510,7 +510,7 @@ def time_generation_baseline(
     once (between drift probes on CPU); bench.json (`mopt-genbench-baseline/1`) holds it as
     `results[0]`, which each bench of the section copies to its `results[1]`."""
     from mopt_ml.bench import _probes_of_this_action, exclusive_cpu
-    from mopt_ml.common import versions, write_json
+    from mopt_ml.common import probe_level, versions, write_json
 
     common, settings = _common(ref_dir, tmp, params, project_dir, device)
     spec = _baseline_spec(common, ref_dir)
@@ -540,7 +540,7 @@ def time_generation_baseline(
         "threads": common["threads"],
         "output_tok_s": {str(step_of(s)): _r(s["output_tok_s"]) for s in steps},
         "ttft_ms_p50": {str(step_of(s)): _r(s["ttft_ms"]["p50"]) for s in steps},
-        "probe_ms": _r(probe.get("p50_ms"), 3),
+        "probe_ms": _r(probe_level(probe), 3),
         "peak_rss_mb": _r(result["peak_rss_mb"], 1),
         "stable": all(s["stable"] for s in steps),
     }

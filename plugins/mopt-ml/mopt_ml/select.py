@@ -42,6 +42,7 @@ from typing import Any, Literal
 from mopt.api import Artifact, BuildContext, Input, Missing, Params, TargetKind, latency_throughput_svg
 from pydantic import Field, model_validator
 
+from mopt_ml.common import probe_level
 from mopt_ml.validate import TESTED_FORMATS
 
 OBJECTIVES = (
@@ -76,7 +77,7 @@ class SelectKind(TargetKind):
     """Pick the best variant of the section by `objective` among those that pass the gates."""
 
     name = "select"
-    version = "2"  # 2: drift from the benches' probes
+    version = "3"  # 2: drift from the benches' probes; 3: the faster end of each probe (probe_level)
     description = "the best variant of a sweep (objective + gates), with a table of why"
     consumes = (
         Input("candidates", formats=(*TESTED_FORMATS, "vllm-config"), gather=True, partial=True),
@@ -329,7 +330,7 @@ def select(
                 if row.baseline_ms is not None and shared:  # timed once for the section: at this run's speed
                     row.baseline_ms *= float(shared.get("probe_ratio") or 1.0)
                 probe = res.get("probe") or {}
-                row.probe_ms = float(probe["p50_ms"]) if probe.get("p50_ms") else None
+                row.probe_ms = probe_level(probe)
             points[row.label] = res.get("points", [])
         found[row.label] = (v, b)
     # the machine drifts between benchmarks; each bench times the same fixed workload (the
@@ -1032,7 +1033,7 @@ def select_generation(
                 shared = rep.get("shared_baseline")
                 if row.baseline_tok_s and shared:  # timed once for the section: at this run's speed
                     row.baseline_tok_s /= float(shared.get("probe_ratio") or 1.0)
-                row.probe_ms = (res.get("probe") or {}).get("p50_ms")
+                row.probe_ms = probe_level(res.get("probe"))
         found[row.label] = (v, b)
     timed = [r for r in rows if r.output_tok_s is not None]
     # drift: from the benches' drift probes (a fixed workload timed around each run) when all

@@ -35,6 +35,7 @@ def _variant(
     baseline: float | None = None,
     probe: float | None = None,
     shared: dict[str, Any] | None = None,
+    probe_ends: tuple[float, float] | None = None,
 ) -> tuple[Artifact, Artifact, Artifact]:
     """A candidate folder of `size` bytes, its validate report and its bench result."""
     cand = root / "cand" / label
@@ -53,6 +54,8 @@ def _variant(
     results = [{"peak_rss_mb": rss, "points": [{"batch": b, "seq": s, "p50_ms": a, "p99_ms": c} for b, s, a, c in pts]}]
     if probe is not None:  # the drift probe, timed between the variant's calls
         results[0]["probe"] = {"p50_ms": probe, "min_ms": probe, "samples": 10}
+        if probe_ends is not None:  # the readings right before and right after the worker
+            results[0]["probe"].update(before_ms=probe_ends[0], after_ms=probe_ends[1], level_ms=min(probe_ends))
     if baseline is not None:  # the PyTorch reference, timed in the same bench run (or shared)
         results.append({"points": [{"batch": b, "seq": s, "p50_ms": baseline, "p99_ms": baseline} for b, s, *_ in pts]})
     (ben / "bench.json").write_text(json.dumps({"results": results, "shared_baseline": shared}))
@@ -335,6 +338,29 @@ def test_the_drift_probe_takes_precedence_over_the_reference(tmp_path: Path) -> 
     mixed = [vs[0], _variant(old, "c", min_cos=0.999, mean_cos=0.999, p50=95, baseline=500)]
     rows = {r.label: r for r in _select(mixed, objective="min_latency_p50").rows}
     assert rows["a"].drift == pytest.approx(490 / 480) and rows["c"].drift == pytest.approx(490 / 500)
+
+
+def test_a_slow_reading_at_one_end_of_a_bench_does_not_rescale_it(tmp_path: Path) -> None:
+    # what a quiet 2-core machine gave (demo, 2026-12-01): one bench's probe read 26 ms right
+    # before its worker and 18 ms right after (median of both: 26), every other bench 16-17 ms.
+    # Scaled by the median, "ov-bf16" (230 ms) would beat "int8" (147 ms); the faster end
+    # (level_ms) says the machine ran at its usual speed around it.
+    vs = [
+        _variant(tmp_path, "ov-bf16", min_cos=1.0, mean_cos=1.0, p50=230, probe=26.1, probe_ends=(26.4, 17.9)),
+        _variant(tmp_path, "int8", min_cos=0.999, mean_cos=0.999, p50=147, probe=16.6, probe_ends=(16.3, 16.6)),
+        _variant(tmp_path, "ov", min_cos=1.0, mean_cos=1.0, p50=236, probe=16.0, probe_ends=(15.9, 16.5)),
+    ]
+    sel = _select(vs, objective="min_latency_p50")
+    rows = {r.label: r for r in sel.rows}
+    assert sel.winner == "int8"
+    assert rows["ov-bf16"].probe_ms == pytest.approx(17.9) and rows["int8"].probe_ms == pytest.approx(16.3)
+    assert rows["ov-bf16"].drift == pytest.approx(16.3 / 17.9)
+    # results from before level_ms was recorded: their median, as before
+    old = tmp_path / "old"
+    old.mkdir()
+    legacy = [_variant(old, "a", min_cos=0.999, mean_cos=0.999, p50=100, probe=12.0),
+              _variant(old, "b", min_cos=0.999, mean_cos=0.999, p50=90, probe=8.0)]
+    assert _select(legacy, objective="min_latency_p50").winner == "a"
 
 
 def test_serving_targets_take_the_winner(tmp_path: Path) -> None:
