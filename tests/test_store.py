@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -171,6 +173,27 @@ def _settled(*paths: Path) -> None:
         time.sleep(0.05)
 
 
+@contextlib.contextmanager
+def no_entry_file_opened() -> Iterator[None]:
+    """Fail on any open of a file under `ac/` (the memo must answer) while the block runs."""
+    import builtins
+
+    real_open, real_os_open = builtins.open, os.open
+
+    def guard(opener: Any) -> Any:
+        def opened(f: Any, *a: Any, **kw: Any) -> Any:
+            assert "/ac/" not in str(f), f"read {f} although the memo has it"
+            return opener(f, *a, **kw)
+
+        return opened
+
+    builtins.open, os.open = guard(real_open), guard(real_os_open)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        builtins.open, os.open = real_open, real_os_open
+
+
 def test_the_entry_memo_answers_only_for_an_unchanged_entry_file(tmp_path: Path) -> None:
     root = tmp_path / "store"
     with Store(root) as store:
@@ -185,25 +208,8 @@ def test_the_entry_memo_answers_only_for_an_unchanged_entry_file(tmp_path: Path)
     memo = root / "ac-memo.json"
     assert memo.exists()
     with Store(root) as store:  # answered from the memo: no entry file opened
-        real_open = open
-
-        def no_entry_open(f: Any, *a: Any, **kw: Any) -> Any:
-            assert "/ac/" not in str(f), f"read {f} although the memo has it"
-            return real_open(f, *a, **kw)
-
-        real_os_open = os.open
-
-        def no_entry_os_open(f: Any, *a: Any, **kw: Any) -> Any:
-            assert "/ac/" not in str(f), f"read {f} although the memo has it"
-            return real_os_open(f, *a, **kw)
-
-        import builtins
-
-        builtins.open, os.open = no_entry_open, no_entry_os_open  # type: ignore[assignment]
-        try:
+        with no_entry_file_opened():
             assert store.ac_get("k1")["outputs_tree"] == tree  # type: ignore[index]
-        finally:
-            builtins.open, os.open = real_open, real_os_open
         assert store.tree_entries(tree)[0].path == "a.txt"
     # the entry replaced (a new file: new inode and stat): the memo's row is not used
     (tmp_path / "o").mkdir()
@@ -245,26 +251,8 @@ def test_a_hit_touches_an_entry_only_when_its_last_use_is_old(tmp_path: Path) ->
         assert store.ac_get("k1") is not None
     assert time.time() - entry_path.stat().st_mtime < 60
     # the touch filed the entry in the memo under its new stat: not read again next time
-    import builtins
-
-    real_open = builtins.open
-
-    def no_entry_open(f: Any, *a: Any, **kw: Any) -> Any:
-        assert "/ac/" not in str(f), f"read {f} although the memo has it"
-        return real_open(f, *a, **kw)
-
-    real_os_open = os.open
-
-    def no_entry_os_open(f: Any, *a: Any, **kw: Any) -> Any:
-        assert "/ac/" not in str(f), f"read {f} although the memo has it"
-        return real_os_open(f, *a, **kw)
-
-    with Store(root) as store:
-        builtins.open, os.open = no_entry_open, no_entry_os_open  # type: ignore[assignment]
-        try:
-            assert store.ac_get("k1") is not None
-        finally:
-            builtins.open, os.open = real_open, real_os_open
+    with Store(root) as store, no_entry_file_opened():
+        assert store.ac_get("k1") is not None
 
 
 def test_hit_with_missing_blob_is_a_miss(tmp_path: Path) -> None:
