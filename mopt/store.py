@@ -631,7 +631,8 @@ class Store:
                 fd = -1
             if fd >= 0:
                 try:
-                    if (os.fstat(fd).st_ino, os.fstat(fd).st_dev) == (st.st_ino, st.st_dev):
+                    now = os.fstat(fd)
+                    if (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):
                         os.utime(fd)
                         self._memo_put(key, os.fstat(fd), e, touched=True)
                 except PermissionError:

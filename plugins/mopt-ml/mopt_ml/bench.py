@@ -24,7 +24,7 @@ from typing import Any, Literal
 from mopt.api import Artifact, BuildContext, Input, Params, TargetKind
 from pydantic import Field
 
-from mopt_ml.common import probe_level
+from mopt_ml.common import probe_level, read_shared_baseline
 from mopt_ml.validate import GENERATION, ArtifactTester, _device
 
 
@@ -312,11 +312,7 @@ def bench(
     base_scale = 1.0
     shared_info = None
     if params.baseline and shared is not None:
-        base_res = dict(shared["results"][0], shared_from=shared["target"])
-        results.append(base_res)
-        mine, theirs = results[0].get("probe"), base_res.get("probe")
-        if mine and theirs:
-            base_scale = float(probe_level(mine) or 1.0) / float(probe_level(theirs) or 1.0)
+        base_res, base_scale = read_shared_baseline(results, shared)
         shared_info = {"target": shared["target"], "probe_ratio": base_scale}
         have = {(p["batch"], p["seq"]) for p in base_res["points"]}
         lack = [f"{p['batch']}x{p['seq']}" for p in results[0]["points"] if (p["batch"], p["seq"]) not in have]

@@ -377,6 +377,17 @@ def probe_level(probe: dict[str, Any] | None) -> float | None:
     return float(value) if value else None
 
 
+def read_shared_baseline(results: list[dict[str, Any]], shared: dict[str, Any]) -> tuple[dict[str, Any], float]:
+    """Append the section's `bench-baseline` result (`shared`, its bench.json with `target`)
+    to a bench's `results`, after the artifact's `results[0]`; return it and the scale that
+    puts its latencies at this run's machine speed: this run's probe level / the baseline
+    run's (1 when either has no probe). Shared by the embedding and generation benches."""
+    base_res = dict(shared["results"][0], shared_from=shared["target"])
+    results.append(base_res)
+    mine, theirs = probe_level(results[0].get("probe")), probe_level(base_res.get("probe"))
+    return base_res, (mine / theirs if mine and theirs else 1.0)
+
+
 def cpu_threads(value: int | None) -> int:
     """`value`, or the CPUs this process may use."""
     if value:

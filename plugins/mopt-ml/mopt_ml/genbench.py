@@ -418,7 +418,7 @@ def bench_generation(
     or read that baseline from `shared` (the section's `bench-baseline` bench.json, rescaled
     by the two runs' drift probes); write bench.json and report.html; the action's result."""
     from mopt_ml.bench import _probes_of_this_action, exclusive_cpu
-    from mopt_ml.common import probe_level, read_meta, versions, write_json
+    from mopt_ml.common import read_meta, read_shared_baseline, versions, write_json
     from mopt_ml.validate import generation_format
 
     if shared is not None and shared.get("format") != BASELINE_FORMAT:
@@ -438,11 +438,7 @@ def bench_generation(
     # the shared baseline, at this run's machine speed: x (this run's probe / the baseline run's)
     scale, shared_info = 1.0, None
     if params.baseline and shared is not None:
-        base_res = dict(shared["results"][0], shared_from=shared["target"])
-        results.append(base_res)
-        mine, theirs = results[0].get("probe"), base_res.get("probe")
-        if mine and theirs:
-            scale = float(probe_level(mine) or 1.0) / float(probe_level(theirs) or 1.0)
+        base_res, scale = read_shared_baseline(results, shared)
         shared_info = {"target": shared["target"], "probe_ratio": scale}
         lack = sorted({step_of(s) for s in results[0]["steps"]} - {step_of(s) for s in base_res["steps"]})
         log(
