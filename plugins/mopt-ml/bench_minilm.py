@@ -286,7 +286,9 @@ def gemm_rates(tokens: int, threads: int, shapes: list[tuple[int, int]]) -> dict
                 [helper.make_tensor_value_info("y", yt, [tokens, n])],
                 [numpy_helper.from_array(w, "w")],
             )
-            model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+            # IR 8, opset 17's minimum: onnx 1.23 writes IR 14 by default, which onnxruntime 1.30
+            # (the H200 machine's) refuses (it reads at most IR 13)
+            model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
             sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
             for _ in range(3):
                 sess.run(None, {"x": x})
