@@ -21,10 +21,10 @@ import sys
 import zlib
 from typing import Any
 
-STAMP_VERSION = 2
+STAMP_VERSION = 3
 #: the first bytes of a stamp file; then the CRC-32 of the rest (4 bytes, little-endian),
 #: then the marshalled stamp (marshal format 4: stdlib, ~10x faster to load than JSON)
-MAGIC = b"mopt noop stamp 2\n"
+MAGIC = b"mopt noop stamp 3\n"
 MARSHAL_VERSION = 4
 RACY_NS = 200_000_000
 ENV_PREFIXES = ("MOPT_", "HF_", "TRANSFORMERS_", "CUDA_", "NVIDIA_")
@@ -99,6 +99,8 @@ def find_store_dir(recipe: str) -> str | None:
 last_miss = ""
 #: the declared input files whose stat changed, as the last missed `check` found them
 changed_inputs: list[str] = []
+#: [files, bytes] the last `check` hashed to find touched input files unchanged
+rehashed: list[int] = [0, 0]
 #: the digesting of `changed_inputs` that `consult` started after a miss (see `prehash`)
 prehashing: Any = None
 #: (stamp path, ident, result) of the last `consult` in this process
@@ -123,6 +125,7 @@ def check(path: str, ident: Any = None) -> dict[str, Any] | None:
     is left in `last_miss`). With `ident` (see `ident_of`), a stamp of another build misses."""
     global last_miss
     del changed_inputs[:]
+    rehashed[:] = [0, 0]
     stamp: dict[str, Any] = {}
     try:
         last_miss = _miss(path, stamp, ident)
@@ -130,7 +133,7 @@ def check(path: str, ident: Any = None) -> dict[str, Any] | None:
         last_miss = "unreadable stamp"  # well-formed bytes of the wrong shape: a miss
     if last_miss:
         return None
-    result: dict[str, Any] = stamp["result"]
+    result: dict[str, Any] = dict(stamp["result"], hashed_files=rehashed[0], hashed_bytes=rehashed[1])
     return result
 
 
@@ -173,19 +176,33 @@ def _miss(path: str, out: dict[str, Any], ident: Any) -> str:
     if _env(stamp.get("env_extra", [])) != stamp.get("env"):
         return "environment changed"
     # The loop that is the whole no-op at 10,000 nodes (~50,000 files): the stats are taken
-    # and packed in C (map, attrgetter, struct) and compared as one bytes object.
+    # in C (map, attrgetter), packed (struct) and compared as one bytes object.
     paths: list[str] = stamp["paths"].split("\0") if stamp["paths"] else []
     want: bytes = stamp["stats"]
+    now: list[tuple[int, ...] | None] | None
     try:
-        now = _pack(map(os.stat, paths), len(paths))
+        now = list(map(_FIELDS, map(os.stat, paths)))  # type: ignore[arg-type]
+        same = _pack(now) == want
     except (OSError, OverflowError, ValueError):
-        now = b""  # a file gone (or a stat that does not pack): find which below
-    if now != want:
-        changed = _first_change(paths, want)
+        now, same = None, False  # a file gone (or a stat that does not pack): see which below
+    touched: dict[int, tuple[int, ...]] = {}
+    if not same:
+        recorded = _unpack(want)
+        if len(recorded) != len(paths):
+            return "unreadable stamp"
+        if now is None:
+            now = [None if (st := _stat(p)) is None else tuple(st) for p in paths]
+        changed = [k for k, (a, b) in enumerate(zip(now, recorded)) if a != b]
+        inputs = set(stamp.get("inputs", ()))
         # the full path will digest the changed input files first: name them, so that
         # hashing them can start while it loads (see `prehash`)
-        changed_inputs[:] = _changed(stamp.get("inputs", []), dict(zip(paths, _unpack(want))))
-        return f"changed: {changed}"
+        changed_inputs[:] = [paths[k] for k in changed if paths[k] in inputs and now[k] is not None]
+        digests = stamp.get("digests", {})
+        for k in changed:
+            st = now[k]
+            if st is None or paths[k] not in digests:
+                return f"changed: {paths[k]}"
+            touched[k] = st
     for folder, names in stamp["exist"].items():
         gone = _missing(folder, names)
         if gone is not None:
@@ -200,42 +217,95 @@ def _miss(path: str, out: dict[str, Any], ident: Any) -> str:
         except OSError:
             if want_mtime is not None:
                 return f"folder gone: {p}"
+    if touched:
+        return _rehash(path, stamp, paths, touched)
     return ""
 
 
-def _pack(stats: Any, n: int) -> bytes:
-    """The stats packed as the stamp stores them (`STAT_FORMAT` per file)."""
-    import itertools
+def _rehash(path: str, stamp: dict[str, Any], paths: list[str], touched: dict[int, tuple[int, ...]]) -> str:
+    """The stamp holds but for input files whose stat changed (a `touch`, a copy of the same
+    bytes): hash them (in parallel; BLAKE3 leaves the GIL) and, if each still holds the bytes
+    and the mode it was stamped with, the build is a no-op after all (Ninja's `restat`, DVC's
+    state). The new stats go to the stat cache and to the stamp, so the next build does not
+    hash them again. Else "" is not returned and the digests are the full path's head start."""
+    global prehashing
+    import time
+
+    t = prehash([paths[k] for k in touched])
+    prehashing = t  # a miss below: the full path takes these digests (`Engine.prehashed`)
+    t.join()
+    digests = stamp["digests"]
+    fresh: dict[str, tuple[tuple[int, ...], str]] = {}
+    for k, st in touched.items():
+        p = paths[k]
+        got = t.results.get(p)
+        if got is None:
+            return f"changed: {p}"
+        key, digest, mode = got
+        if (digest, mode) != tuple(digests[p]):
+            return f"changed: {p}"
+        if (key[2], key[3], key[4], key[1]) != st:
+            return f"changed: {p}"  # written again since it was stat-ed above
+        fresh[p] = (key, digest)
+    rehashed[:] = [len(fresh), sum(key[2] for key, _ in fresh.values())]
+    # Remember the new stats unless a file changed too recently to trust its stat ("racy").
+    now = time.time_ns()
+    keep = {p: v for p, v in fresh.items() if now - v[0][4] >= RACY_NS}
+    if keep:
+        _remember(stamp.get("state_db"), keep)
+        stats = bytearray(stamp["stats"])
+        size = len(stats) // len(paths)
+        for k, st in touched.items():
+            if paths[k] in keep:
+                stats[k * size : (k + 1) * size] = _pack([st])
+        stamp["stats"] = bytes(stats)
+        with contextlib.suppress(OSError, ValueError):
+            _save(path, stamp)
+    return ""
+
+
+def _remember(db: Any, fresh: dict[str, tuple[tuple[int, ...], str]]) -> None:
+    """Record digests in the store's stat cache (the full path then does not hash them)."""
+    if not isinstance(db, str):
+        return
+    try:
+        from mopt.statcache import StatCache
+
+        with StatCache(db) as cache, cache.batch():
+            for p, (key, digest) in fresh.items():
+                st = os.stat(p)
+                if _key(st) == key:
+                    cache.record(os.path.abspath(p), st, digest)
+    except Exception:  # a cache: losing records only costs hashing them again
+        pass
+
+
+def _save(path: str, stamp: dict[str, Any]) -> None:
+    payload = marshal.dumps(stamp, MARSHAL_VERSION)
+    replace_durably(path, MAGIC + zlib.crc32(payload).to_bytes(4, "little") + payload)
+
+
+def _fields() -> Any:
     import operator
+
+    return operator.attrgetter("st_size", "st_mtime_ns", "st_ctime_ns", "st_ino")
+
+
+_FIELDS = _fields()
+
+
+def _pack(stats: list[Any]) -> bytes:
+    """Stats (size, mtime_ns, ctime_ns, inode) packed as the stamp stores them."""
+    import itertools
     import struct
 
-    fields = operator.attrgetter("st_size", "st_mtime_ns", "st_ctime_ns", "st_ino")
-    return struct.pack("<" + STAT_FORMAT * n, *itertools.chain.from_iterable(map(fields, stats)))
+    return struct.pack("<" + STAT_FORMAT * len(stats), *itertools.chain.from_iterable(stats))
 
 
 def _unpack(packed: bytes) -> list[tuple[int, ...]]:
     import struct
 
     return list(struct.iter_unpack("<" + STAT_FORMAT, packed))
-
-
-def _first_change(paths: list[str], want: bytes) -> str:
-    """The first of `paths` whose stat is not the one recorded (the miss's reason)."""
-    for p, rec in zip(paths, _unpack(want)):
-        now = _stat(p)
-        if now is None or tuple(now) != rec:
-            return p
-    return "(the stamp's file list)"  # the packed stats do not match the list
-
-
-def _changed(inputs: list[str], recorded: dict[str, tuple[int, ...]]) -> list[str]:
-    out = []
-    for q in inputs:
-        rec = recorded.get(q)
-        now = _stat(q)
-        if rec is not None and (now is None or tuple(now) != rec):
-            out.append(q)
-    return out
 
 
 def _missing(folder: str, names: list[str]) -> str | None:
@@ -276,10 +346,14 @@ def write(
     env_extra: list[str],
     result: dict[str, Any],
     inputs: list[str] | None = None,
+    digests: dict[str, tuple[str, int]] | None = None,
+    state_db: str | None = None,
     ident: Any = None,
 ) -> None:
     """Record a successful build's dependencies (stats taken now). `inputs`: those of
-    `files` that are declared input files or model sources (see `changed_inputs`).
+    `files` that are declared input files or model sources (see `changed_inputs`);
+    `digests`: what some of them held (digest, tree mode), by the stat cache in the file
+    `state_db`, so that a touched one can be rehashed instead of taking the full path.
     `result`: recipe, n, build_dir, nodes (as `mopt build --json` lists them), selected."""
     import json
 
@@ -318,15 +392,7 @@ def write(
     compact = {"separators": (",", ":"), "default": str}
     n = result["n"]
     head = json.dumps({"recipe": result["recipe"]}, **compact)[:-1] + ',"seconds":'
-    tail = "," + json.dumps(
-        {
-            "counts": {"cached": n},
-            "io": {"hashed_files": 0, "hashed_bytes": 0, "stat_hits": 0, "noop_stamp": True},
-            "build_dir": result["build_dir"],
-            "nodes": result["nodes"],
-        },
-        **compact,
-    )[1:]
+    tail = "," + json.dumps({"build_dir": result["build_dir"], "nodes": result["nodes"]}, **compact)[1:]
     stamp = {
         "version": STAMP_VERSION,
         "ident": ident,
@@ -341,6 +407,8 @@ def write(
         "absent": sorted(set(absent) | {p for p, st in stats.items() if st is None}),
         "dirs": {d: _dir_mtime(d) for d in sorted(set(dirs) | set(_path_dirs()))},
         "inputs": sorted(set(inputs or ())),
+        "digests": {p: (d, m) for p, (d, m) in (digests or {}).items() if p in stats},
+        "state_db": state_db,
         "result": {
             "recipe": result["recipe"],
             "n": n,
@@ -351,12 +419,11 @@ def write(
             "json_tail": tail,
         },
     }
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     try:
-        payload = marshal.dumps(stamp, MARSHAL_VERSION)
+        _save(path, stamp)
     except ValueError:  # a value marshal cannot hold (it takes only builtins)
         return skip(path, "the build's result cannot be recorded")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    replace_durably(path, MAGIC + zlib.crc32(payload).to_bytes(4, "little") + payload)
     _remove(path + ".skipped")
     if ident is not None:  # the JSON stamp an older mopt left for this build
         old = _legacy_stamp_path(os.path.dirname(path), ident)
@@ -377,7 +444,14 @@ def report(done: dict[str, Any], seconds: float, as_json: bool, quiet: bool) -> 
     """Print what a no-op build prints, from the stamp (`mopt build`'s own output)."""
     n = done["n"]
     if as_json:
-        text = done["json_head"] + repr(round(seconds, 3)) + done["json_tail"]
+        io = (
+            f'{{"hashed_files":{int(done.get("hashed_files", 0))},'
+            f'"hashed_bytes":{int(done.get("hashed_bytes", 0))},"stat_hits":0,"noop_stamp":true}}'
+        )
+        text = (
+            f'{done["json_head"]}{round(seconds, 3)!r},"counts":{{"cached":{int(n)}}},"io":{io}'
+            f"{done['json_tail']}"
+        )
         if sys.stdout.isatty():  # cli.dump_json's indented form
             import json
 
@@ -472,7 +546,9 @@ def prehash(paths: list[str]) -> Any:
     import stat as stat_
     import threading
 
-    results: dict[str, tuple[tuple[int, ...], str]] = {}  # path → (stat key, digest)
+    results: dict[str, tuple[tuple[int, ...], str, int]] = {}  # path → (stat key, digest, tree mode)
+
+    from mopt.digest import mode_of
 
     def one(p: str, hash_file: Any) -> None:
         try:
@@ -484,7 +560,7 @@ def prehash(paths: list[str]) -> Any:
         except (OSError, ValueError):
             return
         if _key(after) == _key(st):  # not written meanwhile
-            results[p] = (_key(st), digest)
+            results[p] = (_key(st), digest, mode_of(st.st_mode))
 
     def work() -> None:
         try:
