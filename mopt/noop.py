@@ -21,15 +21,16 @@ import sys
 import zlib
 from typing import Any
 
-STAMP_VERSION = 3
+STAMP_VERSION = 4
 #: the first bytes of a stamp file; then the CRC-32 of the rest (4 bytes, little-endian),
 #: then the marshalled stamp (marshal format 4: stdlib, ~10x faster to load than JSON)
-MAGIC = b"mopt noop stamp 3\n"
+MAGIC = b"mopt noop stamp 4\n"
 MARSHAL_VERSION = 4
 RACY_NS = 200_000_000
 ENV_PREFIXES = ("MOPT_", "HF_", "TRANSFORMERS_", "CUDA_", "NVIDIA_")
-#: a file's stat as the stamp compares it, packed: size, mtime_ns, ctime_ns, inode
-STAT_FORMAT = "QqqQ"
+#: the stamp's stats: a list of (size, mtime_ns, ctime_ns, inode) per file, marshalled
+#: in format 2 (no back-references, so equal lists give equal bytes: compared as bytes)
+STATS_MARSHAL = 2
 
 
 def _stat(path: str) -> list[int] | None:
@@ -129,7 +130,7 @@ def check(path: str, ident: Any = None) -> dict[str, Any] | None:
     stamp: dict[str, Any] = {}
     try:
         last_miss = _miss(path, stamp, ident)
-    except (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError):
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError, EOFError):
         last_miss = "unreadable stamp"  # well-formed bytes of the wrong shape: a miss
     if last_miss:
         return None
@@ -176,19 +177,19 @@ def _miss(path: str, out: dict[str, Any], ident: Any) -> str:
     if _env(stamp.get("env_extra", [])) != stamp.get("env"):
         return "environment changed"
     # The loop that is the whole no-op at 10,000 nodes (~50,000 files): the stats are taken
-    # in C (map, attrgetter), packed (struct) and compared as one bytes object.
+    # in C (map, attrgetter), marshalled and compared as one bytes object.
     paths: list[str] = stamp["paths"].split("\0") if stamp["paths"] else []
     want: bytes = stamp["stats"]
     now: list[tuple[int, ...] | None] | None
     try:
         now = list(map(_FIELDS, map(os.stat, paths)))  # type: ignore[arg-type]
-        same = _pack(now) == want
-    except (OSError, OverflowError, ValueError):
-        now, same = None, False  # a file gone (or a stat that does not pack): see which below
+        same = marshal.dumps(now, STATS_MARSHAL) == want
+    except OSError:
+        now, same = None, False  # a file gone: see which below
     touched: dict[int, tuple[int, ...]] = {}
     if not same:
-        recorded = _unpack(want)
-        if len(recorded) != len(paths):
+        recorded = marshal.loads(want)
+        if not isinstance(recorded, list) or len(recorded) != len(paths):
             return "unreadable stamp"
         if now is None:
             now = [None if (st := _stat(p)) is None else tuple(st) for p in paths]
@@ -253,12 +254,11 @@ def _rehash(path: str, stamp: dict[str, Any], paths: list[str], touched: dict[in
     keep = {p: v for p, v in fresh.items() if now - v[0][4] >= RACY_NS}
     if keep:
         _remember(stamp.get("state_db"), keep)
-        stats = bytearray(stamp["stats"])
-        size = len(stats) // len(paths)
+        stats = marshal.loads(stamp["stats"])
         for k, st in touched.items():
             if paths[k] in keep:
-                stats[k * size : (k + 1) * size] = _pack([st])
-        stamp["stats"] = bytes(stats)
+                stats[k] = st
+        stamp["stats"] = marshal.dumps(stats, STATS_MARSHAL)
         with contextlib.suppress(OSError, ValueError):
             _save(path, stamp)
     return ""
@@ -294,20 +294,6 @@ def _fields() -> Any:
 _FIELDS = _fields()
 
 
-def _pack(stats: list[Any]) -> bytes:
-    """Stats (size, mtime_ns, ctime_ns, inode) packed as the stamp stores them."""
-    import itertools
-    import struct
-
-    return struct.pack("<" + STAT_FORMAT * len(stats), *itertools.chain.from_iterable(stats))
-
-
-def _unpack(packed: bytes) -> list[tuple[int, ...]]:
-    import struct
-
-    return list(struct.iter_unpack("<" + STAT_FORMAT, packed))
-
-
 def _missing(folder: str, names: list[str]) -> str | None:
     """A path of `names` in `folder` that is gone, or None. Many names in a folder not much
     larger than them are checked with one listing (the action entries: ~10,000 in one
@@ -319,8 +305,7 @@ def _missing(folder: str, names: list[str]) -> str | None:
             return os.path.join(folder, names[0])
         if size <= 1024 * len(names):
             try:
-                with os.scandir(folder) as it:
-                    here = {e.name for e in it if e.is_file(follow_symlinks=False)}
+                here = set(os.listdir(folder))
             except OSError:
                 return os.path.join(folder, names[0])
             for n in names:
@@ -401,7 +386,7 @@ def write(
         "env_extra": sorted(set(env_extra)),
         "env": _env(list(env_extra)),
         "paths": "\0".join(present),
-        "stats": b"".join(_pack_one(stats[p]) for p in present),
+        "stats": marshal.dumps([tuple(stats[p]) for p in present], STATS_MARSHAL),  # type: ignore[arg-type]
         "exist": exist_by_folder,
         # a file that was not there (e.g. no mopt.lock) must still not be there
         "absent": sorted(set(absent) | {p for p, st in stats.items() if st is None}),
@@ -428,16 +413,6 @@ def write(
     if ident is not None:  # the JSON stamp an older mopt left for this build
         old = _legacy_stamp_path(os.path.dirname(path), ident)
         _remove(old, old + ".skipped")
-
-
-def _pack_one(st: list[int] | None) -> bytes:
-    import struct
-
-    assert st is not None
-    try:
-        return struct.pack("<" + STAT_FORMAT, *st)
-    except struct.error:  # a stat beyond 64 bits: a record that never matches (full path)
-        return b"\xff" * struct.calcsize("<" + STAT_FORMAT)
 
 
 def report(done: dict[str, Any], seconds: float, as_json: bool, quiet: bool) -> None:
