@@ -1306,11 +1306,11 @@ def noop_stamp_inputs(engine: Engine, states: dict[str, NodeState]) -> dict[str,
     # declared input folder, and every folder of a model source.
     for path, _digest, _info in engine._sources.values():
         dirs.extend(folder for folder, _sub, _files in os.walk(path, followlinks=True))
-    for p in engine._file_digests:
-        if not p.is_dir():
-            inputs.append(str(p))
+    for declared in engine._file_digests:
+        if not declared.is_dir():
+            inputs.append(str(declared))
             continue
-        for folder, _sub, names in os.walk(p):
+        for folder, _sub, names in os.walk(declared):
             dirs.append(folder)
             inputs.extend(os.path.join(folder, n) for n in names)
     inputs = sorted(set(inputs))
@@ -1322,14 +1322,14 @@ def noop_stamp_inputs(engine: Engine, states: dict[str, NodeState]) -> dict[str,
 
     digests: dict[str, tuple[str, int]] = {}
     engine._prefetch_dirs(inputs)
-    for p in inputs:
+    for name in inputs:
         try:
-            st = os.stat(p)
+            now = os.stat(name)
         except OSError:
             continue
-        d = engine.store.state.lookup(os.path.abspath(p), st)
+        d = engine.store.state.lookup(os.path.abspath(name), now)
         if d is not None:
-            digests[p] = (d, mode_of(st.st_mode))
+            digests[name] = (d, mode_of(now.st_mode))
     return {
         "files": files,
         "exist": exist,

@@ -182,7 +182,7 @@ def _miss(path: str, out: dict[str, Any], ident: Any) -> str:
     want: bytes = stamp["stats"]
     now: list[tuple[int, ...] | None] | None
     try:
-        now = list(map(_FIELDS, map(os.stat, paths)))  # type: ignore[arg-type]
+        now = list(map(_FIELDS, map(os.stat, paths)))
         same = marshal.dumps(now, STATS_MARSHAL) == want
     except OSError:
         now, same = None, False  # a file gone: see which below
@@ -192,7 +192,7 @@ def _miss(path: str, out: dict[str, Any], ident: Any) -> str:
         if not isinstance(recorded, list) or len(recorded) != len(paths):
             return "unreadable stamp"
         if now is None:
-            now = [None if (st := _stat(p)) is None else tuple(st) for p in paths]
+            now = [None if (rec := _stat(p)) is None else tuple(rec) for p in paths]
         changed = [k for k, (a, b) in enumerate(zip(now, recorded)) if a != b]
         inputs = set(stamp.get("inputs", ()))
         # the full path will digest the changed input files first: name them, so that
@@ -372,12 +372,15 @@ def write(
     for p in sorted(set(exist)):
         folder, name = os.path.split(p)
         exist_by_folder.setdefault(folder, []).append(name)
+
     # what `mopt build --json` prints on a hit, encoded now: a hit only splices in the
     # seconds (the compact form of cli.dump_json; a terminal gets it indented)
-    compact = {"separators": (",", ":"), "default": str}
+    def compact(obj: Any) -> str:
+        return json.dumps(obj, separators=(",", ":"), default=str)
+
     n = result["n"]
-    head = json.dumps({"recipe": result["recipe"]}, **compact)[:-1] + ',"seconds":'
-    tail = "," + json.dumps({"build_dir": result["build_dir"], "nodes": result["nodes"]}, **compact)[1:]
+    head = compact({"recipe": result["recipe"]})[:-1] + ',"seconds":'
+    tail = "," + compact({"build_dir": result["build_dir"], "nodes": result["nodes"]})[1:]
     stamp = {
         "version": STAMP_VERSION,
         "ident": ident,
@@ -466,8 +469,9 @@ def _parse_build(argv: list[str]) -> tuple[str, list[str], dict[str, bool]] | No
     for a in args:
         if a.startswith("-") and a != "-":
             if a in _FLAGS:
-                if _FLAGS[a]:
-                    flags[_FLAGS[a]] = True
+                name = _FLAGS[a]
+                if name is not None:
+                    flags[name] = True
                 continue
             value = None
             if a in ("--jobs", "-j"):

@@ -249,9 +249,20 @@ def test_the_fast_entry_answers_as_the_cli_does(proj: Path) -> None:
     env = {**os.environ, "GREETING": "hi"}
     env.pop("MOPT_DISABLE_PLUGINS", None)
     via_cli = subprocess.run(
-        [sys.executable, "-c", "import sys; from mopt.cli import main; sys.argv[0] = 'mopt'; main()",
-         "build", "r.toml", "--json", "--no-check"],
-        cwd=proj, env=env, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-c",
+            "import sys; from mopt.cli import main; sys.argv[0] = 'mopt'; main()",
+            "build",
+            "r.toml",
+            "--json",
+            "--no-check",
+        ],
+        cwd=proj,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert via_cli.returncode == 0, via_cli.stderr
     a, b = json.loads(via_cli.stdout), build(proj)
