@@ -1300,9 +1300,46 @@ def noop_stamp_inputs(engine: Engine, states: dict[str, NodeState]) -> dict[str,
             for address in st.node.addresses:
                 base = engine.address_path(address)
                 files.extend(str(base / e.path) for e in entries)
-    inputs = [*engine._source_files, *(str(p) for p in engine._file_digests)]
+    inputs = [*engine._source_files]
+    # A folder's own stat changes when an entry directly in it comes or goes, not when a
+    # file in it is edited or one is added further down: watch every file and folder in a
+    # declared input folder, and every folder of a model source.
+    for path, _digest, _info in engine._sources.values():
+        dirs.extend(folder for folder, _sub, _files in os.walk(path, followlinks=True))
+    for declared in engine._file_digests:
+        if not declared.is_dir():
+            inputs.append(str(declared))
+            continue
+        for folder, _sub, names in os.walk(declared):
+            dirs.append(folder)
+            inputs.extend(os.path.join(folder, n) for n in names)
+    inputs = sorted(set(inputs))
     files.extend(inputs)
-    return {"files": files, "exist": exist, "absent": absent, "dirs": dirs, "env_extra": env_extra, "inputs": inputs}
+    # what each input file held (by the stat cache, so only while its stat is the one it
+    # was hashed under): a later `touch` of it is then rehashed by the no-op itself, which
+    # holds if the bytes and the mode are unchanged (see noop.check)
+    from mopt.digest import mode_of
+
+    digests: dict[str, tuple[str, int]] = {}
+    engine._prefetch_dirs(inputs)
+    for name in inputs:
+        try:
+            now = os.stat(name)
+        except OSError:
+            continue
+        d = engine.store.state.lookup(os.path.abspath(name), now)
+        if d is not None:
+            digests[name] = (d, mode_of(now.st_mode))
+    return {
+        "files": files,
+        "exist": exist,
+        "absent": absent,
+        "dirs": dirs,
+        "env_extra": env_extra,
+        "inputs": inputs,
+        "digests": digests,
+        "state_db": engine.store.state.db_path,
+    }
 
 
 def _remote_for(project: Any, store: Store, offline: bool) -> Any:

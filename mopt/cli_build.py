@@ -172,14 +172,15 @@ def register(app: click.Group) -> None:
         t0 = time.time()
         store_dir = noop.find_store_dir(str(recipe)) if recipe.exists() else None
         stamp = noop.stamp_path(store_dir, str(recipe), list(selectors), offline) if store_dir else None
+        ident = noop.ident_of(str(recipe), list(selectors), offline)
         prehashing = None
         if stamp is not None:
-            done = noop.check(stamp)
+            # (`python -m mopt` asked already, before click was imported: `noop.fast_main`)
+            done = noop.consult(stamp, ident)
             if done is not None:  # nothing it depends on changed: no plugins, no keys
-                _report_noop(done, time.time() - t0, as_json, quiet)
+                noop.report(done, time.time() - t0, as_json, quiet)
                 return
-            if noop.changed_inputs:
-                prehashing = noop.prehash(list(noop.changed_inputs))
+            prehashing = noop.prehashing  # the changed input files, being digested
         from mopt import procs
         from mopt.build import Engine, LockFileError, current_lock, frozen_diff, noop_stamp_inputs, write_lock
 
@@ -262,6 +263,7 @@ def register(app: click.Group) -> None:
                 noop.write(
                     stamp,
                     **watch,
+                    ident=ident,
                     result={
                         "recipe": str(s.recipe.path),
                         "n": len(states),
@@ -532,35 +534,6 @@ def _fast_path_off(engine: Any, states: dict[str, Any]) -> str:
         "(static_fingerprint = False); a kind whose fingerprint is package versions says "
         "fingerprint_packages = (...)"
     )
-
-
-def _report_noop(done: dict[str, Any], seconds: float, as_json: bool, quiet: bool) -> None:
-    """Print what a no-op build prints, from the stamp."""
-    n = done["n"]
-    if as_json:
-        from mopt.cli import dump_json
-
-        sys.stdout.write(
-            dump_json(
-                {
-                    "recipe": done["recipe"],
-                    "seconds": round(seconds, 3),
-                    "counts": {"cached": n},
-                    "io": {"hashed_files": 0, "hashed_bytes": 0, "stat_hits": 0, "noop_stamp": True},
-                    "build_dir": done["build_dir"],
-                    "nodes": done["nodes"],
-                }
-            )
-            + "\n"
-        )
-        return
-    if not quiet:
-        for k, node in enumerate(done["nodes"], 1):
-            sys.stderr.write(f"[{k}/{n}] cached {node['id']}\n")
-    sys.stderr.write(f"{n} action(s): {n} cached in {seconds:.2f}s (no-op: nothing changed)\n")
-    for line in done.get("selected", []):
-        sys.stderr.write(line + "\n")
-    sys.stderr.write(f"artifacts under {done['build_dir']}\n")
 
 
 #: folders under a project never holding its lock files (skipped by name below the root only)

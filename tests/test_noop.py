@@ -86,18 +86,18 @@ def test_unchanged_build_takes_the_fast_path(proj: Path) -> None:
 
 @pytest.mark.parametrize(
     "change",
-    ["touch_input", "edit_input", "edit_recipe", "env", "delete_output", "delete_ac", "new_config"],
+    ["edit_input", "edit_recipe", "env", "delete_output", "delete_ac", "new_config"],
 )
 def test_any_change_takes_the_full_path(proj: Path, change: str) -> None:
+    # (a touch of an input, new stat but the same bytes, is settled by the no-op rehashing
+    # it: test_touched_input_is_rehashed_not_rebuilt)
     build(proj)
     time.sleep(0.2)
     build(proj)
     first = settled(proj)
     assert fast(first), first["io"]["noop_miss"]
     env = None
-    if change == "touch_input":
-        os.utime(proj / "in" / "m1.txt")
-    elif change == "edit_input":
+    if change == "edit_input":
         (proj / "in" / "m1.txt").write_text("changed\n")
     elif change == "edit_recipe":
         (proj / "r.toml").write_text(RECIPE + "\n# a comment\n")
@@ -115,7 +115,6 @@ def test_any_change_takes_the_full_path(proj: Path, change: str) -> None:
     assert not fast(data)
     # and the JSON says why
     why = {
-        "touch_input": f"changed: {proj / 'in' / 'm1.txt'}",
         "edit_input": f"changed: {proj / 'in' / 'm1.txt'}",
         "edit_recipe": f"changed: {proj / 'r.toml'}",
         "env": "environment changed",
@@ -126,7 +125,6 @@ def test_any_change_takes_the_full_path(proj: Path, change: str) -> None:
     assert why in data["io"]["noop_miss"]
     built = {n["id"] for n in data["nodes"] if n["status"] == "built"}
     expected = {
-        "touch_input": set(),
         "edit_input": {"m1.cpu:a", "m1.cpu:b"},
         "edit_recipe": set(),
         "env": {"m1.cpu:a", "m2.cpu:a"},  # b's input bytes changed too, but only in length...
@@ -139,3 +137,140 @@ def test_any_change_takes_the_full_path(proj: Path, change: str) -> None:
     elif expected is not None:
         assert built == expected
     assert (proj / "build/m1/cpu/b/b").is_file()
+
+
+def test_touched_input_is_rehashed_not_rebuilt(proj: Path) -> None:
+    """A touch (new stat, same bytes) is settled by the no-op itself: it hashes the file,
+    finds the stamped digest, and records the new stat, so the next build hashes nothing."""
+    build(proj)
+    time.sleep(0.2)
+    build(proj)
+    assert fast(settled(proj))
+    os.utime(proj / "in" / "m1.txt")
+    time.sleep(0.3)  # past the racy window: the new stat can be remembered
+    data = build(proj)
+    assert fast(data), data["io"].get("noop_miss")
+    assert data["io"]["hashed_files"] == 1
+    assert data["counts"] == {"cached": 4}
+    again = build(proj)
+    assert fast(again) and again["io"]["hashed_files"] == 0
+
+
+def test_same_size_and_mtime_but_new_bytes_rebuilds(proj: Path) -> None:
+    """An edit that keeps the size and puts the old mtime back changes the ctime: the no-op
+    rehashes, sees other bytes and takes the full path, which rebuilds."""
+    build(proj)
+    time.sleep(0.2)
+    build(proj)
+    assert fast(settled(proj))
+    f = proj / "in" / "m1.txt"
+    st = f.stat()
+    f.write_text("HELLO m1\n")  # same length
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    time.sleep(0.3)
+    data = build(proj)
+    assert not fast(data)
+    assert data["io"]["noop_miss"] == f"changed: {f}"
+    assert {n["id"] for n in data["nodes"] if n["status"] == "built"} == {"m1.cpu:a", "m1.cpu:b"}
+    assert (proj / "build/m1/cpu/a/a").read_text().startswith("HELLO m1")
+
+
+FOLDER_RECIPE = """\
+schema = 1
+
+[defaults]
+targets = ["a"]
+
+[defaults.a]
+kind = "command"
+files = ["data"]
+argv = ["sh", "-c", "cat {file}/sub/*.txt > {out}/a"]
+
+[models.m1]
+[m1.cpu]
+"""
+
+
+@pytest.mark.parametrize("change", ["edit_nested", "add_nested"])
+def test_change_inside_an_input_folder_takes_the_full_path(tmp_path: Path, change: str) -> None:
+    """A folder's own stat does not change when a file in it is edited or one is added in a
+    subfolder: the stamp watches the files and folders inside."""
+    (tmp_path / "data" / "sub").mkdir(parents=True)
+    (tmp_path / "data" / "sub" / "x.txt").write_text("x\n")
+    (tmp_path / "r.toml").write_text(FOLDER_RECIPE)
+    (tmp_path / "mopt.toml").write_text('[store]\npath = ".mopt"\n')
+    build(tmp_path)
+    time.sleep(0.2)
+    build(tmp_path)
+    assert fast(settled(tmp_path))
+    if change == "edit_nested":
+        (tmp_path / "data" / "sub" / "x.txt").write_text("edited\n")
+    else:
+        (tmp_path / "data" / "sub" / "y.txt").write_text("y\n")
+    data = build(tmp_path)
+    assert not fast(data)
+    assert [n["status"] for n in data["nodes"]] == ["built"]
+    want = "edited\n" if change == "edit_nested" else "x\ny\n"
+    assert (tmp_path / "build/m1/cpu/a/a").read_text() == want
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "garbage"])
+def test_damaged_stamp_is_a_clean_miss(proj: Path, damage: str) -> None:
+    build(proj)
+    time.sleep(0.2)
+    build(proj)
+    assert fast(settled(proj))
+    (stamp,) = (proj / ".mopt" / "noop").glob("*.stamp")
+    data = stamp.read_bytes()
+    if damage == "truncate":
+        stamp.write_bytes(data[: len(data) // 2])
+    elif damage == "flip":
+        k = len(data) - 10
+        stamp.write_bytes(data[:k] + bytes([data[k] ^ 0x20]) + data[k + 1 :])
+    else:
+        stamp.write_bytes(b"\x00" * len(data))
+    out = build(proj)
+    assert not fast(out)
+    assert out["io"]["noop_miss"] == "unreadable stamp"
+    assert out["counts"] == {"cached": 4}
+
+
+def test_the_fast_entry_answers_as_the_cli_does(proj: Path) -> None:
+    """`python -m mopt build` answers a no-op before click is loaded; `mopt.cli.main` answers
+    it after. Both print the same; an option only click knows goes to click."""
+    import subprocess
+    import sys
+
+    build(proj)
+    time.sleep(0.2)
+    build(proj)
+    first = settled(proj)
+    assert fast(first)
+    env = {**os.environ, "GREETING": "hi"}
+    env.pop("MOPT_DISABLE_PLUGINS", None)
+    via_cli = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from mopt.cli import main; sys.argv[0] = 'mopt'; main()",
+            "build",
+            "r.toml",
+            "--json",
+            "--no-check",
+        ],
+        cwd=proj,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert via_cli.returncode == 0, via_cli.stderr
+    a, b = json.loads(via_cli.stdout), build(proj)
+    assert fast(a) and fast(b)
+    a.pop("seconds")
+    b.pop("seconds")
+    assert a == b
+    bad = run_mopt("build", "r.toml", "--jobs", "0", cwd=proj)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    unknown = run_mopt("build", "r.toml", "--no-such-option", cwd=proj)
+    assert unknown.returncode == 2 and "no-such-option" in unknown.stderr
