@@ -192,6 +192,9 @@ class Engine:
         self._prefetched = False
         self._prefetched_dirs: set[str] = set()
         self._node_files: dict[str, list[Path]] = {}
+        #: outputs tree → the lstat of each blob of a hit just checked (`hit`), taken by
+        #: `_materialize`
+        self._hit_stats: dict[str, dict[str, os.stat_result]] = {}
         #: digests of input files hashed while the build loaded (`noop.prehash`): path →
         #: (stat key, digest), used only while the file's stat is still that one
         self.prehashed: dict[str, tuple[tuple[int, ...], str]] = {}
@@ -640,8 +643,9 @@ class Engine:
                 self.runner = runner
             while pending or running:
                 progressed = False
-                # one shared gc lock over the pass (its hits materialize), not one per hit
-                with self.store.in_use():
+                # one shared gc lock over the pass (its hits materialize), not one per hit,
+                # and one stat-cache transaction for what its hits record
+                with self.store.in_use(), self.store.state.batch():
                     for _ in range(len(pending)):
                         i = pending.popleft()
                         st = states[i]
@@ -695,6 +699,8 @@ class Engine:
                             used[r] += n
                         if runner is None:
                             runner = self.runner = self._local_runner(max(1, jobs + slots["gpu"]))
+                        if not running:
+                            _resume_gc()  # an action runs: the collector's time no longer shows
                         st.status = "running"
                         st.started = time.time()
                         reporter.started(st)
@@ -801,20 +807,32 @@ class Engine:
             node = self.graph.nodes[i]
             paths.update(self.node_files(node))
         self._prefetch_dirs(paths)
-        for p in paths:
-            pre = self.prehashed.pop(str(p), None)
-            if pre is None or p in self._file_digests:
-                continue
-            try:
-                st = os.stat(p)
-            except OSError:
-                continue
-            if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) == pre[0]:
-                self._file_digests[p] = pre[1]
-                self.prehashed_files += 1
-                self.prehashed_bytes += st.st_size
-                self.store.state.record(str(p), st, pre[1])  # the next build finds it by stat
-        todo = [p for p in paths if p not in self._file_digests and p.exists()]
+        import stat as stat_
+
+        todo = []
+        with self.store.state.batch():
+            for p in paths:
+                if p in self._file_digests:
+                    continue
+                try:
+                    st = os.stat(p)
+                except OSError:
+                    continue  # file_digest says what is wrong with it
+                pre = self.prehashed.pop(str(p), None)
+                if pre is not None and (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) == pre[0]:
+                    self._file_digests[p] = pre[1]
+                    self.prehashed_files += 1
+                    self.prehashed_bytes += st.st_size
+                    self.store.state.record(str(p), st, pre[1])  # the next build finds it by stat
+                    continue
+                if stat_.S_ISREG(st.st_mode):
+                    # an unchanged file is a stat-cache row (prefetched above): no thread
+                    known = self.store.state.lookup(os.path.abspath(p), st)
+                    if known is not None:
+                        self._file_digests[p] = known
+                        self.store.state.hits += 1
+                        continue
+                todo.append(p)
         if len(todo) < 2:
             return
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
@@ -866,7 +884,8 @@ class Engine:
         # The manifest first: its own bytes are checked (tree_entries hashes them once per
         # process, `intact` by stat after that), and a damaged one is removed, so the rerun
         # stores it afresh instead of failing on it for good.
-        if not self.store.intact(entry.outputs_tree, repair=repair):
+        tree_st = self.store.intact_stat(entry.outputs_tree, repair=repair)
+        if tree_st is None:
             return None
         try:
             members = [e.digest for e in self.store.tree_entries(entry.outputs_tree, present=True)]
@@ -875,11 +894,19 @@ class Engine:
             if repair:
                 self.store._remove_blob(entry.outputs_tree)
             return None
-        digests = members + ([entry.log] if entry.log else [])
+        if entry.log:
+            members.append(entry.log)
+        stats = {entry.outputs_tree: tree_st}
         with self.store.state.batch():
-            for d in digests:
-                if not self.store.intact(d, repair=repair):
+            for d in members:
+                st = self.store.intact_stat(d, repair=repair)
+                if st is None:
                     return None
+                stats[d] = st
+        if not self.read_only:
+            # each blob's lstat, just found intact: materializing the hit compares its
+            # hard-linked build/ files with these instead of taking them again
+            self._hit_stats[entry.outputs_tree] = stats
         return entry
 
     def _cache_dir(self, kind: str) -> Path:
@@ -913,7 +940,16 @@ class Engine:
             cache[address] = address_path(self.build_dir, address, names)
         return cache[address]
 
+    def address_str(self, address: str) -> str:
+        """`address_path` as an absolute path string (the hit path avoids pathlib)."""
+        cache = self.__dict__.setdefault("_address_strs", {})
+        s = cache.get(address)
+        if s is None:
+            s = cache[address] = os.path.abspath(self.address_path(address))
+        return s
+
     def _materialize(self, node: Node, tree: str, *, blobs_checked: bool = False) -> None:
+        stats = self._hit_stats.pop(tree, None) if blobs_checked else None
         if node.id not in getattr(self, "_want", {node.id}):
             return
         with self.store.in_use():
@@ -921,7 +957,9 @@ class Engine:
                 # materialize checks every file by stat (or by inode for large, linked ones)
                 # and rebuilds the folder if one was edited or removed: a repair of this
                 # target's folder only, never of the blob another target's file shares
-                self.store.materialize(tree, self.address_path(address), blobs_checked=blobs_checked)
+                self.store.materialize(
+                    tree, self.address_str(address), blobs_checked=blobs_checked, blob_stats=stats
+                )
 
     def _execute(self, st: NodeState, reporter: Reporter) -> NodeState:
         """Run one action under its lock (another process may have built it meanwhile).
@@ -1090,6 +1128,20 @@ class Engine:
         if removed:
             msg += f"; {removed} damaged blob(s) removed from the store (a later build rebuilds them)"
         return msg
+
+
+#: set by `mopt build`, which turns the garbage collector off while it keys the graph and
+#: takes hits (see cli_build): the first action the engine runs turns it back on
+gc_paused = False
+
+
+def _resume_gc() -> None:
+    global gc_paused
+    if gc_paused:
+        import gc
+
+        gc_paused = False
+        gc.enable()
 
 
 class InputChanged(Exception):
@@ -1283,6 +1335,7 @@ def noop_stamp_inputs(engine: Engine, states: dict[str, NodeState]) -> dict[str,
     dirs: list[str] = []
     env_extra: list[str] = []
     exist: list[str] = []  # action entries are touched on every hit (LRU): existence only
+    ac_dir, want = str(engine.store.ac_dir), engine._want
     for st in states.values():
         kind = engine.kind(st.node.kind)
         if not kind.static_fingerprint or st.entry is None or st.key is None:
@@ -1290,19 +1343,27 @@ def noop_stamp_inputs(engine: Engine, states: dict[str, NodeState]) -> dict[str,
         env_values = getattr(kind, "env_values", None)
         if callable(env_values):
             env_extra.extend(env_values(st.node.target.params))
-        exist.append(str(engine.store.ac_dir / f"{st.key}.json"))
+        exist.append(f"{ac_dir}/{st.key}.json")
         files.append(engine.store.blob_str(st.entry.outputs_tree))
         if st.entry.log:
             files.append(engine.store.blob_str(st.entry.log))
         entries = engine.store.tree_entries(st.entry.outputs_tree)
         files.extend(engine.store.blob_str(e.digest) for e in entries)
-        if st.node.id in engine._want:
+        if st.node.id in want:
             for address in st.node.addresses:
-                base = engine.address_path(address)
-                files.extend(str(base / e.path) for e in entries)
+                base = engine.address_str(address)
+                files.extend(f"{base}/{e.path}" for e in entries)
     inputs = [*engine._source_files, *(str(p) for p in engine._file_digests)]
     files.extend(inputs)
-    return {"files": files, "exist": exist, "absent": absent, "dirs": dirs, "env_extra": env_extra, "inputs": inputs}
+    return {
+        "files": files,
+        "exist": exist,
+        "absent": absent,
+        "dirs": dirs,
+        "env_extra": env_extra,
+        "inputs": inputs,
+        "known": engine.store.verified,
+    }
 
 
 def _remote_for(project: Any, store: Store, offline: bool) -> Any:
