@@ -115,6 +115,12 @@ def address_path(build_dir: Path, address: str, recipe: Any = None) -> Path:
     Each part must be one path component (the recipe checks names when it loads; this
     holds for addresses from anywhere else too).
     """
+    m, h, label = address_parts(build_dir, address, recipe)
+    return build_dir / m / h / label
+
+
+def address_parts(build_dir: Path, address: str, recipe: Any = None) -> tuple[str, str, str]:
+    """(model, section, target): the folder names of `address_path`, checked."""
     section_id, _, label = address.partition(":")
     parts: tuple[str, str] | None = None
     if isinstance(recipe, dict):  # section id → (model, section name), made by the caller
@@ -134,7 +140,7 @@ def address_path(build_dir: Path, address: str, recipe: Any = None) -> Path:
                 "component)",
                 hint="model, section and target names are single folder names",
             )
-    return build_dir / parts[0] / parts[1] / label
+    return parts[0], parts[1], label
 
 
 def _check_input_files(kind: TargetKind) -> None:
@@ -945,7 +951,14 @@ class Engine:
         cache = self.__dict__.setdefault("_address_strs", {})
         s = cache.get(address)
         if s is None:
-            s = cache[address] = os.path.abspath(self.address_path(address))
+            names = self.__dict__.get("_section_names")
+            if names is None:
+                names = self._section_names = {sec.id: (sec.model, sec.key) for sec in self.recipe.sections}
+            base = self.__dict__.get("_build_str")
+            if base is None:
+                base = self._build_str = os.path.abspath(self.build_dir)
+            m, h, label = address_parts(self.build_dir, address, names)
+            s = cache[address] = f"{base}/{m}/{h}/{label}"
         return s
 
     def _materialize(self, node: Node, tree: str, *, blobs_checked: bool = False) -> None:

@@ -10,7 +10,10 @@ Layout under the root::
                            them): byte-range locks saying which entries running builds use
                            (gc skips them)
     roots/                 symlinks to the lock files of projects using this store (gc roots)
-    state.db               the stat cache
+    state.db               the stat cache; it also files each materialized folder of a hit
+                           (a flat tree) under its own stat and its tree's digest, so
+                           the next build stats its files without listing it (see
+                           `Store._holds_flat`)
     ac-memo.json           an accelerator only: the parsed action entries (each filed under
                            its file's stat) and tree manifests last read, in one file, so a
                            build of 10,000 cached actions reads one file, not 20,000 (see

@@ -400,6 +400,9 @@ def test_a_hit_folder_filed_by_its_stat_is_still_checked_file_by_file(tmp_path: 
     read = store.state.hashed_bytes
     assert again() == "unchanged"  # by its filed stat
     assert store.state.hashed_bytes == read
+    from tests.storecheck import check_store
+
+    assert check_store(tmp_path / "store") == []  # the checker checks the folder's row too
 
     dest.chmod(0o755)  # a file added: the folder's stat changes, so it is listed again
     (dest / "extra.txt").write_bytes(b"mine")
