@@ -1348,7 +1348,7 @@ def noop_stamp_inputs(engine: Engine, states: dict[str, NodeState]) -> dict[str,
     dirs: list[str] = []
     env_extra: list[str] = []
     exist: list[str] = []  # action entries are touched on every hit (LRU): existence only
-    ac_dir, want = str(engine.store.ac_dir), engine._want
+    ac_dir, want, verified = str(engine.store.ac_dir), engine._want, engine.store.verified
     for st in states.values():
         kind = engine.kind(st.node.kind)
         if not kind.static_fingerprint or st.entry is None or st.key is None:
@@ -1360,7 +1360,8 @@ def noop_stamp_inputs(engine: Engine, states: dict[str, NodeState]) -> dict[str,
         files.append(engine.store.blob_str(st.entry.outputs_tree))
         if st.entry.log:
             files.append(engine.store.blob_str(st.entry.log))
-        entries = engine.store.tree_entries(st.entry.outputs_tree)
+        tree = engine.store.blob_str(st.entry.outputs_tree)
+        entries = engine.store.tree_entries(st.entry.outputs_tree, present=tree in verified)
         files.extend(engine.store.blob_str(e.digest) for e in entries)
         if st.node.id in want:
             for address in st.node.addresses:
