@@ -13,11 +13,12 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 import traceback
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -201,6 +202,7 @@ class Engine:
         #: outputs tree → the lstat of each blob of a hit just checked (`hit`), taken by
         #: `_materialize`
         self._hit_stats: dict[str, dict[str, os.stat_result]] = {}
+        self._pass_thread: int | None = None  # the driver's thread while it is in a pass
         #: digests of input files hashed while the build loaded (`noop.prehash`): path →
         #: (stat key, digest), used only while the file's stat is still that one
         self.prehashed: dict[str, tuple[tuple[int, ...], str]] = {}
@@ -651,7 +653,7 @@ class Engine:
                 progressed = False
                 # one shared gc lock over the pass (its hits materialize), not one per hit,
                 # and one stat-cache transaction for what its hits record
-                with self.store.in_use(), self.store.state.batch():
+                with self._pass():
                     for _ in range(len(pending)):
                         i = pending.popleft()
                         st = states[i]
@@ -737,6 +739,21 @@ class Engine:
             self.flush_index()
             reporter.stop()
         return states
+
+    @contextmanager
+    def _pass(self) -> Any:
+        """One scheduling pass of the driver: the shared gc lock held over it (its hits
+        materialize) and one stat-cache transaction for what its hits record, not one of
+        each per hit; the hits of this thread inside take neither again."""
+        with self.store.in_use(), self.store.state.batch():
+            self._pass_thread = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._pass_thread = None
+
+    def _in_pass(self) -> bool:
+        return self._pass_thread == threading.get_ident()
 
     def prestart(self, ids: list[str], jobs: int | None = None) -> None:
         """Start the local runner's zygotes now, ahead of `build(ids, jobs=jobs)`, so that
@@ -903,7 +920,7 @@ class Engine:
         if entry.log:
             members.append(entry.log)
         stats = {entry.outputs_tree: tree_st}
-        with self.store.state.batch():
+        with nullcontext() if self._in_pass() else self.store.state.batch():
             for d in members:
                 st = self.store.intact_stat(d, repair=repair)
                 if st is None:
@@ -965,7 +982,7 @@ class Engine:
         stats = self._hit_stats.pop(tree, None) if blobs_checked else None
         if node.id not in getattr(self, "_want", {node.id}):
             return
-        with self.store.in_use():
+        with nullcontext() if self._in_pass() else self.store.in_use():
             for address in node.addresses:
                 # materialize checks every file by stat (or by inode for large, linked ones)
                 # and rebuilds the folder if one was edited or removed: a repair of this
