@@ -13,11 +13,12 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 import traceback
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -115,6 +116,12 @@ def address_path(build_dir: Path, address: str, recipe: Any = None) -> Path:
     Each part must be one path component (the recipe checks names when it loads; this
     holds for addresses from anywhere else too).
     """
+    m, h, label = address_parts(build_dir, address, recipe)
+    return build_dir / m / h / label
+
+
+def address_parts(build_dir: Path, address: str, recipe: Any = None) -> tuple[str, str, str]:
+    """(model, section, target): the folder names of `address_path`, checked."""
     section_id, _, label = address.partition(":")
     parts: tuple[str, str] | None = None
     if isinstance(recipe, dict):  # section id → (model, section name), made by the caller
@@ -134,7 +141,7 @@ def address_path(build_dir: Path, address: str, recipe: Any = None) -> Path:
                 "component)",
                 hint="model, section and target names are single folder names",
             )
-    return build_dir / parts[0] / parts[1] / label
+    return parts[0], parts[1], label
 
 
 def _check_input_files(kind: TargetKind) -> None:
@@ -192,6 +199,10 @@ class Engine:
         self._prefetched = False
         self._prefetched_dirs: set[str] = set()
         self._node_files: dict[str, list[Path]] = {}
+        #: outputs tree → the lstat of each blob of a hit just checked (`hit`), taken by
+        #: `_materialize`
+        self._hit_stats: dict[str, dict[str, os.stat_result]] = {}
+        self._pass_thread: int | None = None  # the driver's thread while it is in a pass
         #: digests of input files hashed while the build loaded (`noop.prehash`): path →
         #: (stat key, digest), used only while the file's stat is still that one
         self.prehashed: dict[str, tuple[tuple[int, ...], str]] = {}
@@ -640,8 +651,9 @@ class Engine:
                 self.runner = runner
             while pending or running:
                 progressed = False
-                # one shared gc lock over the pass (its hits materialize), not one per hit
-                with self.store.in_use():
+                # one shared gc lock over the pass (its hits materialize), not one per hit,
+                # and one stat-cache transaction for what its hits record
+                with self._pass():
                     for _ in range(len(pending)):
                         i = pending.popleft()
                         st = states[i]
@@ -695,6 +707,8 @@ class Engine:
                             used[r] += n
                         if runner is None:
                             runner = self.runner = self._local_runner(max(1, jobs + slots["gpu"]))
+                        if not running:
+                            _resume_gc()  # an action runs: the collector's time no longer shows
                         st.status = "running"
                         st.started = time.time()
                         reporter.started(st)
@@ -725,6 +739,21 @@ class Engine:
             self.flush_index()
             reporter.stop()
         return states
+
+    @contextmanager
+    def _pass(self) -> Any:
+        """One scheduling pass of the driver: the shared gc lock held over it (its hits
+        materialize) and one stat-cache transaction for what its hits record, not one of
+        each per hit; the hits of this thread inside take neither again."""
+        with self.store.in_use(), self.store.state.batch():
+            self._pass_thread = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._pass_thread = None
+
+    def _in_pass(self) -> bool:
+        return self._pass_thread == threading.get_ident()
 
     def prestart(self, ids: list[str], jobs: int | None = None) -> None:
         """Start the local runner's zygotes now, ahead of `build(ids, jobs=jobs)`, so that
@@ -801,20 +830,32 @@ class Engine:
             node = self.graph.nodes[i]
             paths.update(self.node_files(node))
         self._prefetch_dirs(paths)
-        for p in paths:
-            pre = self.prehashed.pop(str(p), None)
-            if pre is None or p in self._file_digests:
-                continue
-            try:
-                st = os.stat(p)
-            except OSError:
-                continue
-            if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) == pre[0]:
-                self._file_digests[p] = pre[1]
-                self.prehashed_files += 1
-                self.prehashed_bytes += st.st_size
-                self.store.state.record(str(p), st, pre[1])  # the next build finds it by stat
-        todo = [p for p in paths if p not in self._file_digests and p.exists()]
+        import stat as stat_
+
+        todo = []
+        with self.store.state.batch():
+            for p in paths:
+                if p in self._file_digests:
+                    continue
+                try:
+                    st = os.stat(p)
+                except OSError:
+                    continue  # file_digest says what is wrong with it
+                pre = self.prehashed.pop(str(p), None)
+                if pre is not None and (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) == pre[0]:
+                    self._file_digests[p] = pre[1]
+                    self.prehashed_files += 1
+                    self.prehashed_bytes += st.st_size
+                    self.store.state.record(str(p), st, pre[1])  # the next build finds it by stat
+                    continue
+                if stat_.S_ISREG(st.st_mode):
+                    # an unchanged file is a stat-cache row (prefetched above): no thread
+                    known = self.store.state.lookup(os.path.abspath(p), st)
+                    if known is not None:
+                        self._file_digests[p] = known
+                        self.store.state.hits += 1
+                        continue
+                todo.append(p)
         if len(todo) < 2:
             return
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
@@ -866,7 +907,8 @@ class Engine:
         # The manifest first: its own bytes are checked (tree_entries hashes them once per
         # process, `intact` by stat after that), and a damaged one is removed, so the rerun
         # stores it afresh instead of failing on it for good.
-        if not self.store.intact(entry.outputs_tree, repair=repair):
+        tree_st = self.store.intact_stat(entry.outputs_tree, repair=repair)
+        if tree_st is None:
             return None
         try:
             members = [e.digest for e in self.store.tree_entries(entry.outputs_tree, present=True)]
@@ -875,11 +917,19 @@ class Engine:
             if repair:
                 self.store._remove_blob(entry.outputs_tree)
             return None
-        digests = members + ([entry.log] if entry.log else [])
-        with self.store.state.batch():
-            for d in digests:
-                if not self.store.intact(d, repair=repair):
+        if entry.log:
+            members.append(entry.log)
+        stats = {entry.outputs_tree: tree_st}
+        with nullcontext() if self._in_pass() else self.store.state.batch():
+            for d in members:
+                st = self.store.intact_stat(d, repair=repair)
+                if st is None:
                     return None
+                stats[d] = st
+        if not self.read_only:
+            # each blob's lstat, just found intact: materializing the hit compares its
+            # hard-linked build/ files with these instead of taking them again
+            self._hit_stats[entry.outputs_tree] = stats
         return entry
 
     def _cache_dir(self, kind: str) -> Path:
@@ -913,15 +963,33 @@ class Engine:
             cache[address] = address_path(self.build_dir, address, names)
         return cache[address]
 
+    def address_str(self, address: str) -> str:
+        """`address_path` as an absolute path string (the hit path avoids pathlib)."""
+        cache = self.__dict__.setdefault("_address_strs", {})
+        s = cache.get(address)
+        if s is None:
+            names = self.__dict__.get("_section_names")
+            if names is None:
+                names = self._section_names = {sec.id: (sec.model, sec.key) for sec in self.recipe.sections}
+            base = self.__dict__.get("_build_str")
+            if base is None:
+                base = self._build_str = os.path.abspath(self.build_dir)
+            m, h, label = address_parts(self.build_dir, address, names)
+            s = cache[address] = f"{base}/{m}/{h}/{label}"
+        return s
+
     def _materialize(self, node: Node, tree: str, *, blobs_checked: bool = False) -> None:
+        stats = self._hit_stats.pop(tree, None) if blobs_checked else None
         if node.id not in getattr(self, "_want", {node.id}):
             return
-        with self.store.in_use():
+        with nullcontext() if self._in_pass() else self.store.in_use():
             for address in node.addresses:
                 # materialize checks every file by stat (or by inode for large, linked ones)
                 # and rebuilds the folder if one was edited or removed: a repair of this
                 # target's folder only, never of the blob another target's file shares
-                self.store.materialize(tree, self.address_path(address), blobs_checked=blobs_checked)
+                self.store.materialize(
+                    tree, self.address_str(address), blobs_checked=blobs_checked, blob_stats=stats
+                )
 
     def _execute(self, st: NodeState, reporter: Reporter) -> NodeState:
         """Run one action under its lock (another process may have built it meanwhile).
@@ -1090,6 +1158,20 @@ class Engine:
         if removed:
             msg += f"; {removed} damaged blob(s) removed from the store (a later build rebuilds them)"
         return msg
+
+
+#: set by `mopt build`, which turns the garbage collector off while it keys the graph and
+#: takes hits (see cli_build): the first action the engine runs turns it back on
+gc_paused = False
+
+
+def _resume_gc() -> None:
+    global gc_paused
+    if gc_paused:
+        import gc
+
+        gc_paused = False
+        gc.enable()
 
 
 class InputChanged(Exception):
@@ -1283,6 +1365,7 @@ def noop_stamp_inputs(engine: Engine, states: dict[str, NodeState]) -> dict[str,
     dirs: list[str] = []
     env_extra: list[str] = []
     exist: list[str] = []  # action entries are touched on every hit (LRU): existence only
+    ac_dir, want, verified = str(engine.store.ac_dir), engine._want, engine.store.verified
     for st in states.values():
         kind = engine.kind(st.node.kind)
         if not kind.static_fingerprint or st.entry is None or st.key is None:
@@ -1290,16 +1373,17 @@ def noop_stamp_inputs(engine: Engine, states: dict[str, NodeState]) -> dict[str,
         env_values = getattr(kind, "env_values", None)
         if callable(env_values):
             env_extra.extend(env_values(st.node.target.params))
-        exist.append(str(engine.store.ac_dir / f"{st.key}.json"))
+        exist.append(f"{ac_dir}/{st.key}.json")
         files.append(engine.store.blob_str(st.entry.outputs_tree))
         if st.entry.log:
             files.append(engine.store.blob_str(st.entry.log))
-        entries = engine.store.tree_entries(st.entry.outputs_tree)
+        tree = engine.store.blob_str(st.entry.outputs_tree)
+        entries = engine.store.tree_entries(st.entry.outputs_tree, present=tree in verified)
         files.extend(engine.store.blob_str(e.digest) for e in entries)
-        if st.node.id in engine._want:
+        if st.node.id in want:
             for address in st.node.addresses:
-                base = engine.address_path(address)
-                files.extend(str(base / e.path) for e in entries)
+                base = engine.address_str(address)
+                files.extend(f"{base}/{e.path}" for e in entries)
     inputs = [*engine._source_files]
     # A folder's own stat changes when an entry directly in it comes or goes, not when a
     # file in it is edited or one is added further down: watch every file and folder in a
@@ -1339,6 +1423,7 @@ def noop_stamp_inputs(engine: Engine, states: dict[str, NodeState]) -> dict[str,
         "inputs": inputs,
         "digests": digests,
         "state_db": engine.store.state.db_path,
+        "known": engine.store.verified,
     }
 
 

@@ -19,6 +19,7 @@ import marshal
 import os
 import sys
 import zlib
+from collections.abc import Mapping
 from typing import Any
 
 STAMP_VERSION = 4
@@ -334,11 +335,14 @@ def write(
     digests: dict[str, tuple[str, int]] | None = None,
     state_db: str | None = None,
     ident: Any = None,
+    known: Mapping[str, os.stat_result] | None = None,
 ) -> None:
     """Record a successful build's dependencies (stats taken now). `inputs`: those of
     `files` that are declared input files or model sources (see `changed_inputs`);
     `digests`: what some of them held (digest, tree mode), by the stat cache in the file
     `state_db`, so that a touched one can be rehashed instead of taking the full path.
+    `known`: the stat of files the build checked (blobs found intact, build/ files found
+    holding them), filed as taken then: a change since is a miss next time.
     `result`: recipe, n, build_dir, nodes (as `mopt build --json` lists them), selected."""
     import json
 
@@ -347,8 +351,14 @@ def write(
         f = getattr(m, "__file__", None)
         if f and not f.startswith(sys.base_prefix + os.sep):  # the stdlib does not change
             mods.add(os.path.abspath(f))
-    all_files = sorted(set(files) | mods)
-    stats = {p: _stat(p) for p in all_files}
+    # the caller's order (the recipe and settings first: what a user edits is found
+    # changed before 50,000 blobs are looked at), then the modules
+    all_files = list(dict.fromkeys([*files, *sorted(mods)]))
+    known = known or {}
+    stats = {}
+    for p in all_files:
+        st = known.get(p)
+        stats[p] = _stat(p) if st is None else [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
     # A file changed within the last moment may change again within the same timestamp
     # tick without its stat changing ("racily clean", as git calls it): stamp next time.
     import time

@@ -10,7 +10,10 @@ Layout under the root::
                            them): byte-range locks saying which entries running builds use
                            (gc skips them)
     roots/                 symlinks to the lock files of projects using this store (gc roots)
-    state.db               the stat cache
+    state.db               the stat cache; it also files each materialized folder of a hit
+                           (a flat tree) under its own stat and its tree's digest, so
+                           the next build stats its files without listing it (see
+                           `Store._holds_flat`)
     ac-memo.json           an accelerator only: the parsed action entries (each filed under
                            its file's stat) and tree manifests last read, in one file, so a
                            build of 10,000 cached actions reads one file, not 20,000 (see
@@ -291,6 +294,7 @@ class Store:
         self.locks_dir = self.root / "locks"
         self.roots_dir = self.root / "roots"
         self._cas_prefix = f"{self.cas_dir}/"
+        self._ac_prefix = f"{self.ac_dir}/"
         self._trees: dict[str, list[TreeEntry]] = {}  # manifests are immutable: parse once
         # the memo: key → [stat key of ac/<key>.json, entry as JSON]; tree digest → rows
         self._memo: dict[str, list[Any]] | None = None
@@ -301,6 +305,12 @@ class Store:
         # their real paths, resolved once: a link that appears later on the way to one makes
         # paths under it resolve elsewhere, so they are refused (it fails closed)
         self._real_roots: list[str] = [os.path.realpath(self.root)]
+        #: folders under a real root seen to be plain folders, not links (`_plain_folders_to`)
+        self._plain_dirs: set[str] = set()
+        #: path → lstat of each blob found intact (`intact_stat`) and each build/ file found
+        #: to hold its blob (`_holds_flat`) by this Store: what the no-op stamp files them
+        #: under (a stat taken when it was checked, not after: a change since is a miss)
+        self.verified: dict[str, os.stat_result] = {}
         self._use_fds: dict[int, int | None] = {}  # shard → descriptor of locks/entries-<NN>.lock
         self._used: set[str] = set()
         self._use_lock = threading.Lock()
@@ -405,11 +415,16 @@ class Store:
         (it is then a miss: the action reruns, or the next put writes the bytes again) and a
         writable but intact one made read-only again.
         """
+        return self.intact_stat(digest, repair=repair) is not None
+
+    def intact_stat(self, digest: str, *, repair: bool = True) -> os.stat_result | None:
+        """`intact`, returning the blob's lstat when it is intact (None when it is not): a
+        caller that checks a build/ file against the blob next needs no second stat."""
         path = self.blob_str(digest)
         try:
             st = os.lstat(path)
         except FileNotFoundError:
-            return False
+            return None
         ok = False
         if stat.S_ISREG(st.st_mode):
             try:
@@ -425,15 +440,19 @@ class Store:
         if ok and st.st_mode & 0o222 and repair and not self.read_only:
             with suppress(OSError):
                 os.chmod(path, 0o444)
+                st = os.lstat(path)  # its ctime changed
         if not ok:
             log.warning("blob %s is damaged (its bytes no longer match its name)%s", path,
                         "; removing it" if repair and not self.read_only else "")
             if repair and not self.read_only:
                 self._remove_blob(digest)
-        return ok
+            return None
+        self.verified[path] = st
+        return st
 
     def _remove_blob(self, digest: str) -> None:
         path = self.guard(self.blob_str(digest))
+        self.verified.pop(path, None)
         self._trees.pop(digest, None)
         if self._memo_trees.pop(digest, None) is not None:
             self._memo_dirty = not self.read_only
@@ -585,7 +604,7 @@ class Store:
 
         `check_blobs=False` leaves the blob check to the caller (the engine checks them
         through the stat cache, which also catches changed bytes)."""
-        path = self._ac_path(key)
+        path = f"{self._ac_prefix}{check_key(key)}.json"  # `_ac_path`, without pathlib
         try:
             st = os.lstat(path)
         except OSError:  # absent (or its folder unreadable): a miss
@@ -682,10 +701,10 @@ class Store:
             return None
         try:
             if row[0] == [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]:
-                e = ActionEntry.model_construct(**row[1])
+                e = _entry_from_row(row[1])
                 if e.key == key:
                     return e
-        except (TypeError, IndexError):
+        except (TypeError, IndexError, AttributeError):
             pass
         return None
 
@@ -857,15 +876,25 @@ class Store:
 
     # -- materialize --------------------------------------------------------------------
 
-    def materialize(self, tree_digest: str, dest: StrPath, *, blobs_checked: bool = False) -> MaterializeMethod:
+    def materialize(
+        self,
+        tree_digest: str,
+        dest: StrPath,
+        *,
+        blobs_checked: bool = False,
+        blob_stats: Mapping[str, os.stat_result] | None = None,
+    ) -> MaterializeMethod:
         """Make `dest` a read-only copy of the stored tree; return how files were placed.
 
         The tree is built at a temp sibling of `dest` and swapped in, so `dest` is never
         half-built. Files are reflinked, else hard-linked (not executables: a link shares
         the blob's 0o444 mode), else copied. Returns the least efficient method any file
         needed, or "unchanged" when `dest` already held exactly this tree. `blobs_checked`:
-        the caller has just found every blob of the tree intact (a cache hit).
+        the caller has just found every blob of the tree intact (a cache hit); `blob_stats`:
+        the lstat of each blob it found intact (`intact_stat`), taken just now.
         """
+        if blobs_checked and self._holds_flat(tree_digest, os.fspath(dest), blob_stats):
+            return "unchanged"
         target = Path(self._guard_dest(dest))
         entries = self.tree_entries(tree_digest, present=blobs_checked)
         missing = [] if blobs_checked else sorted({e.digest for e in entries if not self.has(e.digest)})
@@ -1245,6 +1274,118 @@ class Store:
         finally:
             os.close(fd)  # closing the descriptor releases the lock
 
+    def _holds_flat(self, tree_digest: str, dest: str, blob_stats: Mapping[str, os.stat_result] | None) -> bool:
+        """`_holds_tree` for a tree of files only (no sub-folders) whose blobs were just
+        found intact, in fewer system calls. False whenever anything differs or is not that
+        simple: the caller then takes the general path, which repairs the folder (or
+        refuses one outside the allowed roots).
+
+        Every file is still stat-checked against its blob (by inode, or its bytes through
+        the stat cache). What is saved is the listing: the folder's own stat is filed in the
+        stat cache under the tree's digest once it was listed and found to hold exactly the
+        tree's names; a name added, removed or renamed in it changes the folder's mtime
+        and ctime, so while its stat is the filed one the names are those, and only each
+        file is stat-checked. When it is listed, one open of `dest` that does not follow a
+        link gives its real path (the guard of `guard_path`), its listing and its stat. On
+        the filed path nothing is written, so the guard is not needed there."""
+        entries = self._trees.get(tree_digest)
+        if entries is None or len(self.write_roots) < 2 or not os.path.isabs(dest):
+            return False
+        try:
+            dst = os.lstat(dest)
+        except OSError:
+            return False
+        if not stat.S_ISDIR(dst.st_mode):
+            return False
+        prefix = dest.rstrip("/") + "/"
+        found: list[tuple[TreeEntry, os.stat_result]] = []
+        listed = self.state.lookup(dest, dst) != tree_digest or not self._plain_folders_to(dest)
+        if not listed:  # the names are the tree's: stat each
+            for e in entries:
+                try:
+                    found.append((e, os.lstat(prefix + e.path)))
+                except OSError:
+                    return False
+        else:
+            try:
+                fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:  # replaced meanwhile by a link or a file, unreadable
+                return False
+            try:
+                dst = os.fstat(fd)  # before the listing: a change after it changes this stat
+                # dest is no link (O_NOFOLLOW): this is its parent's real path and its name
+                real = os.readlink(f"/proc/self/fd/{fd}")
+                if not any(real != r and real.startswith(r.rstrip("/") + "/") for r in self._real_roots):
+                    return False
+                with os.scandir(fd) as it:
+                    names = [(d.name, d.stat(follow_symlinks=False)) for d in it]
+            except OSError:
+                return False
+            finally:
+                os.close(fd)
+            if len(names) != len(entries):
+                return False
+            want = {e.path: e for e in entries}
+            for name, st in names:
+                e = want.get(name)
+                if e is None:
+                    return False  # another name (a nested tree's entries contain a "/")
+                found.append((e, st))
+        for e, st in found:
+            if (
+                not stat.S_ISREG(st.st_mode)
+                or st.st_size != e.size
+                or stat.S_IMODE(st.st_mode) != _ro_mode(e.mode)
+            ):
+                return False  # a sub-folder, a link, or an edited or replaced file
+        for e, st in found:
+            b = blob_stats.get(e.digest) if blob_stats else None
+            if b is None:
+                try:
+                    b = os.stat(self.blob_str(e.digest))
+                except OSError:
+                    return False
+                if (b.st_dev, b.st_ino) == (st.st_dev, st.st_ino):
+                    continue  # a hard link to the blob is the blob
+            elif (b.st_dev, b.st_ino) == (st.st_dev, st.st_ino):
+                # the blob's inode, whose stat was just found intact: it must still be that
+                if (b.st_size, b.st_mtime_ns, b.st_ctime_ns) == (st.st_size, st.st_mtime_ns, st.st_ctime_ns):
+                    continue
+                return False
+            if self.state.digest_of(prefix + e.path, st) != e.digest:
+                return False
+        if listed:
+            self.state.record(dest, dst, tree_digest)
+        for e, st in found:
+            self.verified[prefix + e.path] = st
+        return True
+
+    def _plain_folders_to(self, dest: str) -> bool:
+        """Whether every folder from an allowed root (a real path) down to `dest`'s parent is
+        a folder, not a link: then `dest` (itself no link) resolves inside that root, as
+        `guard_path` requires. Each folder is looked at once per Store (a build): the five
+        targets of a section share theirs."""
+        parent = os.path.dirname(dest)
+        if parent in self._plain_dirs:
+            return True
+        for r in self._real_roots:
+            if parent == r or parent.startswith(r.rstrip("/") + "/"):
+                todo = []
+                d = parent
+                while d != r and d not in self._plain_dirs:
+                    todo.append(d)
+                    d = os.path.dirname(d)
+                for d in todo:
+                    try:
+                        if not stat.S_ISDIR(os.lstat(d).st_mode):
+                            return False
+                    except OSError:
+                        return False
+                self._plain_dirs.update(todo)
+                self._plain_dirs.add(parent)
+                return True
+        return False
+
     def _holds_tree(self, target: Path, entries: list[TreeEntry]) -> bool:
         """Whether `target` holds exactly `entries`, read-only, checked by stat where possible."""
         try:
@@ -1312,6 +1453,25 @@ class Store:
                 used = 2
             worst = max(worst, used)
         return methods[worst]
+
+
+_ENTRY_FIELDS = frozenset(ActionEntry.model_fields)
+
+
+def _entry_from_row(row: dict[str, Any]) -> ActionEntry:
+    """`ActionEntry.model_construct(**row)` for a memo row (the `model_dump` of a validated
+    entry, in a checksummed file): a row with exactly the entry's fields is set as the
+    instance's fields directly, as model_construct ends up doing (its loop over each
+    field's aliases and defaults cost ~4x more, once per hit); any other row goes through
+    model_construct."""
+    if not isinstance(row, dict) or row.keys() != _ENTRY_FIELDS:
+        return ActionEntry.model_construct(**row)
+    e = ActionEntry.__new__(ActionEntry)
+    object.__setattr__(e, "__dict__", dict(row))
+    object.__setattr__(e, "__pydantic_fields_set__", set(_ENTRY_FIELDS))
+    object.__setattr__(e, "__pydantic_extra__", None)
+    object.__setattr__(e, "__pydantic_private__", None)
+    return e
 
 
 # -- file helpers -------------------------------------------------------------------------

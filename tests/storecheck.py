@@ -265,6 +265,16 @@ def _check_db(c: _Checker, db: Path) -> None:
             )
             if same and stat.S_ISREG(st.st_mode) and _hash_file(Path(path)) != digest:
                 c.say(f"{db}: stat cache row for {path} matches its stat but not its bytes")
+            elif same and stat.S_ISDIR(st.st_mode) and (db.parent / "cas" / digest[:2] / digest).exists():
+                # a materialized folder filed under its tree (Store._holds_flat): while its
+                # stat is that one, it must hold exactly the tree's names, each a file (the
+                # row is only used when the tree's blob was just found intact: once gc took
+                # the blob, the row is harmless)
+                rows = c.manifest(digest, f"stat cache row for folder {path}")
+                names = sorted(p.name for p in Path(path).iterdir())
+                files = all(p.is_file() and not p.is_symlink() for p in Path(path).iterdir())
+                if rows is not None and (names != [r[0] for r in rows] or not files):
+                    c.say(f"{db}: stat cache row for folder {path} matches its stat but not the names of tree {digest}")
     except sqlite3.DatabaseError as err:
         c.say(f"{db}: {err}")
     finally:

@@ -210,7 +210,13 @@ def test_the_entry_memo_answers_only_for_an_unchanged_entry_file(tmp_path: Path)
     with Store(root) as store:  # answered from the memo: no entry file opened
         with no_entry_file_opened():
             assert store.ac_get("k1")["outputs_tree"] == tree  # type: ignore[index]
+            from_memo = store.ac_entry("k2")
         assert store.tree_entries(tree)[0].path == "a.txt"
+    # the entry the memo gives is the entry its file holds, field for field
+    from_file = ActionEntry.model_validate_json((root / "ac" / "k2.json").read_bytes())
+    assert from_memo == from_file and from_memo is not None
+    assert from_memo.model_fields_set == from_file.model_fields_set
+    assert from_memo.model_dump() == from_file.model_dump()
     # the entry replaced (a new file: new inode and stat): the memo's row is not used
     (tmp_path / "o").mkdir()
     with Store(root) as store:
@@ -363,6 +369,65 @@ def test_materialize_again_is_unchanged_and_reads_no_bytes(tmp_path: Path) -> No
     assert store.materialize(tree, dest) == "unchanged"
     assert store.state.hashed_bytes == read
     assert (dest / "w.bin").stat().st_ino == inode
+
+
+def test_a_hit_folder_filed_by_its_stat_is_still_checked_file_by_file(tmp_path: Path) -> None:
+    """A cache hit's folder (blobs just checked) is listed once, then filed by its own stat:
+    later checks stat each file but do not list it. A file added, edited or replaced, or the
+    folder swapped for a link, is still found and repaired (or refused)."""
+    from mopt.store import OutsideError
+
+    store = Store(tmp_path / "store")
+    build = tmp_path / "build"
+    build.mkdir()
+    store.allow(build)
+    files = {"a.txt": b"one", "w.bin": b"w" * 1000}
+    tree, _ = store.put_tree(make_tree(tmp_path / "out", files))
+    dest = build / "m" / "cpu" / "t"
+
+    def again() -> str:
+        store.tree_entries(tree)
+        stats = {e.digest: os.lstat(store.blob_str(e.digest)) for e in store.tree_entries(tree)}
+        method = store.materialize(tree, str(dest), blobs_checked=True, blob_stats=stats)
+        store.state.flush()
+        assert hash_tree(dest)[0] == tree
+        return method
+
+    assert again() != "unchanged"
+    time.sleep(RACY_WINDOW_S * 1.5)
+    assert again() == "unchanged"  # listed: its stat is filed now
+    assert store.state.lookup(str(dest), os.lstat(dest)) == tree
+    read = store.state.hashed_bytes
+    assert again() == "unchanged"  # by its filed stat
+    assert store.state.hashed_bytes == read
+    from tests.storecheck import check_store
+
+    assert check_store(tmp_path / "store") == []  # the checker checks the folder's row too
+
+    dest.chmod(0o755)  # a file added: the folder's stat changes, so it is listed again
+    (dest / "extra.txt").write_bytes(b"mine")
+    assert again() != "unchanged"
+    assert sorted(p.name for p in dest.iterdir()) == ["a.txt", "w.bin"]
+    time.sleep(RACY_WINDOW_S * 1.5)
+    assert again() == "unchanged"
+    assert store.state.lookup(str(dest), os.lstat(dest)) == tree
+
+    (dest / "a.txt").chmod(0o644)  # a file edited in place: the folder's stat stays
+    (dest / "a.txt").write_bytes(b"two")
+    assert store.state.lookup(str(dest), os.lstat(dest)) == tree
+    assert again() != "unchanged"
+    assert (dest / "a.txt").read_bytes() == b"one"
+
+    time.sleep(RACY_WINDOW_S * 1.5)
+    assert again() == "unchanged"
+    victim = tmp_path / "victim"
+    shutil.move(str(dest.parent), victim)  # the folder moved out, a link in its place
+    dest.parent.symlink_to(victim)
+    store = Store(tmp_path / "store")  # the next build
+    store.allow(build)
+    with pytest.raises(OutsideError):
+        again()
+    assert sorted(p.name for p in (victim / "t").iterdir()) == ["a.txt", "w.bin"]
 
 
 def test_materialize_replaces_a_different_or_damaged_tree(tmp_path: Path) -> None:
