@@ -27,7 +27,7 @@ from mopt.api import Artifact, Missing, SourceContext, SourceError, TargetKind
 from mopt.digest import canonical_json, hash_bytes
 from mopt.errors import MoptError
 from mopt.graph import Node
-from mopt.keys import action_key, diff_parts
+from mopt.keys import SHARED_PARTS, CanonicalEncoder, action_key, diff_parts
 from mopt.runner import InputWatch, ProcessRunner, Spawn, SpawnRunner, action_logger, close_logger
 from mopt.store import ActionEntry, Store, StoreError
 
@@ -192,6 +192,10 @@ class Engine:
         self._prefetched = False
         self._prefetched_dirs: set[str] = set()
         self._node_files: dict[str, list[Path]] = {}
+        #: keying: parts' encodings shared by many nodes, relative file names, model parts
+        self.key_encoder = CanonicalEncoder(SHARED_PARTS)
+        self._rels: dict[Path, str] = {}
+        self._model_parts: dict[str, tuple[Any, dict[str, Any]]] = {}
         #: digests of input files hashed while the build loaded (`noop.prehash`): path →
         #: (stat key, digest), used only while the file's stat is still that one
         self.prehashed: dict[str, tuple[tuple[int, ...], str]] = {}
@@ -390,7 +394,7 @@ class Engine:
             "plugin_version": node.plugin_version,
             "params": node.params_json(),
             "inputs": inputs,
-            "model": {"family": node.model.spec.family, "task": node.model.spec.task},
+            "model": self._model_part(node.model),
             "fingerprint": self.fingerprint(node.kind),
             "platform": kind.platform(node.hardware),
             "salt": self.salt,
@@ -421,10 +425,22 @@ class Engine:
         return parts
 
     def _rel(self, p: Path) -> str:
-        try:
-            return str(p.relative_to(self.recipe.project_dir))
-        except ValueError:
-            return str(p)
+        rel = self._rels.get(p)
+        if rel is None:
+            try:
+                rel = str(p.relative_to(self.recipe.project_dir))
+            except ValueError:
+                rel = str(p)
+            self._rels[p] = rel
+        return rel
+
+    def _model_part(self, model: Any) -> dict[str, Any]:
+        """{family, task} of a model: one dict per model, so its encoding is reused."""
+        part = self._model_parts.get(model.name)
+        if part is None or part[0] is not model:
+            part = self._model_parts[model.name] = (model, {"family": model.spec.family, "task": model.spec.task})
+        return part[1]
+
 
     # ------------------------------------------------------------------ index of last builds
 
@@ -508,7 +524,7 @@ class Engine:
                 outputs[i] = None
                 result[i] = {"state": "unavailable", "summary": exc.message, "reasons": [exc.render()]}
                 continue
-            key = action_key(parts)
+            key = action_key(parts, self.key_encoder)
             entry = self.hit(key, fetch=False)
             if entry is not None:
                 outputs[i] = entry.outputs_tree
@@ -665,7 +681,7 @@ class Engine:
                         if st.key is None:
                             st.missing = missing
                             st.parts = self.parts(node, built_inputs(node, outputs), missing)
-                            st.key = action_key(st.parts)
+                            st.key = action_key(st.parts, self.key_encoder)
                             entry = self.hit(st.key)
                             if entry is not None:
                                 self._finish_hit(st, entry, outputs)
