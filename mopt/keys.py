@@ -37,13 +37,26 @@ class CanonicalEncoder:
 
     def encode(self, parts: dict[str, Any]) -> bytes:
         out = []
+        keys, strings, by_id, shared = self._keys, self._strings, self._by_id, self.shared
         for k in sorted(parts):
-            kb = self._keys.get(k)
+            kb = keys.get(k)
             if kb is None:
                 if type(k) is not str:
                     return canonical_json(parts)  # what canonical_json would say of it
-                kb = self._keys[k] = _ENCODE(k).encode("utf-8") + b":"
-            out.append(kb + self.value(parts[k], k in self.shared))
+                kb = keys[k] = _ENCODE(k).encode("utf-8") + b":"
+            v = parts[k]
+            t = type(v)
+            if t is str:  # the value() cases inline: this loop runs ~10 times per node
+                b = strings.get(v)
+                if b is None:
+                    b = strings[v] = _ENCODE(v).encode("utf-8")
+            elif (t is dict or t is list) and not v:
+                b = b"{}" if t is dict else b"[]"
+            elif k in shared:
+                b = self.value(v, True)
+            else:
+                b = _ENCODE(v).encode("utf-8")
+            out.append(kb + b)
         return b"{" + b",".join(out) + b"}"
 
     def value(self, v: Any, shared: bool = False) -> bytes:
