@@ -27,7 +27,7 @@ from mopt.api import Artifact, Missing, SourceContext, SourceError, TargetKind
 from mopt.digest import canonical_json, hash_bytes
 from mopt.errors import MoptError
 from mopt.graph import Node
-from mopt.keys import SHARED_PARTS, CanonicalEncoder, action_key, diff_parts
+from mopt.keys import action_key, diff_parts
 from mopt.runner import InputWatch, ProcessRunner, Spawn, SpawnRunner, action_logger, close_logger
 from mopt.store import ActionEntry, Store, StoreError
 
@@ -192,8 +192,7 @@ class Engine:
         self._prefetched = False
         self._prefetched_dirs: set[str] = set()
         self._node_files: dict[str, list[Path]] = {}
-        #: keying: parts' encodings shared by many nodes, relative file names, model parts
-        self.key_encoder = CanonicalEncoder(SHARED_PARTS)
+        #: keying: relative file names, one {family, task} dict per model
         self._rels: dict[Path, str] = {}
         self._model_parts: dict[str, tuple[Any, dict[str, Any]]] = {}
         #: digests of input files hashed while the build loaded (`noop.prehash`): path →
@@ -524,7 +523,7 @@ class Engine:
                 outputs[i] = None
                 result[i] = {"state": "unavailable", "summary": exc.message, "reasons": [exc.render()]}
                 continue
-            key = action_key(parts, self.key_encoder)
+            key = action_key(parts)
             entry = self.hit(key, fetch=False)
             if entry is not None:
                 outputs[i] = entry.outputs_tree
@@ -681,7 +680,7 @@ class Engine:
                         if st.key is None:
                             st.missing = missing
                             st.parts = self.parts(node, built_inputs(node, outputs), missing)
-                            st.key = action_key(st.parts, self.key_encoder)
+                            st.key = action_key(st.parts)
                             entry = self.hit(st.key)
                             if entry is not None:
                                 self._finish_hit(st, entry, outputs)

@@ -97,11 +97,10 @@ class Session:
 
     def __init__(self, recipe_path: Path) -> None:
         from mopt.config import load_project
+        from mopt.gcpause import paused_gc
         from mopt.graph import build_graph
         from mopt.plugins import get_registry
         from mopt.recipe import load_recipe
-
-        from mopt.gcpause import paused_gc
 
         if not recipe_path.exists():
             raise MoptError("recipe not found", file=str(recipe_path), hint="give the path to a .toml recipe")

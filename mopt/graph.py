@@ -16,9 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mopt.api import HardwareProfile, Input, TargetKind
-from mopt.digest import hash_bytes
+from mopt.digest import canonical_json, hash_bytes
 from mopt.errors import MoptError, did_you_mean
-from mopt.keys import SHARED_PARTS, CanonicalEncoder
 from mopt.plugins import Registry
 from mopt.recipe import Model, Recipe, Section, Target
 
@@ -340,11 +339,10 @@ def _slot(registry: Registry, kind: str, slot: str) -> Input:
 class _NodeMemo:
     """What `build_graph` computes once for the many nodes that share it: a params object's
     JSON dump (bound params are frozen and shared where a section's values are), a model's
-    family/task, a kind's plugin, and the identity's encoder. Each is held with its object,
-    so an id seen here is never another object's."""
+    family/task, a kind's plugin. Each is held with its object, so an id seen here is never
+    another object's."""
 
     def __init__(self) -> None:
-        self.encoder = CanonicalEncoder(SHARED_PARTS)
         self.dumps: dict[int, tuple[Any, Any]] = {}
         self.models: dict[int, tuple[Model, dict[str, Any]]] = {}
         self.kinds: dict[str, tuple[Any, Any, tuple[str, ...]]] = {}
@@ -403,7 +401,7 @@ def _make_node(
                 hw_json = {}
             hw_json[id(hw)] = dumped
         definition["hardware"] = hw_json[id(hw)]
-    identity = hash_bytes(memo.encoder.encode(definition))
+    identity = hash_bytes(canonical_json(definition))
     node_id = f"{section.id}:{label}"
     return Node(
         id=node_id,
