@@ -106,7 +106,8 @@ class Session:
             raise MoptError("recipe not found", file=str(recipe_path), hint="give the path to a .toml recipe")
         with paused_gc(freeze=True):  # all of it lives as long as the session
             self.project = load_project(recipe_path.resolve().parent)
-            self.registry = get_registry(self.project.config.plugins.disable)
+            # the store's plugin index: import only the plugins this recipe names
+            self.registry = get_registry(self.project.config.plugins.disable, index_dir=self.project.store_dir)
             self.recipe = load_recipe(recipe_path, self.registry)
             self.graph = build_graph(self.recipe, self.registry)
 
