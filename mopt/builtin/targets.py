@@ -49,7 +49,19 @@ class CommandKind(TargetKind):
             return v
 
     def input_files(self, params: Any, project_dir: Path) -> list[Path]:
-        return [(project_dir / f).resolve() for f in params.files]
+        return [self._resolved(project_dir / f) for f in params.files]
+
+    def _resolved(self, p: Path) -> Path:
+        """`p.resolve()`, its folder resolved once per kind instance (one per engine): 10,000
+        nodes' files sit in a few folders, and resolving walks every component's lstat."""
+        name = p.name
+        if name in ("", ".", "..") or os.path.islink(p):
+            return p.resolve()
+        dirs: dict[Path, Path] = self.__dict__.setdefault("_resolved_dirs", {})
+        parent = dirs.get(p.parent)
+        if parent is None:
+            parent = dirs[p.parent] = p.parent.resolve()
+        return parent / name
 
     def bind(self, params: Any, *, model: str, hardware: str, section: str) -> Any:
         """Params with {model}, {hardware}, {section} filled in (before keying)."""
