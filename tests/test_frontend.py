@@ -35,3 +35,14 @@ def test_paused_gc_turns_the_collector_back_on_even_after_an_error() -> None:
         raise ValueError
     assert gc.isenabled()
     gc.unfreeze()
+
+
+def test_command_bind_fills_names_per_section_and_shares_params_without_them() -> None:
+    kind = CommandKind()
+    named = kind.Params(argv=["sh", "-c", "cp {file} {out}/{model}"], files=["w/{model}-{hardware}.bin"])
+    plain = kind.Params(argv=["sh", "-c", "sha1sum {in}/out > {out}/out"], files=["w/x.bin"])
+    for model in ("a", "b", "a"):  # the same params object, bound for several sections
+        got = kind.bind(named, model=model, hardware="cpu", section=f"{model}.cpu")
+        assert got.argv == ["sh", "-c", f"cp {{file}} {{out}}/{model}"]
+        assert got.files == [f"w/{model}-cpu.bin"]
+        assert kind.bind(plain, model=model, hardware="cpu", section=f"{model}.cpu") is plain

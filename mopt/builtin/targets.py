@@ -14,6 +14,7 @@ from mopt import api, procs
 from mopt.api import BuildContext, Input, TargetKind, hookimpl
 
 _TOKEN = re.compile(r"\{(out|in|file|model|hardware|section)(?::([^{}]+))?\}")
+_NAMED = re.compile(r"\{(model|hardware|section)(?::[^{}]+)?\}")
 
 
 class CommandKind(TargetKind):
@@ -65,6 +66,13 @@ class CommandKind(TargetKind):
 
     def bind(self, params: Any, *, model: str, hardware: str, section: str) -> Any:
         """Params with {model}, {hardware}, {section} filled in (before keying)."""
+        seen: dict[int, tuple[Any, bool]] = self.__dict__.setdefault("_binds", {})
+        hit = seen.get(id(params))
+        if hit is None or hit[0] is not params:  # params objects are shared by many sections
+            texts = [*params.argv, *params.files]
+            hit = seen[id(params)] = (params, any(_NAMED.search(t) for t in texts))
+        if not hit[1]:
+            return params  # no {model}, {hardware} or {section}: shared as it is
         names = {"model": model, "hardware": hardware, "section": section}
 
         def fill(text: str) -> str:
