@@ -13,6 +13,7 @@ import inspect
 import os
 import re
 import sys
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -523,7 +524,7 @@ class PluginIndex:
         from mopt import __version__
         from mopt.digest import canonical_json, hash_bytes
 
-        path_dirs = []
+        path_dirs: list[list[Any]] = []
         for d in sys.path:
             try:
                 st = os.stat(d or ".")
@@ -648,6 +649,8 @@ class _Lazy:
     from_env: list[str]
     loaded: set[str] = field(default_factory=set)
     complete: bool = False
+    #: one loader at a time (the build looks kinds up from more than one thread)
+    lock: threading.RLock = field(default_factory=threading.RLock)
 
 
 def _load_for(reg: Registry, category: str, name: Any) -> None:
@@ -656,6 +659,15 @@ def _load_for(reg: Registry, category: str, name: Any) -> None:
     lazy = reg._lazy
     if lazy is None or lazy.complete:
         return
+    with lazy.lock:
+        if lazy.complete or dict.__contains__(getattr(reg, category), name):
+            return
+        _load_named(reg, category, name)
+
+
+def _load_named(reg: Registry, category: str, name: Any) -> None:
+    lazy = reg._lazy
+    assert lazy is not None
     plugin = lazy.entry["offers"].get(f"{category}/{name}") if isinstance(name, str) else None
     if plugin is not None and plugin not in lazy.loaded:
         ep = next((e for e in lazy.index._eps if e.name == plugin), None)
@@ -697,7 +709,14 @@ def _load_all(reg: Registry) -> None:
     lazy = reg._lazy
     if lazy is None or lazy.complete:
         return
-    lazy.complete = True
+    with lazy.lock:
+        if not lazy.complete:
+            _load_rest(reg)
+
+
+def _load_rest(reg: Registry) -> None:
+    lazy = reg._lazy
+    assert lazy is not None
     full = _full_registry(lazy.index.blocked, lazy.from_env)
     for w in full.warnings:
         sys.stderr.write(f"warning: {w}\n")
@@ -711,9 +730,10 @@ def _load_all(reg: Registry) -> None:
     reg.origin = full.origin
     reg.plugins = full.plugins
     reg.warnings = full.warnings
+    lazy.complete = True
 
 
-class _LazyTable(dict):  # type: ignore[type-arg]
+class _LazyTable(dict[Any, Any]):
     """A registry table: a lookup of a name it lacks loads the plugin that registers it; a
     listing loads every plugin first."""
 
@@ -773,7 +793,7 @@ class _LazyTable(dict):  # type: ignore[type-arg]
         self._all()
         return dict.__eq__(self, other)
 
-    __hash__ = None  # type: ignore[assignment]
+    __hash__ = None
 
     def __repr__(self) -> str:
         self._all()
