@@ -192,9 +192,6 @@ class Engine:
         self._prefetched = False
         self._prefetched_dirs: set[str] = set()
         self._node_files: dict[str, list[Path]] = {}
-        #: keying: relative file names, one {family, task} dict per model
-        self._rels: dict[Path, str] = {}
-        self._model_parts: dict[str, tuple[Any, dict[str, Any]]] = {}
         #: digests of input files hashed while the build loaded (`noop.prehash`): path →
         #: (stat key, digest), used only while the file's stat is still that one
         self.prehashed: dict[str, tuple[tuple[int, ...], str]] = {}
@@ -393,7 +390,7 @@ class Engine:
             "plugin_version": node.plugin_version,
             "params": node.params_json(),
             "inputs": inputs,
-            "model": self._model_part(node.model),
+            "model": {"family": node.model.spec.family, "task": node.model.spec.task},
             "fingerprint": self.fingerprint(node.kind),
             "platform": kind.platform(node.hardware),
             "salt": self.salt,
@@ -424,22 +421,10 @@ class Engine:
         return parts
 
     def _rel(self, p: Path) -> str:
-        rel = self._rels.get(p)
-        if rel is None:
-            try:
-                rel = str(p.relative_to(self.recipe.project_dir))
-            except ValueError:
-                rel = str(p)
-            self._rels[p] = rel
-        return rel
-
-    def _model_part(self, model: Any) -> dict[str, Any]:
-        """{family, task} of a model: one dict per model, so its encoding is reused."""
-        part = self._model_parts.get(model.name)
-        if part is None or part[0] is not model:
-            part = self._model_parts[model.name] = (model, {"family": model.spec.family, "task": model.spec.task})
-        return part[1]
-
+        try:
+            return str(p.relative_to(self.recipe.project_dir))
+        except ValueError:
+            return str(p)
 
     # ------------------------------------------------------------------ index of last builds
 
