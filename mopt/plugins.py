@@ -521,13 +521,19 @@ class PluginIndex:
         self.key = self._key()
 
     def _key(self) -> str:
+        import site
+
         from mopt import __version__
         from mopt.digest import canonical_json, hash_bytes
 
-        path_dirs: list[list[Any]] = []
-        for d in sys.path:
+        # the folders packages are installed into: an install or removal changes their stat
+        # (the recipe's folder, often sys.path[0], changes with every lock file written)
+        sites = {*site.getsitepackages(), site.getusersitepackages()}
+        sites |= {d for d in sys.path if os.path.basename(d) in ("site-packages", "dist-packages")}
+        path_dirs: list[list[Any]] = [[d] for d in sys.path]
+        for d in sorted(sites):
             try:
-                st = os.stat(d or ".")
+                st = os.stat(d)
             except OSError:
                 path_dirs.append([d, None])
                 continue

@@ -96,8 +96,8 @@ def test_plugin_index_wrong_offer_loads_every_plugin(tmp_path: Path) -> None:
 
 
 def test_plugin_index_key_changes_with_what_is_installed(tmp_path: Path, monkeypatch: object) -> None:
-    site = tmp_path / "site"
-    site.mkdir()
+    site = tmp_path / "lib" / "site-packages"
+    site.mkdir(parents=True)
     sys.path.append(str(site))
     try:
         before = PluginIndex(tmp_path, ()).key
@@ -107,5 +107,14 @@ def test_plugin_index_key_changes_with_what_is_installed(tmp_path: Path, monkeyp
         after = PluginIndex(tmp_path, ()).key
         assert after != before
         assert PluginIndex(tmp_path, ("fixture",)).key not in (before, after)
+        # the recipe's folder (sys.path[0] of `python -m mopt`) changes with every lock file
+        sys.path.insert(0, str(tmp_path))
+        try:
+            mid = PluginIndex(tmp_path, ()).key
+            (tmp_path / "mopt.lock").write_text("{}")
+            os.utime(tmp_path, ns=(2, 2))
+            assert PluginIndex(tmp_path, ()).key == mid
+        finally:
+            sys.path.remove(str(tmp_path))
     finally:
         sys.path.remove(str(site))
