@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mopt.api import HardwareProfile, Input, TargetKind
-from mopt.digest import canonical_json, hash_bytes
+from mopt.digest import hash_bytes
 from mopt.errors import MoptError, did_you_mean
+from mopt.keys import canonical_bytes
 from mopt.plugins import Registry
 from mopt.recipe import Model, Recipe, Section, Target
 
@@ -409,7 +410,7 @@ def _make_node(
                 hw_json = {}
             hw_json[id(hw)] = dumped
         definition["hardware"] = hw_json[id(hw)]
-    identity = hash_bytes(canonical_json(definition))
+    identity = hash_bytes(canonical_bytes(definition))
     node_id = f"{section.id}:{label}"
     return Node(
         id=node_id,

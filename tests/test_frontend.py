@@ -46,3 +46,19 @@ def test_command_bind_fills_names_per_section_and_shares_params_without_them() -
         assert got.argv == ["sh", "-c", f"cp {{file}} {{out}}/{model}"]
         assert got.files == [f"w/{model}-cpu.bin"]
         assert kind.bind(plain, model=model, hardware="cpu", section=f"{model}.cpu") is plain
+
+
+def test_canonical_bytes_equal_canonical_json() -> None:
+    from mopt.digest import canonical_json
+    from mopt.keys import canonical_bytes
+
+    values = [
+        {"b": [1, 2.5, None, True], "a": {"z": "é✓", "y": {"x": []}}, "c": ""},
+        {"params": {"argv": ["sh", "-c", "sha1sum {in}/out > {out}/out"], "env": [], "shell": False}},
+        [0, -1, 1e300, "\u0000\n\""],
+    ]
+    for v in values:
+        assert canonical_bytes(v) == canonical_json(v)
+    for bad in (float("nan"), {"x": float("inf")}):
+        with pytest.raises(ValueError):
+            canonical_bytes(bad)
