@@ -97,16 +97,19 @@ class Session:
 
     def __init__(self, recipe_path: Path) -> None:
         from mopt.config import load_project
+        from mopt.gcpause import paused_gc
         from mopt.graph import build_graph
         from mopt.plugins import get_registry
         from mopt.recipe import load_recipe
 
         if not recipe_path.exists():
             raise MoptError("recipe not found", file=str(recipe_path), hint="give the path to a .toml recipe")
-        self.project = load_project(recipe_path.resolve().parent)
-        self.registry = get_registry(self.project.config.plugins.disable)
-        self.recipe = load_recipe(recipe_path, self.registry)
-        self.graph = build_graph(self.recipe, self.registry)
+        with paused_gc(freeze=True):  # all of it lives as long as the session
+            self.project = load_project(recipe_path.resolve().parent)
+            # the store's plugin index: import only the plugins this recipe names
+            self.registry = get_registry(self.project.config.plugins.disable, index_dir=self.project.store_dir)
+            self.recipe = load_recipe(recipe_path, self.registry)
+            self.graph = build_graph(self.recipe, self.registry)
 
 
 def _registry() -> Any:
@@ -153,8 +156,10 @@ def plan(recipe: Path, selectors: tuple[str, ...], as_json: bool) -> None:
 
 def _statuses(s: Session, ids: list[str]) -> dict[str, dict[str, Any]]:
     from mopt.build import plan_status
+    from mopt.gcpause import paused_gc
 
-    return plan_status(s, ids)
+    with paused_gc():  # keying every node: a bounded burst, nothing of it is a cycle to free early
+        return plan_status(s, ids)
 
 
 def _node_json(s: Session, i: str, status: dict[str, Any] | None) -> dict[str, Any]:

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mopt.api import HardwareProfile, Input, TargetKind
-from mopt.digest import canonical_json, hash_bytes
+from mopt.digest import hash_bytes
 from mopt.errors import MoptError, did_you_mean
+from mopt.keys import canonical_bytes
 from mopt.plugins import Registry
 from mopt.recipe import Model, Recipe, Section, Target
 
@@ -282,10 +283,19 @@ def build_graph(recipe: Recipe, registry: Registry) -> Graph:
     by_identity: dict[str, Node] = {}
     kinds: dict[str, TargetKind] = {}  # one instance per kind, not one per target
     hw_json: dict[int, Any] = {}  # id(profile) → its JSON
+    memo = _NodeMemo()
+    wirings: dict[Any, tuple[dict[str, dict[str, list[str]]], list[str]]] = {}
     for section in recipe.sections:
         hw = registry.hardware[section.hardware]
         model = recipe.models[section.model]
-        wiring = _wire(section, registry)
+        # sections of one shape (target names, kinds, inputs) wire alike: 10,000 sections
+        # under one [defaults] have one shape; the first of a shape raises any wiring error
+        shape = tuple((t.name, t.kind, None if t.inputs is None else tuple(t.inputs)) for t in section.targets)
+        wired = wirings.get(shape)
+        if wired is None:
+            w = _wire(section, registry)
+            wired = wirings[shape] = (w, _topo_names(w))
+        wiring, order = wired
         variants: dict[str, list[Target]] = {}
         for t in section.targets:
             kind = kinds.get(t.kind)
@@ -294,7 +304,7 @@ def build_graph(recipe: Recipe, registry: Registry) -> Graph:
             t.params = kind.bind(t.params, model=section.model, hardware=section.key, section=section.id)
             variants.setdefault(t.name, []).append(t)
         built: dict[str, list[Node]] = {}  # target name → its nodes in this section
-        for name in _topo_names(wiring):
+        for name in order:
             slots = wiring[name]
             slot_names = [s for s in slots if slots[s]]
             kind_name = variants[name][0].kind
@@ -317,7 +327,7 @@ def build_graph(recipe: Recipe, registry: Registry) -> Graph:
                         if is_multi:
                             suffix.append(inodes[0].label)
                     label = t.label + (f"[{','.join(suffix)}]" if suffix else "")
-                    node = _make_node(registry, section, model, hw, t, inputs, label, nodes, hw_json)
+                    node = _make_node(registry, section, model, hw, t, inputs, label, nodes, hw_json, memo)
                     existing = by_identity.get(node.identity)
                     if existing is not None:
                         addr = f"{section.id}:{label}"
@@ -335,6 +345,38 @@ def _slot(registry: Registry, kind: str, slot: str) -> Input:
     return next(s for s in registry.targets[kind].consumes if s.name == slot)
 
 
+class _NodeMemo:
+    """What `build_graph` computes once for the many nodes that share it: a params object's
+    JSON dump (bound params are frozen and shared where a section's values are), a model's
+    family/task, a kind's plugin. Each is held with its object, so an id seen here is never
+    another object's."""
+
+    def __init__(self) -> None:
+        self.dumps: dict[int, tuple[Any, Any]] = {}
+        self.models: dict[int, tuple[Model, dict[str, Any]]] = {}
+        self.kinds: dict[str, tuple[Any, Any, tuple[str, ...]]] = {}
+
+    def dump(self, params: Any) -> Any:
+        hit = self.dumps.get(id(params))
+        if hit is None or hit[0] is not params:
+            hit = self.dumps[id(params)] = (params, params.model_dump(mode="json"))
+        return hit[1]
+
+    def model(self, model: Model) -> dict[str, Any]:
+        hit = self.models.get(id(model))
+        if hit is None or hit[0] is not model:
+            hit = self.models[id(model)] = (model, {"family": model.spec.family, "task": model.spec.task})
+        return hit[1]
+
+    def kind(self, registry: Registry, kind: str) -> tuple[Any, Any, tuple[str, ...]]:
+        hit = self.kinds.get(kind)
+        if hit is None:
+            cls = registry.targets[kind]
+            partial = tuple(s.name for s in cls.consumes if s.gather and s.partial)
+            hit = self.kinds[kind] = (cls, registry.plugin_of("targets", kind), partial)
+        return hit
+
+
 def _make_node(
     registry: Registry,
     section: Section,
@@ -345,10 +387,11 @@ def _make_node(
     label: str,
     nodes: dict[str, Node],
     hw_json: dict[int, Any] | None = None,
+    memo: _NodeMemo | None = None,
 ) -> Node:
-    cls = registry.targets[t.kind]
-    plugin = registry.plugin_of("targets", t.kind)
-    params_json = t.params.model_dump(mode="json")
+    memo = memo or _NodeMemo()
+    cls, plugin, partial = memo.kind(registry, t.kind)
+    params_json = memo.dump(t.params)
     definition: dict[str, Any] = {
         "kind": t.kind,
         "kind_version": cls.version,
@@ -356,7 +399,7 @@ def _make_node(
         "plugin_version": plugin.version,
         "params": params_json,
         "inputs": {s: [nodes[i].identity for i in ids] for s, ids in sorted(inputs.items())},
-        "model": {"family": model.spec.family, "task": model.spec.task},
+        "model": memo.model(model),
     }
     if cls.uses_source:
         definition["source"] = model.spec.source
@@ -367,7 +410,7 @@ def _make_node(
                 hw_json = {}
             hw_json[id(hw)] = dumped
         definition["hardware"] = hw_json[id(hw)]
-    identity = hash_bytes(canonical_json(definition))
+    identity = hash_bytes(canonical_bytes(definition))
     node_id = f"{section.id}:{label}"
     return Node(
         id=node_id,
@@ -383,7 +426,7 @@ def _make_node(
         inputs=inputs,
         label=label,
         addresses=[node_id],
-        partial_slots=tuple(s.name for s in cls.consumes if s.gather and s.partial),
+        partial_slots=partial,
         params_dump=params_json,
     )
 

