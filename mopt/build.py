@@ -164,6 +164,16 @@ def _check_input_files(kind: TargetKind) -> None:
     kind.input_files = input_files  # type: ignore[method-assign]
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask: `taskset`, a container's
+    `--cpuset-cpus`, a batch scheduler's allotment), not the machine's count: the default
+    `-j` on 2 allotted cores of a 16-core host is 2, as in Ninja and Bazel."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
 class SourceUnavailable(MoptError):
     """A model's source cannot be resolved here and now (e.g. not in the local cache while
     planning): `plan` shows it as a status, `build` fails with it."""
@@ -626,7 +636,7 @@ class Engine:
         from mopt.procs import gpu_slots
 
         reporter = reporter or Reporter()
-        jobs = jobs or os.cpu_count() or 1
+        jobs = jobs or usable_cpus()
         self.store.cleanup_tmp()
         self._prefetch()
         self._hash_input_files(ids)
@@ -765,7 +775,7 @@ class Engine:
             return
         from mopt.procs import gpu_slots
 
-        self._early_runner = self._prestarted_runner(ids, max(1, (jobs or os.cpu_count() or 1) + gpu_slots()))
+        self._early_runner = self._prestarted_runner(ids, max(1, (jobs or usable_cpus()) + gpu_slots()))
 
     def stop_prestarted(self) -> None:
         """Stop the runner `prestart` started, if `build` did not take it over."""
@@ -858,7 +868,7 @@ class Engine:
                 todo.append(p)
         if len(todo) < 2:
             return
-        with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        with ThreadPoolExecutor(max_workers=usable_cpus()) as pool:
             for p, d in zip(todo, pool.map(self.store.state.path_digest, todo)):
                 self._file_digests[p] = d
 

@@ -144,7 +144,7 @@ def register(app: click.Group) -> None:
     @app.command(context_settings=CONTEXT)
     @recipe_arg
     @selectors_arg
-    @click.option("--jobs", "-j", type=click.IntRange(min=1), help="parallel actions (default: CPU count)")
+    @click.option("--jobs", "-j", type=click.IntRange(min=1), help="parallel actions (default: the CPUs this process may use)")
     @click.option("--keep-going", "-k", is_flag=True, help="build what can be built after a failure")
     @click.option("--offline", is_flag=True, help="never touch the network")
     @click.option("--frozen", is_flag=True, help="fail if sources or tools differ from mopt.lock")

@@ -557,7 +557,11 @@ def prehash(paths: list[str]) -> Any:
 
             from mopt.digest import hash_file
 
-            with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+            try:
+                cpus = len(os.sched_getaffinity(0)) or 1  # the CPUs allotted (taskset, cpuset)
+            except (AttributeError, OSError):
+                cpus = os.cpu_count() or 2
+            with ThreadPoolExecutor(max_workers=cpus) as pool:
                 list(pool.map(lambda p: one(p, hash_file), paths))
         except Exception:  # a head start only: the full path digests what is missing
             pass

@@ -388,3 +388,17 @@ def test_a_gathering_node_runs_again_when_a_missing_input_builds(project: Path) 
     assert {n["id"]: n["status"] for n in second["nodes"]}["toy.cpu:toy-gather"] == "built"
     got = json.loads((project / "build/toy/cpu/toy-gather/gathered.json").read_text())
     assert got["missing"] == {} and len(got["got"]["models"]) == 2
+
+
+def test_default_jobs_follow_the_cpus_this_process_may_use() -> None:
+    # taskset / a container's cpuset / a batch allotment: on 1 allotted CPU of a bigger host,
+    # the default -j is 1, not the host's count (os.cpu_count ignores the affinity mask)
+    import subprocess
+    import sys
+
+    code = "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); from mopt.build import usable_cpus; print(usable_cpus(), os.cpu_count())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[0] == "1"
+    from mopt.build import usable_cpus
+
+    assert usable_cpus() == len(os.sched_getaffinity(0))
