@@ -95,7 +95,10 @@ def dump_json(obj: Any) -> str:
 class Session:
     """A loaded recipe with its project, plugins and graph."""
 
-    def __init__(self, recipe_path: Path) -> None:
+    def __init__(self, recipe_path: Path, *, writes_store: bool = False) -> None:
+        """`writes_store`: the command may write the store (`mopt build`), so a full plugin
+        load files the plugin index there; read-only commands (plan, ls, show, explain,
+        report, check) only read it."""
         from mopt.config import load_project
         from mopt.gcpause import paused_gc
         from mopt.graph import build_graph
@@ -107,7 +110,9 @@ class Session:
         with paused_gc(freeze=True):  # all of it lives as long as the session
             self.project = load_project(recipe_path.resolve().parent)
             # the store's plugin index: import only the plugins this recipe names
-            self.registry = get_registry(self.project.config.plugins.disable, index_dir=self.project.store_dir)
+            self.registry = get_registry(
+                self.project.config.plugins.disable, index_dir=self.project.store_dir, write_index=writes_store
+            )
             self.recipe = load_recipe(recipe_path, self.registry)
             self.graph = build_graph(self.recipe, self.registry)
 

@@ -212,7 +212,7 @@ def register(app: click.Group) -> None:
 
         build_mod.gc_paused = not gc.isenabled()
 
-        s = Session(recipe)
+        s = Session(recipe, writes_store=True)
         if prehashing is not None:
             prehashing.join()
         wanted = s.graph.match(list(selectors))

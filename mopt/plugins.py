@@ -427,7 +427,9 @@ def _full_registry(blocked: tuple[str, ...], from_env: list[str]) -> Registry:
     return reg
 
 
-def get_registry(disable: Iterable[str] = (), index_dir: str | os.PathLike[str] | None = None) -> Registry:
+def get_registry(
+    disable: Iterable[str] = (), index_dir: str | os.PathLike[str] | None = None, *, write_index: bool = True
+) -> Registry:
     """The registry for this process, loaded on first use (idempotent per disable list).
 
     `disable` is the project's `[plugins] disable`; MOPT_DISABLE_PLUGINS adds to it. Its
@@ -435,7 +437,8 @@ def get_registry(disable: Iterable[str] = (), index_dir: str | os.PathLike[str] 
 
     With `index_dir` (a store folder), the plugin index kept there lets only the plugins a
     lookup needs be imported (`PluginIndex`); without one, or when it does not match what is
-    installed, every plugin loads (and the index is written, when `index_dir` exists)."""
+    installed, every plugin loads (and the index is written, when `index_dir` exists and
+    `write_index`: a read-only command never writes the store)."""
     from_env = disabled_from_env()
     blocked = tuple(sorted(set(disable) | set(from_env)))
     if blocked in _REGISTRY:  # a full registry serves every caller
@@ -448,7 +451,7 @@ def get_registry(disable: Iterable[str] = (), index_dir: str | os.PathLike[str] 
             reg = index.lazy_registry(from_env)
         if reg is None:
             reg = _full_registry(blocked, from_env)
-            if index is not None and not reg.warnings:
+            if index is not None and write_index and not reg.warnings:
                 index.write(reg)
             for w in reg.warnings:
                 sys.stderr.write(f"warning: {w}\n")
@@ -588,7 +591,6 @@ class PluginIndex:
     def write(self, reg: Registry) -> None:
         """Record what the full registry `reg` holds (never creates the store folder)."""
         import json
-        import tempfile
 
         if not os.path.isdir(self.folder) or not os.access(self.folder, os.W_OK):
             return
@@ -608,19 +610,12 @@ class PluginIndex:
         by_key[self.key] = entry
         if len(by_key) > 8:  # one per disable list and installation: keep the newest few
             by_key = dict(list(by_key.items())[-8:])
-        try:
-            fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".plugin-index.")
-            try:
-                os.chmod(tmp, 0o644)
-                with os.fdopen(fd, "w") as fh:
-                    json.dump({"version": INDEX_VERSION, "by_key": by_key}, fh, separators=(",", ":"))
-                os.replace(tmp, self.path)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
-        except OSError:
-            pass  # only a cache: the next full load tries again
+        from mopt.noop import replace_durably
+
+        data = json.dumps({"version": INDEX_VERSION, "by_key": by_key}, separators=(",", ":")).encode()
+        with contextlib.suppress(OSError):  # only a cache: the next full load tries again
+            # fsynced before the rename (a power cut leaves the old index or the new one)
+            replace_durably(self.path, data, mode=0o644)
 
     def lazy_registry(self, from_env: list[str]) -> Registry | None:
         """A registry with the built-ins loaded and every other plugin loaded when a lookup

@@ -18,10 +18,11 @@ TOY = (
 )
 COMMAND = 'schema = 1\n[models.m]\n[m.cpu]\ntargets = ["c"]\n[m.cpu.c]\nkind = "command"\nargv = ["true"]\n'
 
-#: prints the plugin modules a session imported, as JSON
+#: prints the plugin modules a session imported, as JSON (a session of a command that may
+#: write the store, as `mopt build`'s: a full load files the index)
 SESSION = (
     "import json, sys; from pathlib import Path; from mopt.cli import Session; "
-    "s = Session(Path(sys.argv[1])); "
+    "s = Session(Path(sys.argv[1]), writes_store=True); "
     "print(json.dumps(sorted(m for m in sys.modules if m.startswith(('mopt_', 'acme_')) and "
     "m.endswith(('.plugin', '.faults')))))"
 )
@@ -54,14 +55,16 @@ def test_plugin_index_loads_only_the_plugins_a_recipe_names(tmp_path: Path) -> N
     os.unlink(proj / ".mopt" / INDEX_NAME)
     full = json.loads(run_mopt("plan", "r.toml", "--json", cwd=proj).stdout)
     assert lazy == full
+    assert not (proj / ".mopt" / INDEX_NAME).exists()  # plan is read-only: it never writes the index
 
 
 def test_plugin_index_unknown_names_and_disabled_plugins_read_as_without_it(tmp_path: Path) -> None:
     proj = _project(tmp_path)
     write_files(proj, {"typo.toml": TOY.replace('"toy-weights"', '"toy-wieghts"')})
     cases = [("typo.toml", {}), ("r.toml", {"MOPT_DISABLE_PLUGINS": "fixture"}), ("c.toml", {})]
-    without = [run_mopt("plan", r, cwd=proj, env=env) for r, env in cases]  # full loads: they write it
-    # one entry per disable list (the plugins load before the recipe is read, errors or not)
+    without = [run_mopt("plan", r, cwd=proj, env=env) for r, env in cases]  # full loads
+    _session_plugins(proj, "c.toml")  # a build's session files the index: one entry per disable list
+    _session_plugins(proj, "c.toml", {"MOPT_DISABLE_PLUGINS": "fixture"})
     assert len(json.loads((proj / ".mopt" / INDEX_NAME).read_text())["by_key"]) == 2
     with_index = [run_mopt("plan", r, cwd=proj, env=env) for r, env in cases]
     for a, b in zip(without, with_index, strict=True):
