@@ -296,8 +296,12 @@ def test_sigint_mid_action_stops_cleanly_and_next_build_recovers(toy: Path) -> N
         fh.write("[toy.cpu.toy-export]\nsleep = 30\n")
     counter = toy / ".mopt" / "cache" / "counter.txt"  # writable in the sandbox (the project is not)
     env = dict(os.environ, MOPT_FIXTURE_COUNTER=str(counter))
+    # Ctrl-C as a terminal sends it: a test run started in the background (`cmd &` in a script,
+    # where SIGINT is ignored and the ignoring is inherited, so Python installs no handler)
+    # must not turn this into a test of that shell's choice
     p = subprocess.Popen([sys.executable, "-m", "mopt", "build", "r.toml", "--no-check", "toy.cpu"],
-                         cwd=toy, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         cwd=toy, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     deadline = time.time() + 60
     while not counter.exists() and time.time() < deadline:
         time.sleep(0.05)
