@@ -1,10 +1,11 @@
 """Build-tool benchmark: mopt vs DVC and Snakemake on the peers' DAG, side by side in one run.
 
 The DAG (../shared/bench/peers): M models × 5 chained stages, `sha1sum in > out`, the first
-stage reading an S-MiB weight file. Phases: full build, no-op, `mopt plan`, the all-cached
-full path (the recipe touched, so the no-op stamp is stale and every action is keyed and
-found in the cache), touch of every weight file without a content change, one input
-changed. Prints a table and the ratios.
+stage reading an S-MiB weight file. Phases: full build, no-op, `mopt plan`, all cached with
+the recipe touched (new mtime, same bytes), `plan_edited` / `edited` (a comment appended to
+the recipe: `plan` and `build` read it, build the graph and key every action again, every
+key found in the cache: the full path), touch of every weight file without a content
+change, one input changed. Prints a table and the ratios.
 
     python benchmarks/bench_build.py                 # 200, 2,000 and 10,000 nodes, peers at 200 and 2,000
     python benchmarks/bench_build.py --no-peers      # mopt only
@@ -89,8 +90,15 @@ def bench_mopt(root: Path, m: int, reps: int, full_phases: bool, fresh: bool = T
     for _ in range(reps):
         res.setdefault("plan", []).append((mopt_plan(recipe), 0, 0))
     for _ in range(reps):
-        os.utime(recipe)  # the stamp is stale: the full path keys every node, all hits
+        os.utime(recipe)  # new mtime, same bytes: the stamp's recipe stat is stale
         run("all_cached")
+    for i in range(reps):
+        # the recipe's bytes change (a comment), its targets do not: `plan` and `build` must
+        # read the recipe, build the graph and key every node again; every key hits
+        with open(recipe, "a") as fh:
+            fh.write(f"\n# bench edit {i}\n")
+        res.setdefault("plan_edited", []).append((mopt_plan(recipe), 0, 0))
+        run("edited")
     if full_phases:
         weights = sorted(glob.glob(str(root / "weights" / "*.bin")))
         for w in weights:
@@ -185,7 +193,8 @@ def main() -> None:
         if peers:
             tools = "snakemake" if name == "xlarge" else "dvc snakemake"
             res.update(bench_peers(m, s, a.r, noop_only=not full, tools=tools))
-        phases = ["full", "noop", "plan", "all_cached", "touched", "incremental", "after_change"]
+        phases = ["full", "noop", "plan", "all_cached", "plan_edited", "edited", "touched", "incremental",
+                  "after_change"]
         load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
         print(f"\n(load average after this case: {load} on {os.cpu_count()} CPUs: read the ratios, not the seconds)")
         print(f"\n## M={m} models × 5 stages = {m * 5} targets, weights {s} MiB each")
