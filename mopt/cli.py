@@ -28,12 +28,11 @@ class _Console:
         self.stream.flush()
 
     def table(self, columns: list[str], rows: list[list[str]]) -> None:
-        """Aligned columns; never wrapped or cut when piped."""
+        """Aligned columns; never wrapped or cut when piped (one write: a 10,000-row plan)."""
         widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(columns)]
-        fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-        self.print(fmt.format(*columns).rstrip())
-        for r in rows:
-            self.print(fmt.format(*r).rstrip())
+        fmt = "  ".join(f"{{:<{w}}}" for w in widths).format
+        self.stream.write("".join([fmt(*columns).rstrip() + "\n", *[fmt(*r).rstrip() + "\n" for r in rows]]))
+        self.stream.flush()
 
 
 out = _Console("stdout")
@@ -89,6 +88,11 @@ def dump_json(obj: Any) -> str:
     listing takes a third of the time the indenting one does)."""
     if sys.stdout.isatty():
         return json.dumps(obj, indent=2, default=str)
+    return dump_compact(obj)
+
+
+def dump_compact(obj: Any) -> str:
+    """`dump_json`'s form for a pipe or a file."""
     return json.dumps(obj, separators=(",", ":"), default=str)
 
 
@@ -136,6 +140,11 @@ def plan(recipe: Path, selectors: tuple[str, ...], as_json: bool) -> None:
     """Show every node of RECIPE: kind, inputs, and whether it is up to date and why.
 
     SELECTORS are model.hardware:target, globs allowed ('*.h200', '*:onnx')."""
+    from mopt import planstamp
+
+    # every node up to date per a valid no-op stamp: the build filed this very answer
+    if planstamp.answer(str(recipe), list(selectors), as_json):
+        return
     s = Session(recipe)
     ids = s.graph.select(list(selectors))
     statuses = _statuses(s, ids)
@@ -143,20 +152,36 @@ def plan(recipe: Path, selectors: tuple[str, ...], as_json: bool) -> None:
         _print_json(
             {
                 "recipe": str(s.recipe.path),
-                "nodes": [_node_json(s, i, statuses.get(i)) for i in ids],
+                "nodes": [node_json(s, i, statuses.get(i)) for i in ids],
             }
         )
         return
-    rows = []
-    for i in ids:
-        n = s.graph.nodes[i]
-        shared = f" (+{len(n.addresses) - 1} shared)" if len(n.addresses) > 1 else ""
-        st = statuses.get(i)
-        deps = n.input_ids()
+    nodes = s.graph.nodes
+    plan_table(
+        (
+            i,
+            len(n.addresses),
+            n.kind,
+            n.input_ids(),
+            st["summary"] if (st := statuses.get(i)) else "-",
+            n.section.id,
+        )
+        for i in ids
+        for n in (nodes[i],)
+    )
+
+
+def plan_table(rows: Any) -> None:
+    """`mopt plan`'s table from (id, addresses, kind, input ids, status, section) per node."""
+    table = []
+    sections = set()
+    for node_id, addresses, kind, deps, summary, section in rows:
+        shared = f" (+{addresses - 1} shared)" if addresses > 1 else ""
         shown = ", ".join(deps) if len(deps) <= 3 else f"{len(deps)} nodes ({', '.join(deps[:2])}, …)"
-        rows.append([n.id + shared, n.kind, shown or "-", st["summary"] if st else "-"])
-    out.table(["target", "kind", "inputs", "status"], rows)
-    out.print(f"{len(ids)} node(s) in {len({s.graph.nodes[i].section.id for i in ids})} section(s)")
+        table.append([node_id + shared, kind, shown or "-", summary])
+        sections.add(section)
+    out.table(["target", "kind", "inputs", "status"], table)
+    out.print(f"{len(table)} node(s) in {len(sections)} section(s)")
 
 
 def _statuses(s: Session, ids: list[str]) -> dict[str, dict[str, Any]]:
@@ -167,7 +192,8 @@ def _statuses(s: Session, ids: list[str]) -> dict[str, dict[str, Any]]:
         return plan_status(s, ids)
 
 
-def _node_json(s: Session, i: str, status: dict[str, Any] | None) -> dict[str, Any]:
+def node_json(s: Session, i: str, status: dict[str, Any] | None) -> dict[str, Any]:
+    """One node of `mopt plan --json`."""
     n = s.graph.nodes[i]
     d: dict[str, Any] = {
         "id": n.id,

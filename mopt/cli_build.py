@@ -281,6 +281,9 @@ def register(app: click.Group) -> None:
         if no_fast_path and not failed and not as_json:
             err.print(f"note: {no_fast_path}")
         if stamp is not None:
+            from mopt import planstamp
+
+            planstamp.forget(stamp)  # removed first: a crash below leaves no plan file behind
             watch = None if failed else noop_stamp_inputs(engine, states)
             if watch is None and no_fast_path and not failed:
                 noop.skip(stamp, no_fast_path)
@@ -288,6 +291,7 @@ def register(app: click.Group) -> None:
                 noop.invalidate(stamp)
             else:
                 nodes = [dict(st.as_json(), status="cached") for st in states.values()]
+                token = planstamp.new_token()
                 noop.write(
                     stamp,
                     **watch,
@@ -298,8 +302,12 @@ def register(app: click.Group) -> None:
                         "build_dir": str(engine.build_dir),
                         "nodes": nodes,
                         "selected": selected,
+                        "plan_token": token,
                     },
                 )
+                if os.path.exists(stamp):  # `mopt plan` of these selectors, answered from it
+                    keys = {i: st.key for i, st in states.items() if st.key}
+                    planstamp.write(stamp, token, s, engine, ids, keys)
         if as_json:
             _print_json(
                 {

@@ -415,6 +415,8 @@ def write(
             "selected": list(result.get("selected", [])),
             "json_head": head,
             "json_tail": tail,
+            # binds the plan file the build writes beside the stamp (`mopt.planstamp`)
+            "plan_token": result.get("plan_token"),
         },
     }
     os.makedirs(os.path.dirname(path), exist_ok=True)

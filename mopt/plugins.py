@@ -32,8 +32,16 @@ from mopt.api import (
     TargetKind,
 )
 from mopt.errors import PluginError, closest, did_you_mean
-
-ENTRY_POINT_GROUP = "mopt"
+from mopt.plugin_index import (  # noqa: F401  (re-exported: tests and callers use these names)
+    ENTRY_POINT_GROUP,
+    INDEX_NAME,
+    INDEX_VERSION,
+    _entry_points,
+    _package_dirs,
+    _py_files,
+    index_key,
+    read_index,
+)
 
 #: the core's own plugins, registered exactly like third-party ones
 BUILTIN_PLUGINS = (
@@ -120,20 +128,6 @@ def disabled_from_env() -> list[str]:
     """Plugin names listed in MOPT_DISABLE_PLUGINS (comma separated)."""
     raw = os.environ.get("MOPT_DISABLE_PLUGINS", "")
     return [p.strip() for p in raw.split(",") if p.strip()]
-
-
-def _entry_points() -> list[md.EntryPoint]:
-    """The `mopt` entry points in registration order: mopt's own plugin distributions
-    (mopt-*, modules mopt_*) first, then the others, each by name; so a third party that
-    registers a name mopt's plugins already have is the one blamed, however pip ordered them."""
-
-    def third_party(ep: md.EntryPoint) -> bool:
-        dist = getattr(ep, "dist", None)
-        dist_name = (dist.name if dist is not None else "") or ""
-        return not (dist_name.startswith("mopt-") and ep.value.startswith("mopt_"))
-
-    eps = list(md.entry_points(group=ENTRY_POINT_GROUP))
-    return sorted(eps, key=lambda ep: (third_party(ep), ep.name))
 
 
 def installed_plugin_names() -> list[str]:
@@ -467,43 +461,6 @@ def reset_registry() -> None:
 
 # --------------------------------------------------------------------------- the plugin index
 
-INDEX_VERSION = 1
-INDEX_NAME = "plugin-index.json"
-
-
-def _py_files(spec_dirs: Iterable[str]) -> list[list[Any]]:
-    """(path, size, mtime_ns, ctime_ns, ino) of every .py file under the folders."""
-    out: list[list[Any]] = []
-    for top in spec_dirs:
-        for root, dirs, files in os.walk(top):
-            dirs[:] = sorted(d for d in dirs if d != "__pycache__" and not d.startswith("."))
-            for f in sorted(files):
-                if f.endswith(".py"):
-                    p = os.path.join(root, f)
-                    try:
-                        st = os.stat(p)
-                    except OSError:
-                        continue
-                    out.append([p, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino])
-    return out
-
-
-def _package_dirs(module: str) -> list[str]:
-    """The folders (or the file) of `module`'s top-level package, found without importing it."""
-    import importlib.util
-
-    top = module.split(".")[0]
-    try:
-        spec = importlib.util.find_spec(top)
-    except (ImportError, ValueError):
-        return []
-    if spec is None:
-        return []
-    if spec.submodule_search_locations:
-        return sorted(spec.submodule_search_locations)
-    return [spec.origin] if spec.origin else []
-
-
 class PluginIndex:
     """Which plugin registers which name, kept in the store (`plugin-index.json`) so that a
     command imports only the plugins its recipe names.
@@ -524,69 +481,11 @@ class PluginIndex:
         self.key = self._key()
 
     def _key(self) -> str:
-        import site
-
-        from mopt import __version__
-        from mopt.digest import canonical_json, hash_bytes
-
-        # the folders packages are installed into: an install or removal changes their stat
-        # (the recipe's folder, often sys.path[0], changes with every lock file written)
-        sites = {*site.getsitepackages(), site.getusersitepackages()}
-        sites |= {d for d in sys.path if os.path.basename(d) in ("site-packages", "dist-packages")}
-        path_dirs: list[list[Any]] = [[d] for d in sys.path]
-        for d in sorted(sites):
-            try:
-                st = os.stat(d)
-            except OSError:
-                path_dirs.append([d, None])
-                continue
-            path_dirs.append([d, st.st_mtime_ns, st.st_ino])
-        builtin = os.path.join(os.path.dirname(os.path.abspath(__file__)), "builtin")
-        eps = []
-        for ep in self._eps:
-            dist = getattr(ep, "dist", None)
-            eps.append(
-                [
-                    ep.name,
-                    ep.value,
-                    dist.name if dist is not None else None,
-                    dist.version if dist is not None else None,
-                    _py_files(_package_dirs(ep.value.split(":")[0])),
-                ]
-            )
-        parts = {
-            "version": INDEX_VERSION,
-            "python": sys.executable,
-            "mopt": __version__,
-            "path": path_dirs,
-            "builtin": _py_files([builtin]),
-            "blocked": list(self.blocked),
-            "entry_points": eps,
-        }
-        return hash_bytes(canonical_json(parts))
+        return index_key(self._eps, self.blocked)
 
     def read(self) -> dict[str, Any] | None:
         """The index's offers if it matches this installation, else None."""
-        import json
-
-        try:
-            with open(self.path, "rb") as fh:
-                data = json.loads(fh.read())
-        except (OSError, ValueError):
-            return None
-        if not isinstance(data, dict) or data.get("version") != INDEX_VERSION:
-            return None
-        entry = data.get("by_key", {}).get(self.key) if isinstance(data.get("by_key"), dict) else None
-        if not isinstance(entry, dict):
-            return None
-        offers, order = entry.get("offers"), entry.get("order")
-        if not (isinstance(offers, dict) and isinstance(order, list)):
-            return None
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in offers.items()):
-            return None
-        if sorted(order) != sorted(ep.name for ep in self._eps):
-            return None
-        return entry
+        return read_index(self.path, self.key, self._eps)
 
     def write(self, reg: Registry) -> None:
         """Record what the full registry `reg` holds (never creates the store folder)."""
