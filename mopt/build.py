@@ -164,6 +164,18 @@ def _check_input_files(kind: TargetKind) -> None:
     kind.input_files = input_files  # type: ignore[method-assign]
 
 
+def _gathers(kind: TargetKind) -> list[str]:
+    """The names of `kind`'s gathering slots (asked once per node when keying)."""
+    consumes = kind.consumes
+    hit = _GATHERS.get(id(consumes))
+    if hit is None or hit[0] is not consumes:  # held with its tuple: an id is never reused
+        hit = _GATHERS[id(consumes)] = (consumes, [slot.name for slot in consumes if slot.gather])
+    return hit[1]
+
+
+_GATHERS: dict[int, tuple[Any, list[str]]] = {}
+
+
 def usable_cpus() -> int:
     """The CPUs this process may run on (its affinity mask: `taskset`, a container's
     `--cpuset-cpus`, a batch scheduler's allotment), not the machine's count: the default
@@ -418,7 +430,7 @@ class Engine:
         }
         if kind.uses_source:
             parts["source"] = self.source(node.model.name)[1]
-        gathers = [slot.name for slot in kind.consumes if slot.gather]
+        gathers = _gathers(kind)
         if gathers:  # a gathering kind names what it took: its output may say so
             gone = {(s, m.label) for s, ms in (missing or {}).items() for m in ms}
             parts["input_labels"] = {
@@ -442,10 +454,15 @@ class Engine:
         return parts
 
     def _rel(self, p: Path) -> str:
-        try:
-            return str(p.relative_to(self.recipe.project_dir))
-        except ValueError:
-            return str(p)
+        rels: dict[Path, str] = self.__dict__.setdefault("_rels", {})  # 10,000 nodes, few files each
+        rel = rels.get(p)
+        if rel is None:
+            try:
+                rel = str(p.relative_to(self.recipe.project_dir))
+            except ValueError:
+                rel = str(p)
+            rels[p] = rel
+        return rel
 
     # ------------------------------------------------------------------ index of last builds
 
@@ -490,14 +507,17 @@ class Engine:
     def plan(self, ids: list[str]) -> dict[str, dict[str, Any]]:
         """Per node: up to date / new / why it will run, without running anything."""
         self.planning = True
-        self._prefetch()
-        self._prefetch_dirs([f for i in ids for f in self.node_files(self.graph.nodes[i])])
+        if not self._prefetched:  # the blobs' stat records (a plan checks no build/ file)
+            self.store.state.prefetch(self.store.cas_dir)
+        nodes = self.graph.nodes
+        self._prefetch_dirs([f for i in ids for f in self.node_files(nodes[i])])
         outputs: dict[str, str | None] = {}
         result: dict[str, dict[str, Any]] = {}
         gone: dict[str, str] = {}  # nodes that will not build here: id → unbuildable|blocked
         for i in ids:
-            node = self.graph.nodes[i]
-            hard = [d for d in node.input_ids() if d in gone and node.needs(d)]
+            node = nodes[i]
+            deps = node.input_ids()
+            hard = [d for d in deps if d in gone and node.needs(d)] if gone else None
             if hard:
                 outputs[i] = None
                 gone[i] = "blocked"
@@ -508,7 +528,7 @@ class Engine:
                     "reasons": [f"input {dep.id} {gone[hard[0]]}"],
                 }
                 continue
-            missing = [d for d in node.input_ids() if outputs.get(d) is None and d not in gone]
+            missing = [d for d in deps if outputs.get(d) is None and d not in gone]
             if missing:
                 outputs[i] = None
                 result[i] = {
@@ -519,9 +539,7 @@ class Engine:
                 continue
             inputs = {s: [outputs[d] for d in ds if d not in gone] for s, ds in node.inputs.items()}
             # a partial slot's inputs that will not build: their status is part of the key
-            absent = missing_inputs(
-                node, {d: (gone[d], "") for d in node.input_ids() if d in gone}, self.graph
-            )
+            absent = missing_inputs(node, {d: (gone[d], "") for d in deps if d in gone}, self.graph) if gone else {}
             try:
                 parts = self.parts(node, inputs, absent)  # type: ignore[arg-type]
             except SourceUnavailable as exc:  # e.g. not in the local cache: say so, go on

@@ -44,8 +44,11 @@ def plan_path(stamp: str) -> str:
     return (stamp[: -len(".stamp")] if stamp.endswith(".stamp") else stamp) + ".plan"
 
 
+TOKEN_LEN = 24
+
+
 def new_token() -> str:
-    return os.urandom(12).hex()
+    return os.urandom(TOKEN_LEN // 2).hex()
 
 
 def forget(stamp: str) -> None:
@@ -59,7 +62,15 @@ def forget(stamp: str) -> None:
 
 def write(stamp: str, token: str, session: Any, engine: Any, ids: list[str], keys: dict[str, str]) -> None:
     """File the plan of `ids` (every one a hit under `keys`) beside `stamp`, bound to `token`
-    (the same token is in the stamp's result); nothing when plan could print otherwise."""
+    (the same token is in the stamp's result); nothing when plan could print otherwise.
+    Never fails the build: the plan file is only a cache."""
+    try:
+        _write(stamp, token, session, engine, ids, keys)
+    except Exception:  # e.g. an id without a key: no plan file, plan takes the full path
+        forget(stamp)
+
+
+def _write(stamp: str, token: str, session: Any, engine: Any, ids: list[str], keys: dict[str, str]) -> None:
     if session.registry.warnings or not _sources_same_offline(engine):
         return
     from mopt.cli import node_json
@@ -79,7 +90,7 @@ def write(stamp: str, token: str, session: Any, engine: Any, ids: list[str], key
     from mopt.noop import replace_durably
 
     try:
-        payload = marshal.dumps(data, MARSHAL_VERSION)
+        payload = token.encode("ascii") + marshal.dumps(data, MARSHAL_VERSION)
     except ValueError:  # a value marshal cannot hold (a TOML date in a variant): no plan file
         return
     with contextlib.suppress(OSError):  # only a cache: plan takes the full path
@@ -117,23 +128,32 @@ def _sources_same_offline(engine: Any) -> bool:
 # --------------------------------------------------------------------------- read by `mopt plan`
 
 
-def _read(path: str) -> dict[str, Any] | None:
+def _read(path: str) -> bytes | None:
+    """The plan file's bytes if it is one (its seal is checked by `_load`)."""
     try:
         with open(path, "rb") as fh:
             data = fh.read()
     except OSError:
         return None
+    return data if data[: len(MAGIC)] == MAGIC and len(data) > len(MAGIC) + 4 + TOKEN_LEN else None
+
+
+def _token(data: bytes) -> str:
+    n = len(MAGIC) + 4
+    return data[n : n + TOKEN_LEN].decode("ascii", "replace")
+
+
+def _load(data: bytes) -> dict[str, Any] | None:
+    """The plan the file's bytes `data` hold, if its seal holds and it has the right shape."""
     n = len(MAGIC)
-    if data[:n] != MAGIC or len(data) < n + 4:
-        return None
     payload = memoryview(data)[n + 4 :]
     if zlib.crc32(payload) != int.from_bytes(data[n : n + 4], "little"):
         return None  # torn or damaged
     try:
-        plan = marshal.loads(payload)
+        plan = marshal.loads(payload[TOKEN_LEN:])
     except (EOFError, ValueError, TypeError):
         return None
-    if not isinstance(plan, dict) or plan.get("version") != PLAN_VERSION:
+    if not isinstance(plan, dict) or plan.get("version") != PLAN_VERSION or plan.get("token") != _token(data):
         return None
     want = {"token": str, "recipe": str, "index_dir": str, "blocked": list, "nodes": list}
     if not all(isinstance(plan.get(k), t) for k, t in want.items()):
@@ -162,15 +182,19 @@ def lookup(recipe: str, selectors: list[str]) -> dict[str, Any] | None:
     last_miss = "no plan file"
     for offline in (False, True):
         stamp = noop.stamp_path(store_dir, recipe, selectors, offline)
-        plan = _read(plan_path(stamp))
-        if plan is None:
+        data = _read(plan_path(stamp))
+        if data is None:
             continue
         done = stamp_holds(recipe, selectors, offline)
         if done is None:
             last_miss = f"stamp: {noop.last_miss}"
             continue
-        if done.get("plan_token") != plan["token"]:
+        if done.get("plan_token") != _token(data):
             last_miss = "the plan file is not the stamp's"
+            continue
+        plan = _load(data)
+        if plan is None:
+            last_miss = "unreadable plan file"
             continue
         from pathlib import Path
 
@@ -224,7 +248,12 @@ def _strict_miss(noop: Any, stamp: dict[str, Any], ident: Any) -> str:
     if noop._env(stamp.get("env_extra", [])) != stamp.get("env"):
         return "environment changed"
     paths: list[str] = stamp["paths"].split("\0") if stamp["paths"] else []
+    recorded = marshal.loads(stamp["stats"])
     try:
+        # the recipe and settings come first: an edit is found before 50,000 files are looked at
+        head = min(len(paths), 8)
+        if [tuple(noop._FIELDS(os.stat(p))) for p in paths[:head]] != [tuple(r) for r in recorded[:head]]:
+            return "a file changed"
         if marshal.dumps(list(map(noop._FIELDS, map(os.stat, paths))), noop.STATS_MARSHAL) != stamp["stats"]:
             return "a file changed"
     except OSError:
