@@ -539,7 +539,9 @@ class Engine:
                 continue
             inputs = {s: [outputs[d] for d in ds if d not in gone] for s, ds in node.inputs.items()}
             # a partial slot's inputs that will not build: their status is part of the key
-            absent = missing_inputs(node, {d: (gone[d], "") for d in deps if d in gone}, self.graph) if gone else {}
+            absent = (
+                missing_inputs(node, {d: (gone[d], "") for d in deps if d in gone}, self.graph) if gone else {}
+            )
             try:
                 parts = self.parts(node, inputs, absent)  # type: ignore[arg-type]
             except SourceUnavailable as exc:  # e.g. not in the local cache: say so, go on

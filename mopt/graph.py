@@ -285,6 +285,7 @@ def build_graph(recipe: Recipe, registry: Registry) -> Graph:
     hw_json: dict[int, Any] = {}  # id(profile) → its JSON
     memo = _NodeMemo()
     wirings: dict[Any, tuple[dict[str, dict[str, list[str]]], list[str]]] = {}
+    slot_modes: dict[tuple[str, str], str] = {}  # (kind, slot) → gather | fanout | one
     for section in recipe.sections:
         hw = registry.hardware[section.hardware]
         model = recipe.models[section.model]
@@ -308,13 +309,16 @@ def build_graph(recipe: Recipe, registry: Registry) -> Graph:
             slots = wiring[name]
             slot_names = [s for s in slots if slots[s]]
             kind_name = variants[name][0].kind
+            modes = [
+                slot_modes.get((kind_name, s)) or _slot_mode(registry, kind_name, s, slot_modes) for s in slot_names
+            ]
             choices: list[list[tuple[str, list[Node]]]] = [
                 [(s, [n for inp in slots[s] for n in built[inp]])]
-                if _slot(registry, kind_name, s).gather
+                if mode == "gather"
                 else [(s, [n]) for inp in slots[s] for n in built[inp]]
-                if _slot(registry, kind_name, s).fanout
+                if mode == "fanout"
                 else [(s, [n]) for n in built[slots[s][0]]]
-                for s in slot_names
+                for s, mode in zip(slot_names, modes)
             ]
             multi = [len(c) > 1 for c in choices]
             built[name] = []
@@ -343,6 +347,13 @@ def build_graph(recipe: Recipe, registry: Registry) -> Graph:
 
 def _slot(registry: Registry, kind: str, slot: str) -> Input:
     return next(s for s in registry.targets[kind].consumes if s.name == slot)
+
+
+def _slot_mode(registry: Registry, kind: str, slot: str, memo: dict[tuple[str, str], str]) -> str:
+    """How a slot of `kind` takes its inputs: all at once (gather), one node each (fanout), or one."""
+    s = _slot(registry, kind, slot)
+    mode = memo[(kind, slot)] = "gather" if s.gather else "fanout" if s.fanout else "one"
+    return mode
 
 
 class _NodeMemo:
