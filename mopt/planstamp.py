@@ -247,14 +247,17 @@ def _strict_miss(noop: Any, stamp: dict[str, Any], ident: Any) -> str:
         return "another host"
     if noop._env(stamp.get("env_extra", [])) != stamp.get("env"):
         return "environment changed"
-    paths: list[str] = stamp["paths"].split("\0") if stamp["paths"] else []
-    recorded = marshal.loads(stamp["stats"])
+    want: bytes = stamp["stats"]
     try:
-        # the recipe and settings come first: an edit is found before 50,000 files are looked at
-        head = min(len(paths), 8)
-        if [tuple(noop._FIELDS(os.stat(p))) for p in paths[:head]] != [tuple(r) for r in recorded[:head]]:
+        # The recipe and settings come first: an edit is found before 50,000 files are looked
+        # at. Marshal format 2 has no back-references, so the first files' stats are a prefix
+        # of the list's bytes after its 5-byte header (type code, length).
+        head = stamp["paths"].split("\0", 8)[:8] if stamp["paths"] else []
+        now = marshal.dumps(list(map(noop._FIELDS, map(os.stat, head))), noop.STATS_MARSHAL)[5:]
+        if want[5 : 5 + len(now)] != now:
             return "a file changed"
-        if marshal.dumps(list(map(noop._FIELDS, map(os.stat, paths))), noop.STATS_MARSHAL) != stamp["stats"]:
+        paths: list[str] = stamp["paths"].split("\0") if stamp["paths"] else []
+        if marshal.dumps(list(map(noop._FIELDS, map(os.stat, paths))), noop.STATS_MARSHAL) != want:
             return "a file changed"
     except OSError:
         return "a file is gone"
