@@ -205,7 +205,7 @@ def test_the_entry_memo_answers_only_for_an_unchanged_entry_file(tmp_path: Path)
         assert store.ac_get("k1")["outputs_tree"] == tree  # type: ignore[index]
         assert store.ac_get("k2") is not None
         assert [e.path for e in store.tree_entries(tree)] == ["a.txt"]
-    memo = root / "ac-memo.json"
+    memo = root / "ac-memo.bin"
     assert memo.exists()
     with Store(root) as store:  # answered from the memo: no entry file opened
         with no_entry_file_opened():
@@ -230,8 +230,8 @@ def test_the_entry_memo_answers_only_for_an_unchanged_entry_file(tmp_path: Path)
     with Store(root) as store:
         assert store.ac_get("k2") is not None
         assert store.ac_get("k1")["outputs_tree"] == other  # type: ignore[index]
-    head, _, body = memo.read_bytes().partition(b"\n")
-    assert head.decode() == hash_bytes(body)
+    magic, digest, body = memo.read_bytes().split(b"\n", 2)
+    assert magic == b"mopt ac-memo 2" and digest.decode() == hash_bytes(body)
     # an entry whose blob went is a miss even though the memo knows the entry
     with Store(root) as store:
         (root / "cas" / other[:2] / other).unlink()
