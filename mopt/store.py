@@ -31,7 +31,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
-import json
 import logging
 import marshal
 import os
@@ -1488,10 +1487,10 @@ class Store:
                 return False
             want = {e.path: e for e in entries}
             for name, st in names:
-                e = want.get(name)
-                if e is None:
+                got = want.get(name)
+                if got is None:
                     return False  # another name (a nested tree's entries contain a "/")
-                found.append((e, st))
+                found.append((got, st))
         for e, st in found:
             if (
                 not stat.S_ISREG(st.st_mode)

@@ -788,3 +788,70 @@ def test_the_path_guard_resolves_folders_as_realpath_does(tmp_path: Path) -> Non
     for p in ["root/build/m/cpu/t", "root/build/m/absent/t"]:  # through the link: outside
         with pytest.raises(OutsideError):
             guard_path(tmp_path / p, roots)
+
+
+def test_quick_hit_answers_as_the_full_path_or_leaves_it_to_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`Store.quick_hit` (a hit's common case) answers only where the entry is the memo's and
+    every blob is as the stat cache filed it, with what `ac_entry` and `intact_stat` would
+    say; a writable, edited or missing blob, an entry due a touch or replaced, is left to the
+    full path (None), which repairs, removes or touches."""
+    root = tmp_path / "store"
+    with Store(root) as store:
+        tree = build(store, tmp_path, "k1", {"a.txt": b"a"})
+    blobs = all_blobs(Store(root))
+    _settled(root / "ac" / "k1.json", *blobs)
+    with Store(root) as store:  # the full path: learns the blobs' stats and files the memo
+        e = store.ac_entry("k1")
+        assert e is not None and store.quick_hit("k1") is None  # its tree's rows are not known yet
+        for p in blobs:
+            assert store.intact(p.name)
+
+    def quick(read_only: bool = False) -> Any:
+        store = Store(root, read_only=read_only)
+        store.state.prefetch(store.cas_dir)
+        return store, store.quick_hit("k1")
+
+    store, q = quick()
+    assert q is not None
+    entry, stats = q
+    assert entry == ActionEntry.model_validate_json((root / "ac" / "k1.json").read_bytes())
+    assert set(stats) == {p.name for p in blobs} and {entry.outputs_tree, entry.log} <= set(stats)
+    for p in blobs:
+        assert stats[p.name] == os.lstat(p) and store.verified[str(p)] == os.lstat(p)
+    assert store._used == {"k1"}  # said "in use", as ac_entry does
+    store.close()
+    store, q = quick(read_only=True)
+    assert q is not None and store._used == set()  # read-only (plan): no lock
+    store.close()
+
+    member = store.tree_entries(tree)[0].digest
+    blob = Path(store.blob_str(member))
+    blob.chmod(0o644)  # writable, same bytes: the full path makes it read-only again
+    store, q = quick()
+    assert q is None and store.intact(member) and stat.S_IMODE(blob.stat().st_mode) == 0o444
+    store.close()
+    _settled(blob)
+    with Store(root) as store:
+        assert store.intact(member)  # the stat cache learns its new stat
+    store, q = quick()
+    assert q is not None
+    store.close()
+
+    # last used an hour ago (the clock moved on, the entry's stat did not): the full path
+    # touches it (gc's "last used")
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 3600)
+    store, q = quick()
+    assert q is None
+    before = (root / "ac" / "k1.json").stat().st_mtime_ns
+    assert store.ac_entry("k1") is not None
+    assert (root / "ac" / "k1.json").stat().st_mtime_ns != before
+    store.close()
+    monkeypatch.setattr(time, "time", real)
+
+    blob.chmod(0o644)
+    blob.write_bytes(b"b")  # damaged: never a hit
+    blob.chmod(0o444)
+    store, q = quick()
+    assert q is None and not store.intact(member) and not blob.exists()
+    store.close()
