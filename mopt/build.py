@@ -863,7 +863,7 @@ class Engine:
         """One scheduling pass of the driver: the shared gc lock held over it (its hits
         materialize) and one stat-cache transaction for what its hits record, not one of
         each per hit; the hits of this thread inside take neither again."""
-        with self.store.in_use(), self.store.state.batch():
+        with self.store.in_use(), self.store.state.batch(), self.store.deferred_use():
             self._pass_thread = threading.get_ident()
             try:
                 yield

@@ -866,6 +866,34 @@ class Store:
         """
         if self.read_only:
             return
+        later = getattr(self._tls, "deferred", None)
+        if later is not None:  # inside `deferred_use`: under the shared gc lock, locked at its end
+            later[key] = None
+            return
+        self._lock_entry(key)
+
+    @contextmanager
+    def deferred_use(self) -> Iterator[None]:
+        """Inside, `use` on this thread only notes the key; the entries' locks are all taken
+        at the end, in one run. Only while this thread holds `in_use` (the shared gc lock,
+        which gc's exclusive one excludes for the whole block): no gc can run before the
+        locks are taken, so the entries are kept just as if each were locked at once.
+        A run of locks is ~5x cheaper per lock than locks spread among a hit's other system
+        calls: each lock walks its file's lock list, which stays in the CPU caches in a
+        run (10,000 locks at 10,000 nodes: ~0.28 s spread out, ~0.04 s in a run)."""
+        if not getattr(self._tls, "in_use", 0) or getattr(self._tls, "deferred", None) is not None:
+            yield  # not under the shared gc lock (or nested): each `use` locks at once
+            return
+        keys: dict[str, None] = {}
+        self._tls.deferred = keys
+        try:
+            yield
+        finally:
+            self._tls.deferred = None
+            for key in keys:
+                self._lock_entry(key)
+
+    def _lock_entry(self, key: str) -> None:
         with self._use_lock:
             if key in self._used:
                 return
