@@ -855,3 +855,41 @@ def test_quick_hit_answers_as_the_full_path_or_leaves_it_to_it(tmp_path: Path, m
     store, q = quick()
     assert q is None and not store.intact(member) and not blob.exists()
     store.close()
+
+
+def test_use_locks_are_taken_at_the_end_of_a_deferred_run_only_under_the_gc_lock(tmp_path: Path) -> None:
+    """`deferred_use` notes the keys `use` is called with and locks them all when it ends,
+    only while the thread holds the shared gc lock (`in_use`): gc cannot run meanwhile.
+    Without it, each `use` locks at once."""
+    with Store(tmp_path / "store") as store:
+        for k in ("k1", "k2", "k3"):
+            build(store, tmp_path, k, {f"{k}.txt": k.encode()})
+    store = Store(tmp_path / "store")
+    with store.in_use(), store.deferred_use():
+        store.use("k1")
+        store.use("k2")
+        assert store._used == set()  # noted, not locked yet
+    assert store._used == {"k1", "k2"}
+    with store.deferred_use():  # not under the gc lock: at once
+        store.use("k3")
+        assert store._used == {"k1", "k2", "k3"}
+    # the locks are held: gc (another process) keeps these entries
+    report = _gc_in_child(tmp_path / "store")
+    assert report == 0
+    store.close()
+    assert _gc_in_child(tmp_path / "store") == 3
+
+
+def _gc_child(root: str, q: Any) -> None:
+    with Store(root) as s:
+        q.put(s.gc(older_than_s=0, min_blob_age_s=0).removed_entries)
+
+
+def _gc_in_child(root: Path) -> int:
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_gc_child, args=(str(root), q))
+    p.start()
+    n = q.get(timeout=30)
+    p.join(30)
+    return int(n)
