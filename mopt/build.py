@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 import logging
+import marshal
 import os
 import socket
 import threading
 import time
 import traceback
+import zlib
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import ExitStack, contextmanager, nullcontext
@@ -34,6 +36,51 @@ from mopt.store import ActionEntry, Store, StoreError
 
 LOCK_NAME = "mopt.lock"
 
+#: the first bytes of an index's key sidecar (`Engine._last_keys`), then a CRC-32 of the rest
+_KEYS_MAGIC = b"mk1\n"
+
+
+def _stat_list(st: os.stat_result) -> list[int]:
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def _write_index(path: str, data: bytes) -> list[int] | None:
+    """`noop.replace_durably(path, data)`, returning the new file's stat after the rename,
+    or None when `path` is no longer the file written (another build replaced it since)."""
+    import tempfile
+
+    folder = os.path.dirname(path)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fchmod(fh.fileno(), 0o644)
+            os.fsync(fh.fileno())
+            ino = os.fstat(fh.fileno()).st_ino
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    st = os.lstat(path)  # after the rename (it may change the ctime)
+    return _stat_list(st) if st.st_ino == ino else None
+
+
+def _unlink_keys(index: Path) -> None:
+    try:
+        os.unlink(f"{index}.keys")
+    except FileNotFoundError:
+        pass
+
+
 #: statuses after which a node's output will not come in this build
 NOT_BUILT = ("failed", "unbuildable", "blocked")
 
@@ -45,6 +92,8 @@ def readiness(
     ("blocked", reason, {}). Inputs of `partial` slots that will not come are `missing`
     instead of blocking it (every scheduler uses this, so they agree)."""
     deps = node.input_ids()
+    if all(d in outputs for d in deps):  # the common case: nothing gone, nothing to wait for
+        return "ready", "", {}
     gone = [d for d in deps if d not in outputs and states[d].status in NOT_BUILT]
     hard = [d for d in gone if node.needs(d)]
     if hard:
@@ -218,6 +267,11 @@ class Engine:
         self._source_files: list[str] = []
         self._index_data: dict[str, Any] | None = None
         self._index_dirty = False
+        #: address → key of the index, from its sidecar or the index (`_last_keys`)
+        self._index_keys: dict[str, Any] | None = None
+        self._index_keys_stale = False  # the sidecar does not hold `_index_keys`: rewrite it
+        self._index_stat: list[int] | None = None  # the stat of the index `_index_data` came from
+        self._keys_stat: list[int] | None = None  # the index stat the sidecar's keys were filed under
         self._prefetched = False
         self._prefetched_dirs: set[str] = set()
         self._node_files: dict[str, list[Path]] = {}
@@ -473,34 +527,88 @@ class Engine:
         """address → {key, parts} of its last build: what `plan` diffs against."""
         if self._index_data is None:
             try:
-                self._index_data = json.loads(self._index_file().read_text())
+                with open(self._index_file(), "rb") as fh:
+                    st = os.fstat(fh.fileno())  # the stat of the bytes read
+                    self._index_data = json.loads(fh.read())
+                self._index_stat = _stat_list(st)
             except (OSError, ValueError):
                 self._index_data = {}
+                self._index_stat = None
+            if not isinstance(self._index_data, dict):
+                self._index_data = {}
+            if self._index_keys is None or self._index_keys_stale or self._keys_stat != self._index_stat:
+                self._index_keys = {
+                    a: rec.get("key") for a, rec in self._index_data.items() if isinstance(rec, dict)
+                }
+                self._index_keys_stale = True
         return self._index_data
+
+    def _last_keys(self) -> dict[str, Any]:
+        """address → key of the index (`_index`), from its sidecar `<index>.keys` while that
+        names the index file's current stat: a build whose keys are all the recorded ones
+        then never parses the index (~5 MB of JSON at 10,000 nodes, with every key's parts).
+        The sidecar is an accelerator: missing, damaged, of another version or filed under
+        another stat, the index itself is read (and the sidecar rewritten at `flush_index`)."""
+        if self._index_keys is None:
+            index = self._index_file()
+            try:
+                with open(f"{index}.keys", "rb") as fh:
+                    raw = fh.read()
+                payload = raw[8:]
+                if raw[:4] != _KEYS_MAGIC or zlib.crc32(payload) != int.from_bytes(raw[4:8], "little"):
+                    raise ValueError("not a keys file of this version")
+                doc = marshal.loads(payload)
+                if doc["stat"] != _stat_list(os.lstat(index)):
+                    raise ValueError("filed under another stat of the index")
+                if not isinstance(doc["keys"], dict):
+                    raise ValueError("unexpected layout")
+                self._index_keys, self._keys_stat = doc["keys"], doc["stat"]
+            except (OSError, ValueError, EOFError, TypeError, KeyError):
+                self._index()  # sets _index_keys from the index itself
+                if self._index_keys is None:  # the index was read before (plan)
+                    self._index_keys = {
+                        a: rec.get("key") for a, rec in self._index().items() if isinstance(rec, dict)
+                    }
+                    self._index_keys_stale = True
+        return self._index_keys
 
     def last_parts(self, address: str) -> dict[str, Any] | None:
         rec = self._index().get(address)
         return rec.get("parts") if isinstance(rec, dict) else None
 
     def record(self, node: Node, key: str, parts: dict[str, Any]) -> None:
-        index = self._index()
+        keys = self._last_keys()
         for address in node.addresses:
-            rec = index.get(address)
-            if not (isinstance(rec, dict) and rec.get("key") == key):
-                index[address] = {"key": key, "parts": parts}
+            if keys.get(address) != key:
+                self._index()[address] = {"key": key, "parts": parts}
+                keys[address] = key
                 self._index_dirty = True
 
     def flush_index(self) -> None:
         """Write the index of last builds (one file per recipe, replaced atomically)."""
-        if not self._index_dirty or self._index_data is None or self.read_only:
+        if self.read_only or not (self._index_dirty or self._index_keys_stale):
             return
         from mopt.noop import replace_durably
 
+        index = self._index_file()
         try:
-            replace_durably(str(self.store.guard(self._index_file())), canonical_json(self._index_data))
-        except OSError as exc:  # it only feeds plan's "why": a build must not fail on it
-            logging.getLogger("mopt").warning("could not write %s: %s", self._index_file(), exc)
+            if self._index_dirty and self._index_data is not None:
+                _unlink_keys(index)  # first: a crash after the index leaves no sidecar that names it
+                self._index_stat = _write_index(str(self.store.guard(index)), canonical_json(self._index_data))
+            # the keys are filed under the stat of the index they came from (or were written
+            # to), and only while the index still has it: another build's index is not named
+            if self._index_keys is not None and self._index_stat is not None and self._index_stat == _stat_list(
+                os.lstat(index)
+            ):
+                payload = marshal.dumps({"stat": self._index_stat, "keys": self._index_keys}, 4)
+                replace_durably(
+                    str(self.store.guard(f"{index}.keys")),
+                    _KEYS_MAGIC + zlib.crc32(payload).to_bytes(4, "little") + payload,
+                )
+        except (OSError, ValueError) as exc:  # it only feeds plan's "why": a build must not fail on it
+            logging.getLogger("mopt").warning("could not write %s: %s", index, exc)
         self._index_dirty = False
+        self._index_keys_stale = False
 
     # ------------------------------------------------------------------ plan
 
@@ -775,7 +883,7 @@ class Engine:
         """One scheduling pass of the driver: the shared gc lock held over it (its hits
         materialize) and one stat-cache transaction for what its hits record, not one of
         each per hit; the hits of this thread inside take neither again."""
-        with self.store.in_use(), self.store.state.batch():
+        with self.store.in_use(), self.store.state.batch(), self.store.deferred_use():
             self._pass_thread = threading.get_ident()
             try:
                 yield
@@ -924,6 +1032,13 @@ class Engine:
         remote cache (if any) is asked: with `fetch`, its blobs are downloaded, re-hashed
         and recorded locally; without, only the entry is read (plan: no bytes).
         """
+        quick = self.store.quick_hit(key)  # the common case, in fewer steps (same answer)
+        if quick is not None:
+            if not self.read_only:
+                # each blob's lstat, just found intact: materializing the hit compares its
+                # hard-linked build/ files with these instead of taking them again
+                self._hit_stats[quick[0].outputs_tree] = quick[1]
+            return quick[0]
         entry = self.store.ac_entry(key, check_blobs=False)
         if entry is None:
             if self.remote is None:

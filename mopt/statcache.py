@@ -68,6 +68,18 @@ def _i64(n: int) -> int:
     return n - (1 << 64) if n >= (1 << 63) else n
 
 
+def stat_matches(k: _StatKey, st: os.stat_result) -> bool:
+    """`k == _stat_key(st)`, cheapest comparisons first (device and inode numbers below 2**63,
+    the common case, are compared as they are)."""
+    return (
+        k[3] == st.st_mtime_ns
+        and k[4] == st.st_ctime_ns
+        and k[2] == st.st_size
+        and (k[1] == st.st_ino or k[1] == _i64(st.st_ino))
+        and (k[0] == st.st_dev or k[0] == _i64(st.st_dev))
+    )
+
+
 def _stat_key(st: os.stat_result) -> _StatKey:
     return (_i64(st.st_dev), _i64(st.st_ino), st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
@@ -152,6 +164,20 @@ class StatCache:
         if row is not None and row[0] == _stat_key(st):
             return row[1]
         return None
+
+    def vouches(self, path: str, st: os.stat_result, digest: str) -> bool:
+        """Whether a row already in memory (prefetched, or recorded by this process) says
+        absolute `path` at stat `st` holds `digest`: `lookup(path, st) == digest` for the
+        rows it has, in fewer steps (a cache hit's hot path). False when it has no row for
+        `path` (the caller then takes `lookup`/`digest_of`, which may query the database);
+        it counts no hit. Dict reads need no lock (the GIL makes them atomic)."""
+        row = self._pending.get(path) or self._prefetched.get(path)
+        return row is not None and row[1] == digest and stat_matches(row[0], st)
+
+    def rows(self) -> tuple[dict[str, tuple[_StatKey, str]], dict[str, tuple[_StatKey, str]]]:
+        """(recorded by this process, prefetched): path → (stat key, digest), for a caller's
+        hot loop that does what `vouches` does inline (see `Store.quick_intact`). Read only."""
+        return self._pending, self._prefetched
 
     def record(self, path: str, st: os.stat_result, digest: str) -> bool:
         """Remember that absolute `path` with stat `st` has `digest`; False if too recent."""
@@ -299,7 +325,7 @@ class StatCache:
                 " WHERE path >= ? AND path < ?",
                 (prefix, prefix[:-1] + "0"),
             )
-            return {r[0]: (tuple(r[1:6]), r[6]) for r in rows}
+            return {r[0]: (r[1:6], r[6]) for r in rows}  # rows are tuples: a slice is one
 
     def _query(self, sql: str, args: tuple[Any, ...]) -> list[Any]:
         """Rows of a read; a damaged database is moved aside (once) and reads as empty."""

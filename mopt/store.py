@@ -14,7 +14,7 @@ Layout under the root::
                            (a flat tree) under its own stat and its tree's digest, so
                            the next build stats its files without listing it (see
                            `Store._holds_flat`)
-    ac-memo.json           an accelerator only: the parsed action entries (each filed under
+    ac-memo.bin            an accelerator only: the parsed action entries (each filed under
                            its file's stat) and tree manifests last read, in one file, so a
                            build of 10,000 cached actions reads one file, not 20,000 (see
                            `Store.ac_entry`); missing, stale or damaged, the files are read
@@ -31,8 +31,8 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
-import json
 import logging
+import marshal
 import os
 import re
 import shutil
@@ -67,13 +67,16 @@ from mopt.digest import (
     tree_manifest_bytes,
 )
 from mopt.errors import MoptError
-from mopt.statcache import StatCache
+from mopt.statcache import StatCache, stat_matches
 
 log = logging.getLogger(__name__)
 
 MaterializeMethod = Literal["reflink", "hardlink", "copy", "unchanged"]
 
 _KEY_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
+_KEY_FULL = _KEY_RE.fullmatch
+#: `is_digest` for a str (mopt.digest's pattern: 64 lowercase hex)
+_DIGEST_FULL = re.compile(r"[0-9a-f]{64}").fullmatch
 _COPY_CHUNK = 64 * 1024 * 1024
 _FICLONE = 0x40049409  # _IOW(0x94, 9, int) from linux/fs.h
 _TMP_PREFIX = ".mopt-tmp-"
@@ -91,9 +94,15 @@ HARDLINK_MIN_BYTES = 16 * 1024 * 1024
 #: this: a touch changes the entry's stat, so touching on every hit would make every build
 #: re-read every entry (see `_MEMO`); gc's least-recently-used order is kept to this grain
 TOUCH_AFTER_S = 600.0
-#: the action-entry memo (see `Store.ac_entry`): first line the BLAKE3 digest of the rest
-_MEMO = "ac-memo.json"
-_MEMO_VERSION = 1
+#: the action-entry memo (see `Store.ac_entry`): `_MEMO_MAGIC`, the BLAKE3 hex digest of the
+#: rest and a newline, then the memo marshalled (stdlib; ~3x faster to load than its JSON,
+#: which took ~0.3 s of an all-hit build at 10,000 nodes)
+_MEMO = "ac-memo.bin"
+_MEMO_MAGIC = b"mopt ac-memo 2\n"
+_MEMO_VERSION = 2
+_MEMO_MARSHAL = 4
+#: the memo's earlier names (JSON), removed when a new one is written
+_OLD_MEMOS = ("ac-memo.json",)
 #: an entry whose ctime is this recent is not memoized: a rewrite within the same timestamp
 #: tick could leave its stat unchanged (the stat cache's racy window)
 _MEMO_RACY_NS = 100_000_000
@@ -450,6 +459,87 @@ class Store:
         self.verified[path] = st
         return st
 
+    def quick_hit(self, key: str) -> tuple[ActionEntry, dict[str, os.stat_result]] | None:
+        """`ac_entry(key, check_blobs=False)` and the check of every blob it names
+        (`quick_intact`) in their common case only, for a cache hit's hot path: the entry's
+        file has the stat the memo files it under, its last use is recent (no touch due),
+        the memo knows its tree's rows, and every blob is as the stat cache filed it. Then
+        (entry, digest → blob lstat), the entry said "in use" (`use`) as `ac_entry` does;
+        else None, and the caller takes the full path (`ac_entry`, `intact_stat`), which
+        reads, touches, rehashes or removes what needs it. Where it answers, it answers what
+        the full path would."""
+        if _KEY_FULL(key) is None:
+            return None
+        path = f"{self._ac_prefix}{key}.json"
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return None
+        memo = self._memo if self._memo is not None else self._memo_rows()
+        row = memo.get(key)
+        if row is None:
+            return None
+        try:
+            sk, fields = row
+            if (
+                sk[1] != st.st_ino
+                or sk[4] != st.st_ctime_ns
+                or sk[3] != st.st_mtime_ns
+                or sk[2] != st.st_size
+                or sk[0] != st.st_dev
+            ):
+                return None
+            e = _entry_from_row(fields)
+        except (TypeError, ValueError, IndexError, AttributeError):
+            return None
+        if e.key != key:
+            return None
+        if not self.read_only:
+            if time.time() - st.st_mtime > TOUCH_AFTER_S:
+                return None  # the full path touches it (gc's "last used") and refiles it
+            self.use(key)  # before the blobs are looked at, as `ac_entry` does
+        rows = self.known_tree(e.outputs_tree)
+        if rows is None:
+            return None
+        digests = [e.outputs_tree, *(r.digest for r in rows)]
+        if e.log:
+            digests.append(e.log)
+        found = self.quick_intact(digests)
+        return None if found is None else (e, found)
+
+    def quick_intact(self, digests: Iterable[str]) -> dict[str, os.stat_result] | None:
+        """`intact_stat` of each of `digests` (a hit's blobs) in its common case only: every
+        blob a read-only regular file whose lstat the stat cache's rows in memory (see
+        `StatCache.vouches`) file under that digest. Then digest → lstat, each filed in
+        `verified` as `intact_stat` does; else None, having changed nothing but `verified`
+        (the caller takes `intact_stat` blob by blob, which rehashes, repairs or removes).
+        The same answer as `intact_stat` where it answers: one lstat and one row compare
+        per blob, without the layers (a cache hit at 10,000 nodes checks 30,000 blobs)."""
+        state = self.state
+        pending, prefetched = state.rows()  # `StatCache.vouches`, inline
+        prefix = self._cas_prefix
+        found: dict[str, os.stat_result] = {}
+        for d in digests:
+            if _DIGEST_FULL(d) is None:
+                return None
+            path = f"{prefix}{d[:2]}/{d}"
+            try:
+                st = os.lstat(path)
+            except OSError:
+                return None
+            if st.st_mode & 0o222 or not stat.S_ISREG(st.st_mode):
+                return None
+            row = pending.get(path) or prefetched.get(path)
+            if row is None or row[1] != d or not stat_matches(row[0], st):
+                return None
+            found[d] = st
+        verified = self.verified
+        for d, st in found.items():
+            verified[f"{prefix}{d[:2]}/{d}"] = st
+        with state._lock:
+            state.hits += len(found)
+        return found
+
     def _remove_blob(self, digest: str) -> None:
         path = self.guard(self.blob_str(digest))
         self.verified.pop(path, None)
@@ -547,15 +637,22 @@ class Store:
             return False
         return True
 
-    def tree_entries(self, tree_digest: str, *, present: bool = False) -> list[TreeEntry]:
-        """The entries of the stored tree `tree_digest` (`present`: the caller has just
-        found its blob intact)."""
+    def known_tree(self, tree_digest: str) -> list[TreeEntry] | None:
+        """The entries of tree `tree_digest` if this process parsed its manifest already or
+        the memo has its rows, without looking at the blob (it may be gone: check it); None
+        otherwise. The list is shared: do not change it."""
         known = self._trees.get(tree_digest)
         if known is None and tree_digest in self._memo_trees:
             try:  # rows parsed from bytes that hashed to `tree_digest` (the memo is checksummed)
                 known = self._trees[tree_digest] = [TreeEntry(*r) for r in self._memo_trees[tree_digest]]
             except TypeError:
                 known = None
+        return known
+
+    def tree_entries(self, tree_digest: str, *, present: bool = False) -> list[TreeEntry]:
+        """The entries of the stored tree `tree_digest` (`present`: the caller has just
+        found its blob intact)."""
+        known = self.known_tree(tree_digest)
         if known is not None and (present or self.has(tree_digest)):
             return list(known)
         try:
@@ -678,11 +775,17 @@ class Store:
             try:
                 with open(self.root / _MEMO, "rb") as fh:
                     raw = fh.read()
-                head, _, body = raw.partition(b"\n")
-                if head.decode("ascii", "replace") != hash_bytes(body):
+                n = len(_MEMO_MAGIC)
+                if raw[:n] != _MEMO_MAGIC or raw[n + 64 : n + 65] != b"\n":
+                    raise ValueError("not a memo of this version")
+                body = raw[n + 65 :]
+                if raw[n : n + 64].decode("ascii", "replace") != hash_bytes(body):
                     raise ValueError("its digest does not match its bytes")
-                doc = json.loads(body)
-                if doc.get("version") != _MEMO_VERSION:
+                try:
+                    doc = marshal.loads(body)
+                except (EOFError, TypeError) as err:
+                    raise ValueError(f"not marshalled data: {err}") from None
+                if not isinstance(doc, dict) or doc.get("version") != _MEMO_VERSION:
                     raise ValueError("another version")
                 entries, trees = doc["entries"], doc["trees"]
                 if not (isinstance(entries, dict) and isinstance(trees, dict)):
@@ -730,22 +833,27 @@ class Store:
         self._memo_dirty = False
         used = {row[1].get("outputs_tree") for row in self._memo.values() if isinstance(row[1], dict)}
         trees = {d: rows for d, rows in self._memo_trees.items() if d in used}
-        body = json.dumps(
-            {"version": _MEMO_VERSION, "entries": self._memo, "trees": trees}, separators=(",", ":")
-        ).encode()
+        try:
+            body = marshal.dumps({"version": _MEMO_VERSION, "entries": self._memo, "trees": trees}, _MEMO_MARSHAL)
+        except ValueError as err:  # a value marshal cannot hold (rows come from JSON: none)
+            log.debug("could not write the entry memo: %s", err)
+            return
         try:
             with self._temp_file("memo-") as (fd, tmp):
-                _write_all(fd, hash_bytes(body).encode() + b"\n" + body)
+                _write_all(fd, _MEMO_MAGIC + hash_bytes(body).encode() + b"\n" + body)
                 os.fchmod(fd, 0o644)
                 os.fsync(fd)  # as every file renamed into the store (a crash leaves old or new)
                 os.replace(tmp, self.guard(self.root / _MEMO))
+            for old in _OLD_MEMOS:
+                _unlink_quiet(self.guard(self.root / old))
         except OSError as err:  # a cache: the next build reads the entries' files
             log.debug("could not write the entry memo: %s", err)
 
     def drop_memo(self) -> None:
         """Forget the memo (gc removed entries: their rows would only cost space)."""
         self._memo, self._memo_trees, self._memo_dirty = {}, {}, False
-        _unlink_quiet(self.guard(self.root / _MEMO))
+        for name in (_MEMO, *_OLD_MEMOS):
+            _unlink_quiet(self.guard(self.root / name))
 
     def use(self, key: str) -> None:
         """Hold a shared lock on entry `key` until `close`: gc leaves it and its blobs alone.
@@ -758,6 +866,34 @@ class Store:
         """
         if self.read_only:
             return
+        later = getattr(self._tls, "deferred", None)
+        if later is not None:  # inside `deferred_use`: under the shared gc lock, locked at its end
+            later[key] = None
+            return
+        self._lock_entry(key)
+
+    @contextmanager
+    def deferred_use(self) -> Iterator[None]:
+        """Inside, `use` on this thread only notes the key; the entries' locks are all taken
+        at the end, in one run. Only while this thread holds `in_use` (the shared gc lock,
+        which gc's exclusive one excludes for the whole block): no gc can run before the
+        locks are taken, so the entries are kept just as if each were locked at once.
+        A run of locks is ~5x cheaper per lock than locks spread among a hit's other system
+        calls: each lock walks its file's lock list, which stays in the CPU caches in a
+        run (10,000 locks at 10,000 nodes: ~0.28 s spread out, ~0.04 s in a run)."""
+        if not getattr(self._tls, "in_use", 0) or getattr(self._tls, "deferred", None) is not None:
+            yield  # not under the shared gc lock (or nested): each `use` locks at once
+            return
+        keys: dict[str, None] = {}
+        self._tls.deferred = keys
+        try:
+            yield
+        finally:
+            self._tls.deferred = None
+            for key in keys:
+                self._lock_entry(key)
+
+    def _lock_entry(self, key: str) -> None:
         with self._use_lock:
             if key in self._used:
                 return
@@ -893,8 +1029,10 @@ class Store:
         the caller has just found every blob of the tree intact (a cache hit); `blob_stats`:
         the lstat of each blob it found intact (`intact_stat`), taken just now.
         """
-        if blobs_checked and self._holds_flat(tree_digest, os.fspath(dest), blob_stats):
-            return "unchanged"
+        if blobs_checked:
+            d = os.fspath(dest)
+            if self._holds_filed(tree_digest, d, blob_stats) or self._holds_flat(tree_digest, d, blob_stats):
+                return "unchanged"
         target = Path(self._guard_dest(dest))
         entries = self.tree_entries(tree_digest, present=blobs_checked)
         missing = [] if blobs_checked else sorted({e.digest for e in entries if not self.has(e.digest)})
@@ -1274,6 +1412,59 @@ class Store:
         finally:
             os.close(fd)  # closing the descriptor releases the lock
 
+    def _holds_filed(self, tree_digest: str, dest: str, blob_stats: Mapping[str, os.stat_result] | None) -> bool:
+        """`_holds_flat`'s filed path alone, in fewer steps (a hit's hot path): `dest`'s stat
+        filed under the tree (its names are the tree's), every folder above it plain, and
+        each file a read-only regular file of the tree's size that is the blob just found
+        intact (its inode, at the blob's stat: `blob_stats`) or a copy whose stat the stat
+        cache's rows in memory file under the blob's digest. False on anything else,
+        having changed nothing: `_holds_flat` then decides (lists, rehashes), and the
+        general path repairs."""
+        entries = self._trees.get(tree_digest)
+        if entries is None or len(self.write_roots) < 2 or dest[:1] != "/":
+            return False
+        vouches = self.state.vouches
+        try:
+            dst = os.lstat(dest)
+        except OSError:
+            return False
+        if not stat.S_ISDIR(dst.st_mode) or not vouches(dest, dst, tree_digest):
+            return False
+        if dest.rpartition("/")[0] not in self._plain_dirs and not self._plain_folders_to(dest):
+            return False
+        prefix = dest + "/"
+        checked = []
+        copies = 0
+        for e in entries:
+            path = prefix + e.path
+            try:
+                st = os.lstat(path)
+            except OSError:
+                return False
+            if (
+                not stat.S_ISREG(st.st_mode)
+                or st.st_size != e.size
+                or stat.S_IMODE(st.st_mode) != (0o555 if e.mode == MODE_EXEC else 0o444)
+            ):
+                return False
+            b = blob_stats.get(e.digest) if blob_stats else None
+            if b is not None and b.st_ino == st.st_ino and b.st_dev == st.st_dev:
+                # the blob's inode, whose stat was just found intact: it must still be that
+                if (b.st_size, b.st_mtime_ns, b.st_ctime_ns) != (st.st_size, st.st_mtime_ns, st.st_ctime_ns):
+                    return False
+            elif vouches(path, st, e.digest):
+                copies += 1
+            else:
+                return False
+            checked.append((path, st))
+        verified = self.verified
+        for path, st in checked:
+            verified[path] = st
+        if copies:
+            with self.state._lock:
+                self.state.hits += copies  # as `digest_of` counts them
+        return True
+
     def _holds_flat(self, tree_digest: str, dest: str, blob_stats: Mapping[str, os.stat_result] | None) -> bool:
         """`_holds_tree` for a tree of files only (no sub-folders) whose blobs were just
         found intact, in fewer system calls. False whenever anything differs or is not that
@@ -1327,10 +1518,10 @@ class Store:
                 return False
             want = {e.path: e for e in entries}
             for name, st in names:
-                e = want.get(name)
-                if e is None:
+                got = want.get(name)
+                if got is None:
                     return False  # another name (a nested tree's entries contain a "/")
-                found.append((e, st))
+                found.append((got, st))
         for e, st in found:
             if (
                 not stat.S_ISREG(st.st_mode)

@@ -13,8 +13,10 @@ rather than calling mopt, so a bug in mopt's own checks cannot hide itself:
 * ``state.db`` is an SQLite database (the stat cache) that must pass ``PRAGMA
   integrity_check``, and a row whose recorded stat still matches its file must name the
   file's real digest (else the cache would vouch for damaged bytes);
-* ``ac-memo.json`` (optional, an accelerator): if its first line is the BLAKE3 hex of the
-  rest (else mopt ignores it), every entry row whose recorded stat ``[dev, ino, size,
+* ``ac-memo.bin`` (optional, an accelerator): the line ``mopt ac-memo 2``, a line with the
+  BLAKE3 hex of the rest, then a ``marshal`` (stdlib) dump of ``{"version": 2, "entries":
+  {key: [stat, entry]}, "trees": {digest: rows}}``; if the digest matches (else mopt ignores
+  it), every entry row whose recorded stat ``[dev, ino, size,
   mtime_ns, ctime_ns]`` still matches ``ac/<key>.json`` must equal that file's JSON, and
   every tree row must be the manifest of that tree (else the memo would vouch for another
   entry or manifest than the store holds).
@@ -26,6 +28,7 @@ script: ``python tests/storecheck.py STORE [BUILD_DIR]`` (exit 1 and one line pe
 from __future__ import annotations
 
 import json
+import marshal
 import os
 import re
 import sqlite3
@@ -191,7 +194,7 @@ def check_store(store_dir: str | os.PathLike[str], build_dir: str | os.PathLike[
     if db.exists():
         _check_db(c, db)
 
-    memo = store / "ac-memo.json"
+    memo = store / "ac-memo.bin"
     if memo.exists():
         _check_memo(c, store, memo)
 
@@ -207,14 +210,15 @@ def check_store(store_dir: str | os.PathLike[str], build_dir: str | os.PathLike[
 
 
 def _check_memo(c: _Checker, store: Path, memo: Path) -> None:
-    head, _, body = memo.read_bytes().partition(b"\n")
-    if head.decode("ascii", "replace") != blake3.blake3(body).hexdigest():
+    magic, _, rest = memo.read_bytes().partition(b"\n")
+    head, _, body = rest.partition(b"\n")
+    if magic != b"mopt ac-memo 2" or head.decode("ascii", "replace") != blake3.blake3(body).hexdigest():
         return  # mopt ignores (and replaces) a memo whose digest does not match
     try:
-        doc = json.loads(body)
+        doc = marshal.loads(body)
         entries, trees = doc["entries"], doc["trees"]
-    except (ValueError, KeyError, TypeError) as err:
-        c.say(f"{memo}: digest matches but it is not the memo's JSON: {err}")
+    except (ValueError, EOFError, KeyError, TypeError) as err:
+        c.say(f"{memo}: digest matches but it is not the memo's marshal data: {err}")
         return
     for key, (st_key, entry) in entries.items():
         p = store / "ac" / f"{key}.json"

@@ -205,7 +205,7 @@ def test_the_entry_memo_answers_only_for_an_unchanged_entry_file(tmp_path: Path)
         assert store.ac_get("k1")["outputs_tree"] == tree  # type: ignore[index]
         assert store.ac_get("k2") is not None
         assert [e.path for e in store.tree_entries(tree)] == ["a.txt"]
-    memo = root / "ac-memo.json"
+    memo = root / "ac-memo.bin"
     assert memo.exists()
     with Store(root) as store:  # answered from the memo: no entry file opened
         with no_entry_file_opened():
@@ -230,8 +230,8 @@ def test_the_entry_memo_answers_only_for_an_unchanged_entry_file(tmp_path: Path)
     with Store(root) as store:
         assert store.ac_get("k2") is not None
         assert store.ac_get("k1")["outputs_tree"] == other  # type: ignore[index]
-    head, _, body = memo.read_bytes().partition(b"\n")
-    assert head.decode() == hash_bytes(body)
+    magic, digest, body = memo.read_bytes().split(b"\n", 2)
+    assert magic == b"mopt ac-memo 2" and digest.decode() == hash_bytes(body)
     # an entry whose blob went is a miss even though the memo knows the entry
     with Store(root) as store:
         (root / "cas" / other[:2] / other).unlink()
@@ -788,3 +788,108 @@ def test_the_path_guard_resolves_folders_as_realpath_does(tmp_path: Path) -> Non
     for p in ["root/build/m/cpu/t", "root/build/m/absent/t"]:  # through the link: outside
         with pytest.raises(OutsideError):
             guard_path(tmp_path / p, roots)
+
+
+def test_quick_hit_answers_as_the_full_path_or_leaves_it_to_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`Store.quick_hit` (a hit's common case) answers only where the entry is the memo's and
+    every blob is as the stat cache filed it, with what `ac_entry` and `intact_stat` would
+    say; a writable, edited or missing blob, an entry due a touch or replaced, is left to the
+    full path (None), which repairs, removes or touches."""
+    root = tmp_path / "store"
+    with Store(root) as store:
+        tree = build(store, tmp_path, "k1", {"a.txt": b"a"})
+    blobs = all_blobs(Store(root))
+    _settled(root / "ac" / "k1.json", *blobs)
+    with Store(root) as store:  # the full path: learns the blobs' stats and files the memo
+        e = store.ac_entry("k1")
+        assert e is not None and store.quick_hit("k1") is None  # its tree's rows are not known yet
+        for p in blobs:
+            assert store.intact(p.name)
+
+    def quick(read_only: bool = False) -> Any:
+        store = Store(root, read_only=read_only)
+        store.state.prefetch(store.cas_dir)
+        return store, store.quick_hit("k1")
+
+    store, q = quick()
+    assert q is not None
+    entry, stats = q
+    assert entry == ActionEntry.model_validate_json((root / "ac" / "k1.json").read_bytes())
+    assert set(stats) == {p.name for p in blobs} and {entry.outputs_tree, entry.log} <= set(stats)
+    for p in blobs:
+        assert stats[p.name] == os.lstat(p) and store.verified[str(p)] == os.lstat(p)
+    assert store._used == {"k1"}  # said "in use", as ac_entry does
+    store.close()
+    store, q = quick(read_only=True)
+    assert q is not None and store._used == set()  # read-only (plan): no lock
+    store.close()
+
+    member = store.tree_entries(tree)[0].digest
+    blob = Path(store.blob_str(member))
+    blob.chmod(0o644)  # writable, same bytes: the full path makes it read-only again
+    store, q = quick()
+    assert q is None and store.intact(member) and stat.S_IMODE(blob.stat().st_mode) == 0o444
+    store.close()
+    _settled(blob)
+    with Store(root) as store:
+        assert store.intact(member)  # the stat cache learns its new stat
+    store, q = quick()
+    assert q is not None
+    store.close()
+
+    # last used an hour ago (the clock moved on, the entry's stat did not): the full path
+    # touches it (gc's "last used")
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 3600)
+    store, q = quick()
+    assert q is None
+    before = (root / "ac" / "k1.json").stat().st_mtime_ns
+    assert store.ac_entry("k1") is not None
+    assert (root / "ac" / "k1.json").stat().st_mtime_ns != before
+    store.close()
+    monkeypatch.setattr(time, "time", real)
+
+    blob.chmod(0o644)
+    blob.write_bytes(b"b")  # damaged: never a hit
+    blob.chmod(0o444)
+    store, q = quick()
+    assert q is None and not store.intact(member) and not blob.exists()
+    store.close()
+
+
+def test_use_locks_are_taken_at_the_end_of_a_deferred_run_only_under_the_gc_lock(tmp_path: Path) -> None:
+    """`deferred_use` notes the keys `use` is called with and locks them all when it ends,
+    only while the thread holds the shared gc lock (`in_use`): gc cannot run meanwhile.
+    Without it, each `use` locks at once."""
+    with Store(tmp_path / "store") as store:
+        for k in ("k1", "k2", "k3"):
+            build(store, tmp_path, k, {f"{k}.txt": k.encode()})
+    store = Store(tmp_path / "store")
+    with store.in_use(), store.deferred_use():
+        store.use("k1")
+        store.use("k2")
+        assert store._used == set()  # noted, not locked yet
+    assert store._used == {"k1", "k2"}
+    with store.deferred_use():  # not under the gc lock: at once
+        store.use("k3")
+        assert store._used == {"k1", "k2", "k3"}
+    # the locks are held: gc (another process) keeps these entries
+    report = _gc_in_child(tmp_path / "store")
+    assert report == 0
+    store.close()
+    assert _gc_in_child(tmp_path / "store") == 3
+
+
+def _gc_child(root: str, q: Any) -> None:
+    with Store(root) as s:
+        q.put(s.gc(older_than_s=0, min_blob_age_s=0).removed_entries)
+
+
+def _gc_in_child(root: Path) -> int:
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_gc_child, args=(str(root), q))
+    p.start()
+    n = q.get(timeout=30)
+    p.join(30)
+    return int(n)
