@@ -239,32 +239,41 @@ def _miss(path: str, out: dict[str, Any], ident: Any, learn: bool = True) -> str
         if child is not None:
             child.abandon()
     touched: dict[int, tuple[int, ...]] = {}
-    paths: list[str] = []
+    where: dict[int, str] = {}
     if not (same and same_second):
-        paths = _paths(groups)
-        recorded = _recorded(parts)
-        if not isinstance(recorded, list) or len(recorded) != len(paths):
-            return "unreadable stamp"
-        now: list[tuple[int, ...] | None]
-        if first is not None and second is not None and len(first) + len(second) == len(paths):
-            now = [*first, *second]
-        else:  # a file gone: see which
-            now = [None if (rec := _stat(p)) is None else tuple(rec) for p in paths]
-        changed = [k for k, (a, b) in enumerate(zip(now, recorded)) if a != b]
+        # which files changed: only a half that differs is decoded and compared
+        changed: dict[int, tuple[int, ...] | None] = {}
+        halves = [(groups[:cut], parts[0], first, same)]
+        if len(parts) == 2:
+            halves.append((groups[cut:], parts[1], second, same_second))
+        offset = 0
+        for part_groups, want, taken, ok in halves:
+            n = sum(g[2] for g in part_groups)
+            if not ok:
+                recorded = marshal.loads(want)
+                if not isinstance(recorded, list) or len(recorded) != n:
+                    return "unreadable stamp"
+                now: list[tuple[int, ...] | None]
+                if taken is not None and len(taken) == n:
+                    now = list(taken)
+                else:  # a file gone: see which
+                    now = [None if (rec := _stat(p)) is None else tuple(rec) for p in _paths(part_groups)]
+                changed.update((offset + k, a) for k, (a, b) in enumerate(zip(now, recorded)) if a != b)
+            offset += n
+        where = _paths_at(groups, changed)
         inputs = set(stamp.get("inputs", ()))
         # the full path will digest the changed input files first: name them, so that
         # hashing them can start while it loads (see `prehash`)
-        changed_inputs[:] = [paths[k] for k in changed if paths[k] in inputs and now[k] is not None]
+        changed_inputs[:] = [where[k] for k, st in changed.items() if where[k] in inputs and st is not None]
         digests = stamp.get("digests", {})
-        for k in changed:
-            st = now[k]
-            if st is None or paths[k] not in digests:
-                return f"changed: {paths[k]}"
+        for k, st in changed.items():
+            if st is None or where[k] not in digests:
+                return f"changed: {where[k]}"
             touched[k] = st
     if also:
         return also
     if touched:
-        return _rehash(path, stamp, paths, touched, learn)
+        return _rehash(path, stamp, where, touched, learn)
     return ""
 
 
@@ -384,6 +393,22 @@ def _can_fork() -> bool:
     return _cpus() >= 2
 
 
+def _paths_at(groups: list[tuple[str, str, int]], indices: Mapping[int, Any]) -> dict[int, str]:
+    """The paths of the stamp's files at `indices` (in the order of its stats)."""
+    out: dict[int, str] = {}
+    want = sorted(indices)
+    offset, j = 0, 0
+    for folder, names, n in groups:
+        if j < len(want) and want[j] < offset + n:
+            split = names.split("\0")
+            while j < len(want) and want[j] < offset + n:
+                name = split[want[j] - offset]
+                out[want[j]] = os.path.join(folder, name) if folder else name
+                j += 1
+        offset += n
+    return out
+
+
 def _paths(groups: list[tuple[str, str, int]]) -> list[str]:
     """The stamp's files, in the order of its stats."""
     out: list[str] = []
@@ -433,7 +458,7 @@ def _cpus() -> int:
 def _rehash(
     path: str,
     stamp: dict[str, Any],
-    paths: list[str],
+    paths: Mapping[int, str],
     touched: dict[int, tuple[int, ...]],
     learn: bool = True,
 ) -> str:
