@@ -205,6 +205,7 @@ def _read(path: str) -> dict[str, Any] | str:
 
 def _miss(path: str, out: dict[str, Any], ident: Any, learn: bool = True) -> str:
     """Why the stamp at `path` does not hold ("" if it does); the stamp is put in `out`."""
+    global prehashing
     stamp = _read(path)
     if isinstance(stamp, str):
         return stamp
@@ -228,7 +229,8 @@ def _miss(path: str, out: dict[str, Any], ident: Any, learn: bool = True) -> str
     try:
         first = _stat_part(groups[:cut] if child is not None else groups)
         same = first is not None and marshal.dumps(first, STATS_MARSHAL) == parts[0]
-        also = _others(stamp)  # why else it misses (said after a changed file)
+        # why else it misses (said after a changed file), while the child stats
+        also = _others(stamp) if child is not None else None
         if child is None:
             second: list[tuple[int, ...]] | None = []
             same_second = True
@@ -270,10 +272,17 @@ def _miss(path: str, out: dict[str, Any], ident: Any, learn: bool = True) -> str
             if st is None or where[k] not in digests:
                 return f"changed: {where[k]}"
             touched[k] = st
+    hashing = None
+    if touched:
+        # hashing first (BLAKE3 leaves the GIL): the other checks run meanwhile; on a miss
+        # the full path takes the digests (`Engine.prehashed`)
+        hashing = prehashing = prehash([where[k] for k in touched])
+    if also is None:
+        also = _others(stamp)
     if also:
         return also
-    if touched:
-        return _rehash(path, stamp, where, touched, learn)
+    if hashing is not None:
+        return _rehash(path, stamp, where, touched, learn, hashing)
     return ""
 
 
@@ -460,18 +469,22 @@ def _rehash(
     stamp: dict[str, Any],
     paths: Mapping[int, str],
     touched: dict[int, tuple[int, ...]],
-    learn: bool = True,
+    learn: bool,
+    t: Any,
 ) -> str:
     """The stamp holds but for input files whose stat changed (a `touch`, a copy of the same
     bytes): hash them (in parallel; BLAKE3 leaves the GIL) and, if each still holds the bytes
     and the mode it was stamped with, the build is a no-op after all (Ninja's `restat`, DVC's
     state). The new stats go to the stat cache and to the stamp, so the next build does not
-    hash them again. Else "" is not returned and the digests are the full path's head start."""
-    global prehashing
+    hash them again. Else "" is not returned and the digests are the full path's head start.
+    `t`: the `prehash` of the touched files, started."""
     import time
 
-    t = prehash([paths[k] for k in touched])
-    prehashing = t  # a miss below: the full path takes these digests (`Engine.prehashed`)
+    inputs = set(stamp.get("inputs", ()))
+    cache: Any = None
+    if learn and any(paths[k] in inputs for k in touched):
+        with contextlib.suppress(Exception):  # loaded (sqlite) while the files are hashed
+            from mopt.statcache import StatCache as cache
     t.join()
     digests = stamp["digests"]
     fresh: dict[str, tuple[tuple[int, ...], str]] = {}
@@ -491,7 +504,9 @@ def _rehash(
     now = time.time_ns()
     keep = {p: v for p, v in fresh.items() if now - v[0][4] >= RACY_NS}
     if keep and learn:
-        _remember(stamp.get("state_db"), keep)
+        # the stat cache is the full path's: it only learns the input files (the recipe
+        # and modules are not digested by the full path)
+        _remember(cache, stamp.get("state_db"), {p: v for p, v in keep.items() if p in inputs})
         stats = _recorded(stamp["stats"]) or []
         for k, st in touched.items():
             if paths[k] in keep:
@@ -502,14 +517,12 @@ def _rehash(
     return ""
 
 
-def _remember(db: Any, fresh: dict[str, tuple[tuple[int, ...], str]]) -> None:
+def _remember(stat_cache: Any, db: Any, fresh: dict[str, tuple[tuple[int, ...], str]]) -> None:
     """Record digests in the store's stat cache (the full path then does not hash them)."""
-    if not isinstance(db, str):
+    if not isinstance(db, str) or stat_cache is None or not fresh:
         return
     try:
-        from mopt.statcache import StatCache
-
-        with StatCache(db) as cache, cache.batch():
+        with stat_cache(db) as cache, cache.batch():
             for p, (key, digest) in fresh.items():
                 st = os.stat(p)
                 if _key(st) == key:
@@ -691,7 +704,7 @@ def _module_digests(
     is the one the stamp records (taken before, and older than the build, see `write`):
     a touched module whose bytes are the same is then rehashed, not a miss. Python runs the
     same code from the same bytes (a stale .pyc is compiled again from them)."""
-    from mopt.digest import hash_bytes, mode_of
+    from mopt.filehash import hash_bytes, mode_of
 
     out: dict[str, tuple[str, int]] = {}
     for p in mods:
@@ -886,7 +899,7 @@ def prehash(paths: list[str]) -> Any:
 
     results: dict[str, tuple[tuple[int, ...], str, int]] = {}  # path → (stat key, digest, tree mode)
 
-    from mopt.digest import mode_of
+    from mopt.filehash import mode_of
 
     def one(p: str, hash_file: Any) -> None:
         try:
@@ -904,7 +917,7 @@ def prehash(paths: list[str]) -> Any:
         try:
             from concurrent.futures import ThreadPoolExecutor
 
-            from mopt.digest import hash_file
+            from mopt.filehash import hash_file
 
             try:
                 cpus = len(os.sched_getaffinity(0)) or 1  # the CPUs allotted (taskset, cpuset)
