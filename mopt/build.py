@@ -1467,6 +1467,7 @@ def noop_stamp_inputs(engine: Engine, states: dict[str, NodeState]) -> dict[str,
         "state_db": engine.store.state.db_path,
         "known": known,
         "unsure": unsure,
+        "config": None if engine.project.config_file is None else str(engine.project.config_file),
     }
 
 

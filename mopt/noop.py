@@ -105,6 +105,30 @@ def find_store_dir(recipe: str) -> str | None:
         d = parent
 
 
+def _default_stamp(recipe: str, selectors: list[str], offline: bool) -> str | None:
+    """The stamp this build has if its mopt.toml leaves the store where it is by default,
+    found without parsing that file (tomllib and its regexes cost ~7 ms of a no-op): the
+    stamp records the settings file and the store it was written for, and it holds only
+    while that file's bytes are the same (so the store is still the one it names). None if
+    there is no stamp there."""
+    d = os.path.dirname(os.path.abspath(recipe))
+    while True:
+        cfg = os.path.join(d, "mopt.toml")
+        if os.path.isfile(cfg):
+            store = os.path.normpath(os.path.join(d, ".mopt"))
+            path = stamp_path(store, recipe, selectors, offline)
+            # the settings file as the full path names it (`load_project`: a resolved folder)
+            _expected[path] = (store, os.path.join(os.path.realpath(d), "mopt.toml"))
+            return path if os.path.exists(path) else None
+        parent = os.path.dirname(d)
+        if parent == d:
+            return None  # no settings: find_store_dir's default, without parsing anything
+        d = parent
+
+
+#: stamp path → (store folder, settings file) a stamp found by `_default_stamp` must record
+_expected: dict[str, tuple[str, str]] = {}
+
 #: why the last `check` found no usable stamp ("" when it did): `mopt build --json` reports it
 last_miss = ""
 #: the declared input files whose stat changed, as the last missed `check` found them
@@ -214,6 +238,8 @@ def _miss(path: str, out: dict[str, Any], ident: Any, learn: bool = True) -> str
         return "another stamp version or Python"
     if ident is not None and stamp.get("ident") != ident:
         return "a stamp of another build"
+    if path in _expected and (stamp.get("store_dir"), stamp.get("config")) != _expected[path]:
+        return "a stamp of other settings"
     if stamp.get("host") != _host():  # platform() parts (CPU class) are per machine
         return "another host"
     if _env(stamp.get("env_extra", [])) != stamp.get("env"):
@@ -506,14 +532,25 @@ def _rehash(
     if keep and learn:
         # the stat cache is the full path's: it only learns the input files (the recipe
         # and modules are not digested by the full path)
-        _remember(cache, stamp.get("state_db"), {p: v for p, v in keep.items() if p in inputs})
-        stats = _recorded(stamp["stats"]) or []
-        for k, st in touched.items():
-            if paths[k] in keep:
-                stats[k] = st
-        stamp["stats"] = _split_stats(stats, stamp["groups"], stamp["cut"])
-        with contextlib.suppress(OSError, ValueError):
-            _save(path, stamp)
+        import threading
+
+        # the two writes (each fsynced) side by side
+        learning = threading.Thread(
+            target=_remember,
+            args=(cache, stamp.get("state_db"), {p: v for p, v in keep.items() if p in inputs}),
+            name="mopt-noop-learn",
+        )
+        learning.start()
+        try:
+            stats = _recorded(stamp["stats"]) or []
+            for k, st in touched.items():
+                if paths[k] in keep:
+                    stats[k] = st
+            stamp["stats"] = _split_stats(stats, stamp["groups"], stamp["cut"])
+            with contextlib.suppress(OSError, ValueError):
+                _save(path, stamp)
+        finally:
+            learning.join()
     return ""
 
 
@@ -587,6 +624,7 @@ def write(
     ident: Any = None,
     known: Mapping[str, os.stat_result] | None = None,
     unsure: list[str] | None = None,
+    config: str | None = None,
 ) -> None:
     """Record a successful build's dependencies (stats taken now). `inputs`: those of
     `files` that are declared input files or model sources (see `changed_inputs`);
@@ -595,7 +633,8 @@ def write(
     `known`: the stat of files the build checked (blobs found intact, build/ files found
     holding them; the recipe files as they were read), filed as taken then: a change since
     is a miss next time. `unsure`: files the build read within a moment of their last change
-    (no stamp: they may have changed again unseen).
+    (no stamp: they may have changed again unseen). `config`: the settings file (mopt.toml)
+    the build read, if any (one of `files`).
     `result`: recipe, n, build_dir, nodes (as `mopt build --json` lists them), selected."""
     import json
 
@@ -662,6 +701,9 @@ def write(
     stamp = {
         "version": STAMP_VERSION,
         "ident": ident,
+        # where this stamp is and the settings that put it there (see `_default_stamp`)
+        "store_dir": os.path.dirname(os.path.dirname(os.path.abspath(path))),
+        "config": config,
         "python": sys.executable,
         "host": _host(),
         "env_extra": sorted(set(env_extra)),
@@ -863,6 +905,7 @@ def fast_main(argv: list[str]) -> bool:
     """`mopt build` without click, pydantic or plugins when its stamp holds (Ninja's no-op):
     True if it printed the no-op build's output. Anything else (another command, an option
     it does not know, a miss) returns False, and the CLI runs as usual."""
+    global _consulted
     import time
 
     t0 = time.time()
@@ -873,11 +916,19 @@ def fast_main(argv: list[str]) -> bool:
         recipe, selectors, flags = parsed
         if not os.path.exists(recipe):
             return False
-        store_dir = find_store_dir(recipe)
-        if store_dir is None:
-            return False
-        path = stamp_path(store_dir, recipe, selectors, flags["offline"])
-        done = consult(path, ident_of(recipe, selectors, flags["offline"]))
+        ident = ident_of(recipe, selectors, flags["offline"])
+        guessed = _default_stamp(recipe, selectors, flags["offline"])
+        done = None if guessed is None else consult(guessed, ident)
+        if done is None:  # the settings, parsed, say where the stamp is
+            other = last_miss == "a stamp of other settings"
+            _expected.clear()
+            store_dir = find_store_dir(recipe)
+            if store_dir is None:
+                return False
+            path = stamp_path(store_dir, recipe, selectors, flags["offline"])
+            if path != guessed or other:
+                _consulted = None
+                done = consult(path, ident)
     except Exception:  # the full path runs and reports whatever this was
         return False
     if done is None:

@@ -156,9 +156,9 @@ def test_stats_taken_by_the_forked_half_miss_like_the_rest(tmp_path: Path, chang
         for i in range(5):
             (tmp_path / d / f"f{i}").write_text(f"{d}{i}")
     (tmp_path / "st").mkdir()
-    time.sleep(0.25)
-    script = tmp_path / "forked.py"
+    script = tmp_path / "forked.py"  # a loaded module too (__main__): written before the pause
     script.write_text(_FORKED)
+    time.sleep(0.25)
 
     def run(mode: str) -> dict:
         proc = subprocess.run(
@@ -197,7 +197,6 @@ def test_touched_module_with_the_same_bytes_stays_a_noop(tmp_path: Path) -> None
     (tmp_path / "mymod.py").write_text("VALUE = 1\n")
     (tmp_path / "f").write_text("f")
     (tmp_path / "st").mkdir()  # the stamp's folder: tmp_path is on the writer's sys.path (watched)
-    time.sleep(0.25)
     script = tmp_path / "w.py"
     script.write_text(
         textwrap.dedent(
@@ -211,6 +210,7 @@ def test_touched_module_with_the_same_bytes_stays_a_noop(tmp_path: Path) -> None
             """
         )
     )
+    time.sleep(0.25)  # a stamp is not written within the racy window of a change
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     stamp = str(tmp_path / "st" / "s.stamp")
@@ -221,3 +221,20 @@ def test_touched_module_with_the_same_bytes_stays_a_noop(tmp_path: Path) -> None
     mod.write_text("VALUE = 2\n")
     assert noop.check(stamp, learn=False) is None
     assert noop.last_miss == f"changed: {mod}"
+
+
+def test_a_stamp_left_in_the_default_store_does_not_shadow_the_configured_one(proj: Path) -> None:
+    """The no-op looks for the stamp in the default store first (without parsing mopt.toml);
+    a stamp left there by earlier settings misses, and the configured store's stamp holds."""
+    build(proj)
+    time.sleep(0.2)
+    build(proj)
+    assert fast(settled(proj))
+    assert list((proj / ".mopt" / "noop").glob("*.stamp"))
+    (proj / "mopt.toml").write_text('[store]\npath = ".other"\n')
+    assert build(proj)["counts"] == {"built": 4}  # a new, empty store
+    time.sleep(0.2)
+    build(proj)
+    data = settled(proj)
+    assert fast(data), data["io"]["noop_miss"]
+    assert list((proj / ".other" / "noop").glob("*.stamp"))
