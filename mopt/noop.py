@@ -419,11 +419,17 @@ class _Half:
 
 def _can_fork() -> bool:
     """Fork only a process that runs one thread (the no-op's: before any plugin, pool or
-    database is opened), on two or more CPUs."""
+    database is opened), on two or more CPUs: the child then holds no lock another thread
+    held, and it only stats, writes to its pipe and `_exit`s."""
     if not hasattr(os, "fork") or sys.platform != "linux":
         return False
     threading = sys.modules.get("threading")
     if threading is not None and threading.active_count() > 1:
+        return False
+    try:  # threads a C library started (BLAKE3's, OpenMP's) are not in `threading`
+        if len(os.listdir("/proc/self/task")) != 1:
+            return False
+    except OSError:
         return False
     return _cpus() >= 2
 
