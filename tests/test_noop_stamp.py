@@ -77,20 +77,21 @@ def test_read_only_check_writes_nothing(proj: Path, monkeypatch: pytest.MonkeyPa
     assert noop.last_miss == "no stamp"
 
 
-def _result(tmp_path: Path) -> dict:
-    return {"recipe": str(tmp_path / "r.toml"), "n": 0, "build_dir": str(tmp_path), "nodes": []}
-
-
 def _write(path: Path, files: list[Path]) -> None:
-    noop.write(
-        str(path),
-        files=[str(f) for f in files],
-        exist=[],
-        absent=[],
-        dirs=[],
-        env_extra=[],
-        result=_result(path.parent),
+    """A stamp of `files` written by a fresh process: a stamp also lists the writer's loaded
+    modules, and is not written if one changed while it ran (this test process may be that
+    old; a subprocess started now is not)."""
+    code = (
+        "import sys; from mopt import noop; "
+        "noop.write(sys.argv[1], files=sys.argv[2:], exist=[], absent=[], dirs=[], env_extra=[], "
+        "result={'recipe': 'r', 'n': 0, 'build_dir': 'b', 'nodes': []})"
     )
+    cwd = path.parent / "cwd"  # sys.path[0] of `-c`, so a watched folder: one nothing writes in
+    cwd.mkdir(exist_ok=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(path), *map(str, files)], capture_output=True, text=True, cwd=cwd
+    )
+    assert proc.returncode == 0, proc.stderr
 
 
 @pytest.mark.parametrize("change", ["unlink", "rename_over", "chmod", "edit_in_place", "none"])
