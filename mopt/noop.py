@@ -958,12 +958,12 @@ def prehash(paths: list[str]) -> Any:
 
     from mopt.filehash import mode_of
 
-    def one(p: str, hash_file: Any) -> None:
+    def one(p: str, hash_file: Any, threads: bool) -> None:
         try:
             st = os.stat(p)
             if not stat_.S_ISREG(st.st_mode):
                 return  # folders: the full path digests them
-            digest = hash_file(p)
+            digest = hash_file(p, threads=threads)
             after = os.stat(p)
         except (OSError, ValueError):
             return
@@ -976,12 +976,12 @@ def prehash(paths: list[str]) -> Any:
 
             from mopt.filehash import hash_file
 
-            try:
-                cpus = len(os.sched_getaffinity(0)) or 1  # the CPUs allotted (taskset, cpuset)
-            except (AttributeError, OSError):
-                cpus = os.cpu_count() or 2
+            cpus = _cpus()
+            # as many files at once as CPUs: each on one thread (BLAKE3's threads would only
+            # contend); fewer files than CPUs: BLAKE3 spreads each over them
+            threads = len(paths) < cpus
             with ThreadPoolExecutor(max_workers=cpus) as pool:
-                list(pool.map(lambda p: one(p, hash_file), paths))
+                list(pool.map(lambda p: one(p, hash_file, threads), paths))
         except Exception:  # a head start only: the full path digests what is missing
             pass
 
