@@ -1559,6 +1559,38 @@ def noop_stamp_inputs(engine: Engine, states: dict[str, NodeState]) -> dict[str,
         d = engine.store.state.lookup(os.path.abspath(name), now)
         if d is not None:
             digests[name] = (d, mode_of(now.st_mode))
+    # The recipe files and mopt.toml: filed under the stat they had when read, with the
+    # digest of the bytes read (a touch with the same bytes is then rehashed, not a miss;
+    # an edit made while this build ran is seen). mopt.lock, just written: the same.
+    from mopt import tomlfile
+    from mopt.digest import hash_bytes
+    from mopt.noop import RACY_NS
+
+    known: dict[str, os.stat_result] = dict(engine.store.verified)
+    unsure: list[str] = []
+    for name in files[: len(engine.recipe.files) + (engine.project.config_file is not None)]:
+        if name not in tomlfile.reads:
+            continue  # not read through tomlfile: filed under its stat now, no digest
+        read = tomlfile.reads[name]
+        if read is None:  # read twice, seen changed between: the stamp is not written
+            unsure.append(name)
+            continue
+        read_st, data, at = read
+        if at - read_st.st_ctime_ns < RACY_NS:  # it may have changed again unseen since
+            unsure.append(name)
+            continue
+        known[name] = read_st
+        digests[name] = (hash_bytes(data), mode_of(read_st.st_mode))
+    lock = str(engine.recipe.path.parent / LOCK_NAME)
+    try:
+        with open(lock, "rb") as fh:
+            lock_st = os.fstat(fh.fileno())
+            lock_bytes = fh.read()
+        if _stat_id(os.stat(lock)) == _stat_id(lock_st):
+            known[lock] = lock_st
+            digests[lock] = (hash_bytes(lock_bytes), mode_of(lock_st.st_mode))
+    except OSError:
+        pass  # none (--no-lock): it must not appear (the stamp lists it absent)
     return {
         "files": files,
         "exist": exist,
@@ -1568,8 +1600,14 @@ def noop_stamp_inputs(engine: Engine, states: dict[str, NodeState]) -> dict[str,
         "inputs": inputs,
         "digests": digests,
         "state_db": engine.store.state.db_path,
-        "known": engine.store.verified,
+        "known": known,
+        "unsure": unsure,
+        "config": None if engine.project.config_file is None else str(engine.project.config_file),
     }
+
+
+def _stat_id(st: os.stat_result) -> tuple[int, ...]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def _remote_for(project: Any, store: Store, offline: bool) -> Any:

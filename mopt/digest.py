@@ -16,34 +16,16 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import blake3
-
 from mopt.errors import MoptError
-
-#: files at least this large are hashed through mmap with several threads
-MMAP_THRESHOLD = 4 * 1024 * 1024
-#: the two modes a tree entry can have (git's choice: only the executable bit survives)
-MODE_FILE = 0o644
-MODE_EXEC = 0o755
+from mopt.filehash import MMAP_THRESHOLD as MMAP_THRESHOLD
+from mopt.filehash import MODE_EXEC as MODE_EXEC
+from mopt.filehash import MODE_FILE as MODE_FILE
+from mopt.filehash import StrPath as StrPath
+from mopt.filehash import hash_bytes as hash_bytes
+from mopt.filehash import hash_file as hash_file
+from mopt.filehash import mode_of as mode_of
 
 _DIGEST_RE = re.compile(r"[0-9a-f]{64}")
-
-StrPath = str | os.PathLike[str]
-
-
-# BLAKE3's worker threads do not survive fork(): a child of a process that hashed with them
-# (multiprocessing's default on Linux) deadlocks on the first threaded hash. Children of such
-# a process hash on one thread instead.
-_threads_started = False
-_threads_lost = False
-
-
-def _after_fork_in_child() -> None:
-    global _threads_lost
-    _threads_lost = _threads_lost or _threads_started
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class TreeError(MoptError, ValueError):
@@ -72,39 +54,11 @@ def check_digest(value: str) -> str:
     return value
 
 
-def hash_bytes(b: bytes | bytearray | memoryview) -> str:
-    """BLAKE3 hex digest of `b`."""
-    return blake3.blake3(b).hexdigest()
-
-
-def hash_file(path: StrPath) -> str:
-    """BLAKE3 hex digest of the file at `path`."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size < MMAP_THRESHOLD:
-            return blake3.blake3(f.read()).hexdigest()
-    # Large files: mmap avoids copying into Python and lets BLAKE3 hash on every core
-    # (about 2x on two cores). mmap of an empty file would fail, hence the threshold first.
-    global _threads_started
-    if _threads_lost:
-        h = blake3.blake3()
-    else:
-        _threads_started = True
-        h = blake3.blake3(max_threads=blake3.blake3.AUTO)
-    h.update_mmap(os.fspath(path))
-    return h.hexdigest()
-
-
 def canonical_json(obj: Any) -> bytes:
     """UTF-8 JSON with sorted keys and no whitespace; NaN and infinities are rejected."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode(
         "utf-8"
     )
-
-
-def mode_of(st_mode: int) -> int:
-    """The tree mode of a file: 0o755 if its owner may execute it, else 0o644."""
-    return MODE_EXEC if st_mode & stat.S_IXUSR else MODE_FILE
 
 
 @dataclass(frozen=True, slots=True)

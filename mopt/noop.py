@@ -22,16 +22,24 @@ import zlib
 from collections.abc import Mapping
 from typing import Any
 
-STAMP_VERSION = 4
+STAMP_VERSION = 5
 #: the first bytes of a stamp file; then the CRC-32 of the rest (4 bytes, little-endian),
 #: then the marshalled stamp (marshal format 4: stdlib, ~10x faster to load than JSON)
-MAGIC = b"mopt noop stamp 4\n"
+MAGIC = b"mopt noop stamp 5\n"
 MARSHAL_VERSION = 4
 RACY_NS = 200_000_000
 ENV_PREFIXES = ("MOPT_", "HF_", "TRANSFORMERS_", "CUDA_", "NVIDIA_")
 #: the stamp's stats: a list of (size, mtime_ns, ctime_ns, inode) per file, marshalled
 #: in format 2 (no back-references, so equal lists give equal bytes: compared as bytes)
 STATS_MARSHAL = 2
+#: files of one folder stat-ed through one descriptor of it (a shorter path walk per stat)
+#: when the folder holds at least this many of the stamp's files (the store's shards)
+GROUP_MIN = 16
+#: a group holds at most this many files: groups are split between two threads
+GROUP_MAX = 2048
+#: from this many files on, the stamp's stats are in two halves, the second taken by a
+#: forked child (see `_Half`)
+PARALLEL_MIN = 4096
 
 
 def _stat(path: str) -> list[int] | None:
@@ -97,6 +105,30 @@ def find_store_dir(recipe: str) -> str | None:
         d = parent
 
 
+def _default_stamp(recipe: str, selectors: list[str], offline: bool) -> str | None:
+    """The stamp this build has if its mopt.toml leaves the store where it is by default,
+    found without parsing that file (tomllib and its regexes cost ~7 ms of a no-op): the
+    stamp records the settings file and the store it was written for, and it holds only
+    while that file's bytes are the same (so the store is still the one it names). None if
+    there is no stamp there."""
+    d = os.path.dirname(os.path.abspath(recipe))
+    while True:
+        cfg = os.path.join(d, "mopt.toml")
+        if os.path.isfile(cfg):
+            store = os.path.normpath(os.path.join(d, ".mopt"))
+            path = stamp_path(store, recipe, selectors, offline)
+            # the settings file as the full path names it (`load_project`: a resolved folder)
+            _expected[path] = (store, os.path.join(os.path.realpath(d), "mopt.toml"))
+            return path if os.path.exists(path) else None
+        parent = os.path.dirname(d)
+        if parent == d:
+            return None  # no settings: find_store_dir's default, without parsing anything
+        d = parent
+
+
+#: stamp path → (store folder, settings file) a stamp found by `_default_stamp` must record
+_expected: dict[str, tuple[str, str]] = {}
+
 #: why the last `check` found no usable stamp ("" when it did): `mopt build --json` reports it
 last_miss = ""
 #: the declared input files whose stat changed, as the last missed `check` found them
@@ -122,15 +154,47 @@ def consult(path: str, ident: Any) -> dict[str, Any] | None:
     return done
 
 
-def check(path: str, ident: Any = None) -> dict[str, Any] | None:
+def stamp_holds(
+    recipe: str, selectors: list[str], offline: bool, *, learn: bool = False
+) -> dict[str, Any] | None:
+    """The result of the last successful `mopt build RECIPE SELECTORS [--offline]` if its
+    stamp still holds: nothing that build depended on changed (a touched input or recipe
+    file whose bytes and mode are the same counts as unchanged: it is rehashed). Else None,
+    and why is in `last_miss`. `learn=False` writes nothing (for read-only commands, e.g.
+    `mopt plan`); `learn=True` records a touched file's new stat (what `mopt build` does).
+
+    The dict: recipe, n, build_dir, ids (every node of that build, in build order), selected,
+    hashed_files, hashed_bytes; `stamp_nodes(result)` gives the nodes as `--json` lists them."""
+    global last_miss
+    try:
+        store_dir = find_store_dir(recipe) if os.path.exists(recipe) else None
+    except Exception:  # an unreadable mopt.toml: the full path reports it
+        store_dir = None
+    if store_dir is None:
+        last_miss = "no store folder"
+        return None
+    path = stamp_path(store_dir, recipe, selectors, offline)
+    return check(path, ident_of(recipe, selectors, offline), learn=learn)
+
+
+def stamp_nodes(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The nodes of a `stamp_holds` / `check` result, as `mopt build --json` lists them."""
+    import json
+
+    nodes: list[dict[str, Any]] = json.loads("{" + result["json_tail"][1:])["nodes"]
+    return nodes
+
+
+def check(path: str, ident: Any = None, *, learn: bool = True) -> dict[str, Any] | None:
     """The stamp's recorded result if nothing it depends on changed, else None (the reason
-    is left in `last_miss`). With `ident` (see `ident_of`), a stamp of another build misses."""
+    is left in `last_miss`). With `ident` (see `ident_of`), a stamp of another build misses.
+    `learn`: record the new stats of touched files found unchanged (else nothing is written)."""
     global last_miss
     del changed_inputs[:]
     rehashed[:] = [0, 0]
     stamp: dict[str, Any] = {}
     try:
-        last_miss = _miss(path, stamp, ident)
+        last_miss = _miss(path, stamp, ident, learn)
     except (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError, EOFError):
         last_miss = "unreadable stamp"  # well-formed bytes of the wrong shape: a miss
     if last_miss:
@@ -163,8 +227,9 @@ def _read(path: str) -> dict[str, Any] | str:
     return stamp if isinstance(stamp, dict) else "unreadable stamp"
 
 
-def _miss(path: str, out: dict[str, Any], ident: Any) -> str:
+def _miss(path: str, out: dict[str, Any], ident: Any, learn: bool = True) -> str:
     """Why the stamp at `path` does not hold ("" if it does); the stamp is put in `out`."""
+    global prehashing
     stamp = _read(path)
     if isinstance(stamp, str):
         return stamp
@@ -173,38 +238,82 @@ def _miss(path: str, out: dict[str, Any], ident: Any) -> str:
         return "another stamp version or Python"
     if ident is not None and stamp.get("ident") != ident:
         return "a stamp of another build"
+    if path in _expected and (stamp.get("store_dir"), stamp.get("config")) != _expected[path]:
+        return "a stamp of other settings"
     if stamp.get("host") != _host():  # platform() parts (CPU class) are per machine
         return "another host"
     if _env(stamp.get("env_extra", [])) != stamp.get("env"):
         return "environment changed"
-    # The loop that is the whole no-op at 10,000 nodes (~50,000 files): the stats are taken
-    # in C (map, attrgetter), marshalled and compared as one bytes object.
-    paths: list[str] = stamp["paths"].split("\0") if stamp["paths"] else []
-    want: bytes = stamp["stats"]
-    now: list[tuple[int, ...] | None] | None
+    # The loop that is the whole no-op at 10,000 nodes (~40,000 files): the stats are taken
+    # in C (map, attrgetter), marshalled and compared as bytes; the second half by a forked
+    # child where there are two CPUs (os.stat is mostly kernel time; threads would contend
+    # for the GIL at every call), while this process takes the first half and the rest.
+    groups: list[tuple[str, str, int]] = stamp["groups"]
+    parts: list[bytes] = stamp["stats"]
+    cut: int = stamp["cut"] if len(parts) == 2 else len(groups)
+    child = _Half(groups[cut:], parts[1]) if len(parts) == 2 else None
     try:
-        now = list(map(_FIELDS, map(os.stat, paths)))
-        same = marshal.dumps(now, STATS_MARSHAL) == want
-    except OSError:
-        now, same = None, False  # a file gone: see which below
+        first = _stat_part(groups[:cut] if child is not None else groups)
+        same = first is not None and marshal.dumps(first, STATS_MARSHAL) == parts[0]
+        # why else it misses (said after a changed file), while the child stats
+        also = _others(stamp) if child is not None else None
+        if child is None:
+            second: list[tuple[int, ...]] | None = []
+            same_second = True
+        else:
+            same_second, second = child.result()
+            child = None
+    finally:
+        if child is not None:
+            child.abandon()
     touched: dict[int, tuple[int, ...]] = {}
-    if not same:
-        recorded = marshal.loads(want)
-        if not isinstance(recorded, list) or len(recorded) != len(paths):
-            return "unreadable stamp"
-        if now is None:
-            now = [None if (rec := _stat(p)) is None else tuple(rec) for p in paths]
-        changed = [k for k, (a, b) in enumerate(zip(now, recorded)) if a != b]
+    where: dict[int, str] = {}
+    if not (same and same_second):
+        # which files changed: only a half that differs is decoded and compared
+        changed: dict[int, tuple[int, ...] | None] = {}
+        halves = [(groups[:cut], parts[0], first, same)]
+        if len(parts) == 2:
+            halves.append((groups[cut:], parts[1], second, same_second))
+        offset = 0
+        for part_groups, want, taken, ok in halves:
+            n = sum(g[2] for g in part_groups)
+            if not ok:
+                recorded = marshal.loads(want)
+                if not isinstance(recorded, list) or len(recorded) != n:
+                    return "unreadable stamp"
+                now: list[tuple[int, ...] | None]
+                if taken is not None and len(taken) == n:
+                    now = list(taken)
+                else:  # a file gone: see which
+                    now = [None if (rec := _stat(p)) is None else tuple(rec) for p in _paths(part_groups)]
+                changed.update((offset + k, a) for k, (a, b) in enumerate(zip(now, recorded)) if a != b)
+            offset += n
+        where = _paths_at(groups, changed)
         inputs = set(stamp.get("inputs", ()))
         # the full path will digest the changed input files first: name them, so that
         # hashing them can start while it loads (see `prehash`)
-        changed_inputs[:] = [paths[k] for k in changed if paths[k] in inputs and now[k] is not None]
+        changed_inputs[:] = [where[k] for k, st in changed.items() if where[k] in inputs and st is not None]
         digests = stamp.get("digests", {})
-        for k in changed:
-            st = now[k]
-            if st is None or paths[k] not in digests:
-                return f"changed: {paths[k]}"
+        for k, st in changed.items():
+            if st is None or where[k] not in digests:
+                return f"changed: {where[k]}"
             touched[k] = st
+    hashing = None
+    if touched:
+        # hashing first (BLAKE3 leaves the GIL): the other checks run meanwhile; on a miss
+        # the full path takes the digests (`Engine.prehashed`)
+        hashing = prehashing = prehash([where[k] for k in touched])
+    if also is None:
+        also = _others(stamp)
+    if also:
+        return also
+    if hashing is not None:
+        return _rehash(path, stamp, where, touched, learn, hashing)
+    return ""
+
+
+def _others(stamp: dict[str, Any]) -> str:
+    """Why the stamp misses for anything but its files' stats ("" if nothing)."""
     for folder, names in stamp["exist"].items():
         gone = _missing(folder, names)
         if gone is not None:
@@ -219,22 +328,195 @@ def _miss(path: str, out: dict[str, Any], ident: Any) -> str:
         except OSError:
             if want_mtime is not None:
                 return f"folder gone: {p}"
-    if touched:
-        return _rehash(path, stamp, paths, touched)
     return ""
 
 
-def _rehash(path: str, stamp: dict[str, Any], paths: list[str], touched: dict[int, tuple[int, ...]]) -> str:
+def _recorded(parts: list[bytes]) -> list[Any] | None:
+    out: list[Any] = []
+    for b in parts:
+        got = marshal.loads(b)
+        if not isinstance(got, list):
+            return None
+        out.extend(got)
+    return out
+
+
+def _split_stats(stats: list[tuple[int, ...]], groups: list[tuple[str, str, int]], cut: int) -> list[bytes]:
+    """The stamp's `stats`: the stats of groups[:cut] and of groups[cut:], marshalled."""
+    n = sum(g[2] for g in groups[:cut])
+    if cut >= len(groups):
+        return [marshal.dumps(stats, STATS_MARSHAL)]
+    return [marshal.dumps(stats[:n], STATS_MARSHAL), marshal.dumps(stats[n:], STATS_MARSHAL)]
+
+
+class _Half:
+    """The stats of `groups` taken by a forked child and compared with `want` there; the
+    child sends "=" (the same), "x" (a file gone) or "!" and the stats it took. Without
+    fork (or if it fails) the stats are taken here, when the result is asked for."""
+
+    def __init__(self, groups: list[tuple[str, str, int]], want: bytes) -> None:
+        self.groups, self.want = groups, want
+        self.pid = 0
+        self.fd = -1
+        if not _can_fork():
+            return
+        r, w = os.pipe()
+        try:
+            pid = os.fork()
+        except OSError:
+            os.close(r)
+            os.close(w)
+            return
+        if pid == 0:  # the child: only os calls, then _exit (no atexit, no stdio flush)
+            code = 1
+            try:
+                os.close(r)
+                got = _stat_part(groups)
+                if got is None:
+                    msg = b"x"
+                else:
+                    data = marshal.dumps(got, STATS_MARSHAL)
+                    msg = b"=" if data == want else b"!" + data
+                view = memoryview(msg)
+                while view:
+                    view = view[os.write(w, view) :]
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(w)
+        self.pid, self.fd = pid, r
+
+    def result(self) -> tuple[bool, list[tuple[int, ...]] | None]:
+        """(the same as `want`, the stats taken or None if a file is gone / unknown)."""
+        if self.pid == 0:
+            got = _stat_part(self.groups)
+            return got is not None and marshal.dumps(got, STATS_MARSHAL) == self.want, got
+        chunks = []
+        try:
+            while chunk := os.read(self.fd, 1 << 20):
+                chunks.append(chunk)
+        finally:
+            self.abandon()
+        msg = b"".join(chunks)
+        if msg == b"=":
+            return True, None
+        if msg[:1] == b"!":
+            with contextlib.suppress(EOFError, ValueError, TypeError):
+                got = marshal.loads(msg[1:])
+                if isinstance(got, list):
+                    return False, got
+        return False, None  # a file gone, or the child failed: the caller stats each file
+
+    def abandon(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        if self.pid:
+            with contextlib.suppress(OSError):
+                os.waitpid(self.pid, 0)
+            self.pid = 0
+
+
+def _can_fork() -> bool:
+    """Fork only a process that runs one thread (the no-op's: before any plugin, pool or
+    database is opened), on two or more CPUs: the child then holds no lock another thread
+    held, and it only stats, writes to its pipe and `_exit`s."""
+    if not hasattr(os, "fork") or sys.platform != "linux":
+        return False
+    threading = sys.modules.get("threading")
+    if threading is not None and threading.active_count() > 1:
+        return False
+    try:  # threads a C library started (BLAKE3's, OpenMP's) are not in `threading`
+        if len(os.listdir("/proc/self/task")) != 1:
+            return False
+    except OSError:
+        return False
+    return _cpus() >= 2
+
+
+def _paths_at(groups: list[tuple[str, str, int]], indices: Mapping[int, Any]) -> dict[int, str]:
+    """The paths of the stamp's files at `indices` (in the order of its stats)."""
+    out: dict[int, str] = {}
+    want = sorted(indices)
+    offset, j = 0, 0
+    for folder, names, n in groups:
+        if j < len(want) and want[j] < offset + n:
+            split = names.split("\0")
+            while j < len(want) and want[j] < offset + n:
+                name = split[want[j] - offset]
+                out[want[j]] = os.path.join(folder, name) if folder else name
+                j += 1
+        offset += n
+    return out
+
+
+def _paths(groups: list[tuple[str, str, int]]) -> list[str]:
+    """The stamp's files, in the order of its stats."""
+    out: list[str] = []
+    for folder, names, _n in groups:
+        if not names:
+            continue
+        if folder:
+            out.extend(os.path.join(folder, n) for n in names.split("\0"))
+        else:
+            out.extend(names.split("\0"))
+    return out
+
+
+def _stat_part(groups: list[tuple[str, str, int]]) -> list[tuple[int, ...]] | None:
+    """The stats of the files of `groups`, in order; None if one is gone."""
+    import functools
+
+    out: list[tuple[int, ...]] = []
+    try:
+        for folder, names, _n in groups:
+            if not names:
+                continue
+            if not folder:  # files of folders holding few of them: by their full paths
+                out.extend(map(_FIELDS, map(os.stat, names.split("\0"))))
+                continue
+            fd = os.open(folder, _DIR_FLAGS)
+            try:
+                out.extend(map(_FIELDS, map(functools.partial(os.stat, dir_fd=fd), names.split("\0"))))
+            finally:
+                os.close(fd)
+    except OSError:
+        return None
+    return out
+
+
+_DIR_FLAGS = getattr(os, "O_PATH", os.O_RDONLY) | getattr(os, "O_DIRECTORY", 0)
+
+
+def _cpus() -> int:
+    """The CPUs this process may run on (taskset, cpuset)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _rehash(
+    path: str,
+    stamp: dict[str, Any],
+    paths: Mapping[int, str],
+    touched: dict[int, tuple[int, ...]],
+    learn: bool,
+    t: Any,
+) -> str:
     """The stamp holds but for input files whose stat changed (a `touch`, a copy of the same
     bytes): hash them (in parallel; BLAKE3 leaves the GIL) and, if each still holds the bytes
     and the mode it was stamped with, the build is a no-op after all (Ninja's `restat`, DVC's
     state). The new stats go to the stat cache and to the stamp, so the next build does not
-    hash them again. Else "" is not returned and the digests are the full path's head start."""
-    global prehashing
+    hash them again. Else "" is not returned and the digests are the full path's head start.
+    `t`: the `prehash` of the touched files, started."""
     import time
 
-    t = prehash([paths[k] for k in touched])
-    prehashing = t  # a miss below: the full path takes these digests (`Engine.prehashed`)
+    inputs = set(stamp.get("inputs", ()))
+    cache: Any = None
+    if learn and any(paths[k] in inputs for k in touched):
+        with contextlib.suppress(Exception):  # loaded (sqlite) while the files are hashed
+            from mopt.statcache import StatCache as cache
     t.join()
     digests = stamp["digests"]
     fresh: dict[str, tuple[tuple[int, ...], str]] = {}
@@ -253,26 +535,37 @@ def _rehash(path: str, stamp: dict[str, Any], paths: list[str], touched: dict[in
     # Remember the new stats unless a file changed too recently to trust its stat ("racy").
     now = time.time_ns()
     keep = {p: v for p, v in fresh.items() if now - v[0][4] >= RACY_NS}
-    if keep:
-        _remember(stamp.get("state_db"), keep)
-        stats = marshal.loads(stamp["stats"])
-        for k, st in touched.items():
-            if paths[k] in keep:
-                stats[k] = st
-        stamp["stats"] = marshal.dumps(stats, STATS_MARSHAL)
-        with contextlib.suppress(OSError, ValueError):
-            _save(path, stamp)
+    if keep and learn:
+        # the stat cache is the full path's: it only learns the input files (the recipe
+        # and modules are not digested by the full path)
+        import threading
+
+        # the two writes (each fsynced) side by side
+        learning = threading.Thread(
+            target=_remember,
+            args=(cache, stamp.get("state_db"), {p: v for p, v in keep.items() if p in inputs}),
+            name="mopt-noop-learn",
+        )
+        learning.start()
+        try:
+            stats = _recorded(stamp["stats"]) or []
+            for k, st in touched.items():
+                if paths[k] in keep:
+                    stats[k] = st
+            stamp["stats"] = _split_stats(stats, stamp["groups"], stamp["cut"])
+            with contextlib.suppress(OSError, ValueError):
+                _save(path, stamp)
+        finally:
+            learning.join()
     return ""
 
 
-def _remember(db: Any, fresh: dict[str, tuple[tuple[int, ...], str]]) -> None:
+def _remember(stat_cache: Any, db: Any, fresh: dict[str, tuple[tuple[int, ...], str]]) -> None:
     """Record digests in the store's stat cache (the full path then does not hash them)."""
-    if not isinstance(db, str):
+    if not isinstance(db, str) or stat_cache is None or not fresh:
         return
     try:
-        from mopt.statcache import StatCache
-
-        with StatCache(db) as cache, cache.batch():
+        with stat_cache(db) as cache, cache.batch():
             for p, (key, digest) in fresh.items():
                 st = os.stat(p)
                 if _key(st) == key:
@@ -336,13 +629,18 @@ def write(
     state_db: str | None = None,
     ident: Any = None,
     known: Mapping[str, os.stat_result] | None = None,
+    unsure: list[str] | None = None,
+    config: str | None = None,
 ) -> None:
     """Record a successful build's dependencies (stats taken now). `inputs`: those of
     `files` that are declared input files or model sources (see `changed_inputs`);
     `digests`: what some of them held (digest, tree mode), by the stat cache in the file
     `state_db`, so that a touched one can be rehashed instead of taking the full path.
     `known`: the stat of files the build checked (blobs found intact, build/ files found
-    holding them), filed as taken then: a change since is a miss next time.
+    holding them; the recipe files as they were read), filed as taken then: a change since
+    is a miss next time. `unsure`: files the build read within a moment of their last change
+    (no stamp: they may have changed again unseen). `config`: the settings file (mopt.toml)
+    the build read, if any (one of `files`).
     `result`: recipe, n, build_dir, nodes (as `mopt build --json` lists them), selected."""
     import json
 
@@ -355,10 +653,19 @@ def write(
     # changed before 50,000 blobs are looked at), then the modules
     all_files = list(dict.fromkeys([*files, *sorted(mods)]))
     known = known or {}
-    stats = {}
+    full: dict[str, os.stat_result | None] = {}
     for p in all_files:
         st = known.get(p)
-        stats[p] = _stat(p) if st is None else [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+        if st is None:
+            try:
+                st = os.stat(p)
+            except OSError:
+                st = None
+        full[p] = st
+    stats = {
+        p: None if st is None else [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+        for p, st in full.items()
+    }
     # A file changed within the last moment may change again within the same timestamp
     # tick without its stat changing ("racily clean", as git calls it): stamp next time.
     import time
@@ -368,7 +675,8 @@ def write(
     # A module edited while this build ran: the stamp would take its new stat for the code
     # this process ran (an edited kind would then look built). Its ctime says so.
     started = getattr(sys.modules.get("mopt"), "STARTED_NS", now)
-    racy += [p for p in sorted(mods) if (st := stats.get(p)) is not None and st[2] >= started]
+    racy += [p for p in sorted(mods) if (rec := stats.get(p)) is not None and rec[2] >= started]
+    racy += unsure or []
     if racy:
         invalidate(path)
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -378,6 +686,11 @@ def write(
     present = [p for p, st in stats.items() if st is not None and "\0" not in p]
     if len(present) != sum(st is not None for st in stats.values()):
         return skip(path, "a path holds a NUL character")
+    digests = dict(digests or {})
+    digests.update(_module_digests(sorted(mods), full, digests))
+    watched = _one_name_per_inode(present, full, stats, digests)
+    groups, order = _group(watched)
+    cut = _halve(groups)
     exist_by_folder: dict[str, list[str]] = {}
     for p in sorted(set(exist)):
         folder, name = os.path.split(p)
@@ -394,12 +707,16 @@ def write(
     stamp = {
         "version": STAMP_VERSION,
         "ident": ident,
+        # where this stamp is and the settings that put it there (see `_default_stamp`)
+        "store_dir": os.path.dirname(os.path.dirname(os.path.abspath(path))),
+        "config": config,
         "python": sys.executable,
         "host": _host(),
         "env_extra": sorted(set(env_extra)),
         "env": _env(list(env_extra)),
-        "paths": "\0".join(present),
-        "stats": marshal.dumps([tuple(stats[p]) for p in present], STATS_MARSHAL),  # type: ignore[arg-type]
+        "groups": groups,
+        "stats": _split_stats([tuple(stats[p]) for p in order], groups, cut),  # type: ignore[arg-type]
+        "cut": cut,
         "exist": exist_by_folder,
         # a file that was not there (e.g. no mopt.lock) must still not be there
         "absent": sorted(set(absent) | {p for p, st in stats.items() if st is None}),
@@ -428,6 +745,99 @@ def write(
     if ident is not None:  # the JSON stamp an older mopt left for this build
         old = _legacy_stamp_path(os.path.dirname(path), ident)
         _remove(old, old + ".skipped")
+
+
+def _module_digests(
+    mods: list[str], full: Mapping[str, os.stat_result | None], known: Mapping[str, Any]
+) -> dict[str, tuple[str, int]]:
+    """What each loaded module file held, read now and kept only if its stat after reading
+    is the one the stamp records (taken before, and older than the build, see `write`):
+    a touched module whose bytes are the same is then rehashed, not a miss. Python runs the
+    same code from the same bytes (a stale .pyc is compiled again from them)."""
+    from mopt.filehash import hash_bytes, mode_of
+
+    out: dict[str, tuple[str, int]] = {}
+    for p in mods:
+        st = full.get(p)
+        if st is None or p in known:
+            continue
+        try:
+            with open(p, "rb") as fh:
+                data = fh.read()
+            after = os.stat(p)
+        except OSError:
+            continue
+        if _key(after) == _key(st):
+            out[p] = (hash_bytes(data), mode_of(st.st_mode))
+    return out
+
+
+def _one_name_per_inode(
+    present: list[str],
+    full: Mapping[str, os.stat_result | None],
+    stats: Mapping[str, list[int] | None],
+    digests: Mapping[str, Any],
+) -> list[str]:
+    """`present` less the names whose inode another name of it stands for (a build/ file
+    is a hard link of its blob: one stat of either is the inode's). Safe because every
+    change to a name of an inode changes the inode's ctime, which the kept name's stat
+    shows: an edit or chmod of either name (the same inode); removing or replacing one
+    (the link count drops: unlink and rename-over update the ctime, and a stamp is never
+    written within RACY_NS of a ctime, so the new ctime differs). The last name is kept
+    (the build/ file: a hand edit that writes a new file there changes its own stat too);
+    files with a recorded digest are kept, so that a touch is rehashed by their name."""
+    last: dict[tuple[int, int], str] = {}
+    for p in present:
+        st = full[p]
+        if st is not None and st.st_nlink > 1:
+            last[(st.st_dev, st.st_ino)] = p
+    out = []
+    for p in present:
+        st = full[p]
+        if st is not None and st.st_nlink > 1 and p not in digests:
+            keep = last[(st.st_dev, st.st_ino)]
+            if keep != p and stats[keep] == stats[p]:
+                continue
+        out.append(p)
+    return out
+
+
+def _group(paths: list[str]) -> tuple[list[tuple[str, str, int]], list[str]]:
+    """The stamp's groups (folder, NUL-joined names, count) of `paths`, and the paths in
+    the groups' order. A folder holding GROUP_MIN or more of them (the store's shards) is
+    one group, stat-ed through a descriptor of it; the rest are by full path, in order."""
+    by_folder: dict[str, list[str]] = {}
+    for p in paths:
+        folder, name = os.path.split(p)
+        by_folder.setdefault(folder, []).append(name)
+    loose = [p for p in paths if len(by_folder[os.path.dirname(p)]) < GROUP_MIN]
+    groups: list[tuple[str, str, int]] = []
+    order: list[str] = []
+    for k in range(0, len(loose), GROUP_MAX):
+        part = loose[k : k + GROUP_MAX]
+        groups.append(("", "\0".join(part), len(part)))
+        order.extend(part)
+    for folder, names in by_folder.items():
+        if len(names) < GROUP_MIN:
+            continue
+        for k in range(0, len(names), GROUP_MAX):
+            part = names[k : k + GROUP_MAX]
+            groups.append((folder, "\0".join(part), len(part)))
+            order.extend(os.path.join(folder, n) for n in part)
+    return groups, order
+
+
+def _halve(groups: list[tuple[str, str, int]]) -> int:
+    """Where the groups are cut in two halves of about as many files (len(groups): none)."""
+    total = sum(g[2] for g in groups)
+    if total < PARALLEL_MIN:
+        return len(groups)
+    acc = 0
+    for i, g in enumerate(groups):
+        acc += g[2]
+        if 2 * acc >= total:
+            return i + 1
+    return len(groups)
 
 
 def report(done: dict[str, Any], seconds: float, as_json: bool, quiet: bool) -> None:
@@ -503,6 +913,7 @@ def fast_main(argv: list[str]) -> bool:
     """`mopt build` without click, pydantic or plugins when its stamp holds (Ninja's no-op):
     True if it printed the no-op build's output. Anything else (another command, an option
     it does not know, a miss) returns False, and the CLI runs as usual."""
+    global _consulted
     import time
 
     t0 = time.time()
@@ -513,11 +924,19 @@ def fast_main(argv: list[str]) -> bool:
         recipe, selectors, flags = parsed
         if not os.path.exists(recipe):
             return False
-        store_dir = find_store_dir(recipe)
-        if store_dir is None:
-            return False
-        path = stamp_path(store_dir, recipe, selectors, flags["offline"])
-        done = consult(path, ident_of(recipe, selectors, flags["offline"]))
+        ident = ident_of(recipe, selectors, flags["offline"])
+        guessed = _default_stamp(recipe, selectors, flags["offline"])
+        done = None if guessed is None else consult(guessed, ident)
+        if done is None:  # the settings, parsed, say where the stamp is
+            other = last_miss == "a stamp of other settings"
+            _expected.clear()
+            store_dir = find_store_dir(recipe)
+            if store_dir is None:
+                return False
+            path = stamp_path(store_dir, recipe, selectors, flags["offline"])
+            if path != guessed or other:
+                _consulted = None
+                done = consult(path, ident)
     except Exception:  # the full path runs and reports whatever this was
         return False
     if done is None:
@@ -539,14 +958,14 @@ def prehash(paths: list[str]) -> Any:
 
     results: dict[str, tuple[tuple[int, ...], str, int]] = {}  # path → (stat key, digest, tree mode)
 
-    from mopt.digest import mode_of
+    from mopt.filehash import mode_of
 
-    def one(p: str, hash_file: Any) -> None:
+    def one(p: str, hash_file: Any, threads: bool) -> None:
         try:
             st = os.stat(p)
             if not stat_.S_ISREG(st.st_mode):
                 return  # folders: the full path digests them
-            digest = hash_file(p)
+            digest = hash_file(p, threads=threads)
             after = os.stat(p)
         except (OSError, ValueError):
             return
@@ -557,14 +976,14 @@ def prehash(paths: list[str]) -> Any:
         try:
             from concurrent.futures import ThreadPoolExecutor
 
-            from mopt.digest import hash_file
+            from mopt.filehash import hash_file
 
-            try:
-                cpus = len(os.sched_getaffinity(0)) or 1  # the CPUs allotted (taskset, cpuset)
-            except (AttributeError, OSError):
-                cpus = os.cpu_count() or 2
+            cpus = _cpus()
+            # as many files at once as CPUs: each on one thread (BLAKE3's threads would only
+            # contend); fewer files than CPUs: BLAKE3 spreads each over them
+            threads = len(paths) < cpus
             with ThreadPoolExecutor(max_workers=cpus) as pool:
-                list(pool.map(lambda p: one(p, hash_file), paths))
+                list(pool.map(lambda p: one(p, hash_file, threads), paths))
         except Exception:  # a head start only: the full path digests what is missing
             pass
 

@@ -3,8 +3,10 @@ where a table or key was written (for errors raised after parsing)."""
 
 from __future__ import annotations
 
+import os
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +21,38 @@ _AT = re.compile(r"\s*\(at line (\d+), column (\d+)\)\s*$")
 _AT_EOF = re.compile(r"\s*\(at end of document\)\s*$")
 
 
+#: every file `load` read in this process: path → (its stat, taken on the open file, the
+#: bytes read, when: time.time_ns()), or None if two reads saw different stats. The no-op stamp records that stat
+#: and those bytes' digest (a later touch with the same bytes stays a no-op; an edit made
+#: while the build ran is seen next time, since the stamp holds the stat the bytes had).
+reads: dict[str, tuple[os.stat_result, bytes, int] | None] = {}
+
+
+def _read(path: Path) -> str:
+    with open(path, "rb") as fh:
+        at = time.time_ns()  # a file changed less than a moment before may change again unseen
+        st = os.fstat(fh.fileno())
+        data = fh.read()
+    key = str(path)
+    if key not in reads:
+        reads[key] = (st, data, at)
+    elif (seen := reads[key]) is not None and _id(seen[0]) != _id(st):
+        reads[key] = None
+    text = data.decode("utf-8")
+    if "\r" in text:  # as read_text's universal newlines read it
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
+    return text
+
+
+def _id(st: os.stat_result) -> tuple[int, ...]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 def load(path: Path, display: str | None = None) -> tuple[dict[str, Any], str]:
     """Parse a TOML file; syntax errors become a `MoptError` with line and column."""
     shown = display or str(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = _read(path)
     except FileNotFoundError:
         raise MoptError("file not found", file=shown, hint="check the path") from None
     except (OSError, UnicodeDecodeError) as exc:
