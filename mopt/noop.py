@@ -29,6 +29,9 @@ MAGIC = b"mopt noop stamp 5\n"
 MARSHAL_VERSION = 4
 RACY_NS = 200_000_000
 ENV_PREFIXES = ("MOPT_", "HF_", "TRANSFORMERS_", "CUDA_", "NVIDIA_")
+#: where Hugging Face's cache is when HF_HOME is unset (~/.cache or $XDG_CACHE_HOME): a
+#: model source resolved there may resolve elsewhere when they change
+ENV_NAMES = ("HOME", "XDG_CACHE_HOME")
 #: the stamp's stats: a list of (size, mtime_ns, ctime_ns, inode) per file, marshalled
 #: in format 2 (no back-references, so equal lists give equal bytes: compared as bytes)
 STATS_MARSHAL = 2
@@ -51,7 +54,7 @@ def _stat(path: str) -> list[int] | None:
 
 
 def _env(extra: list[str]) -> dict[str, str | None]:
-    names = {k for k in os.environ if k.startswith(ENV_PREFIXES)} | set(extra)
+    names = {k for k in os.environ if k.startswith(ENV_PREFIXES)} | set(ENV_NAMES) | set(extra)
     return {k: os.environ.get(k) for k in sorted(names)}
 
 

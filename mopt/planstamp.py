@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import marshal
 import os
-import sys
 import zlib
 from typing import Any
 
@@ -212,69 +211,11 @@ def lookup(recipe: str, selectors: list[str]) -> dict[str, Any] | None:
 
 
 def stamp_holds(recipe: str, selectors: list[str], offline: bool) -> dict[str, Any] | None:
-    """The stamp's result if it holds, read-only (nothing learnt or written): the no-op's own
-    check (`noop.stamp_holds(..., learn=False)`) where there is one, else a stricter check
-    here, which takes any changed stat for a change."""
+    """The stamp's result if it holds, read-only: the no-op's own check with nothing learnt
+    or written (a touched file whose bytes are unchanged is rehashed, not recorded)."""
     from mopt import noop
 
-    holds = getattr(noop, "stamp_holds", None)
-    if holds is not None:
-        done: dict[str, Any] | None = holds(recipe, selectors, offline, learn=False)
-        return done
-    store_dir = noop.find_store_dir(recipe)
-    if store_dir is None:
-        return None
-    path = noop.stamp_path(store_dir, recipe, selectors, offline)
-    stamp = noop._read(path)
-    if isinstance(stamp, str):
-        noop.last_miss = stamp
-        return None
-    try:
-        why = _strict_miss(noop, stamp, noop.ident_of(recipe, selectors, offline))
-        result = dict(stamp["result"])
-    except (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError, EOFError, OSError):
-        why = "unreadable stamp"
-    noop.last_miss = why
-    return None if why else result
-
-
-def _strict_miss(noop: Any, stamp: dict[str, Any], ident: Any) -> str:
-    if stamp.get("version") != noop.STAMP_VERSION or stamp.get("python") != sys.executable:
-        return "another stamp version or Python"
-    if stamp.get("ident") != ident:
-        return "a stamp of another build"
-    if stamp.get("host") != noop._host():
-        return "another host"
-    if noop._env(stamp.get("env_extra", [])) != stamp.get("env"):
-        return "environment changed"
-    want: bytes = stamp["stats"]
-    try:
-        # The recipe and settings come first: an edit is found before 50,000 files are looked
-        # at. Marshal format 2 has no back-references, so the first files' stats are a prefix
-        # of the list's bytes after its 5-byte header (type code, length).
-        head = stamp["paths"].split("\0", 8)[:8] if stamp["paths"] else []
-        now = marshal.dumps(list(map(noop._FIELDS, map(os.stat, head))), noop.STATS_MARSHAL)[5:]
-        if want[5 : 5 + len(now)] != now:
-            return "a file changed"
-        paths: list[str] = stamp["paths"].split("\0") if stamp["paths"] else []
-        if marshal.dumps(list(map(noop._FIELDS, map(os.stat, paths))), noop.STATS_MARSHAL) != want:
-            return "a file changed"
-    except OSError:
-        return "a file is gone"
-    for folder, names in stamp["exist"].items():
-        if noop._missing(folder, names) is not None:
-            return "an action entry is gone"
-    for p in stamp["absent"]:
-        if os.path.exists(p):
-            return f"appeared: {p}"
-    for p, want_mtime in stamp["dirs"].items():
-        try:
-            if os.stat(p).st_mtime_ns != want_mtime:
-                return f"folder changed: {p}"
-        except OSError:
-            if want_mtime is not None:
-                return f"folder gone: {p}"
-    return ""
+    return noop.stamp_holds(recipe, selectors, offline, learn=False)
 
 
 def answer(recipe: str, selectors: list[str], as_json: bool) -> bool:

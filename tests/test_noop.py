@@ -74,6 +74,18 @@ def settled(p: Path) -> dict:
     return data
 
 
+def test_a_moved_model_cache_takes_the_full_path(proj: Path, tmp_path: Path) -> None:
+    # HF_HOME unset, Hugging Face's cache is under $XDG_CACHE_HOME (or ~/.cache): a source
+    # resolved there may resolve elsewhere once it changes, so the no-op must not answer
+    build(proj)
+    time.sleep(0.2)
+    build(proj)
+    assert fast(settled(proj))
+    data = build(proj, {"XDG_CACHE_HOME": str(tmp_path / "elsewhere")})
+    assert not fast(data)
+    assert "environment changed" in data["io"]["noop_miss"]
+
+
 def test_unchanged_build_takes_the_fast_path(proj: Path) -> None:
     assert build(proj)["counts"] == {"built": 4}
     time.sleep(0.2)  # files written within the racy window are not trusted by stat
