@@ -154,7 +154,7 @@ def _collector_paused(command: Any) -> Any:
                 return command(*args, **kwargs)
         finally:
             if "mopt.build" in sys.modules:
-                sys.modules["mopt.build"].gc_paused = False
+                setattr(sys.modules["mopt.build"], "gc_paused", False)  # noqa: B010
 
     return run
 
