@@ -176,7 +176,10 @@ def test_benches_read_the_sections_generation_baseline_instead_of_timing_it(
         assert rep["shared_baseline"]["target"] == "baseline" and ratio > 0
         sp = rep["speedup_vs_baseline"][0]
         want = rep["results"][0]["steps"][0]["output_tok_s"] * ratio / base["results"][0]["steps"][0]["output_tok_s"]
-        assert sp["output_tok_s_ratio"] == pytest.approx(want) and 1.3 < sp["output_tok_s_ratio"] < 3.5
+        # the baseline sleeps twice as long per step: about 2x, the right way round (a swapped
+        # ratio reads ~0.5); wide bounds, since both sides' timings and the drift probes that
+        # scale them move with the machine's load (3.76 seen under a loaded CI run)
+        assert sp["output_tok_s_ratio"] == pytest.approx(want) and 1.1 < sp["output_tok_s_ratio"] < 8
     # an embedding baseline given to a generation bench: one clear error
     emb = tmp_path / "emb-baseline"
     emb.mkdir()
