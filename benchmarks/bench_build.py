@@ -4,8 +4,9 @@ The DAG (../shared/bench/peers): M models × 5 chained stages, `sha1sum in > out
 stage reading an S-MiB weight file. Phases: full build, no-op, `mopt plan`, all cached with
 the recipe touched (new mtime, same bytes), `plan_edited` / `edited` (a comment appended to
 the recipe: `plan` and `build` read it, build the graph and key every action again, every
-key found in the cache: the full path), touch of every weight file without a content
-change, one input changed. Prints a table and the ratios.
+key found in the cache: the full path), `plan_one_edited` / `one_edited` (one node's
+argv changed in the recipe: that node is built, every other key hits), touch of every
+weight file without a content change, one input changed. Prints a table and the ratios.
 
     python benchmarks/bench_build.py                 # 200, 2,000 and 10,000 nodes, peers at 200 and 2,000
     python benchmarks/bench_build.py --no-peers      # mopt only
@@ -33,6 +34,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from gen_mopt_dag import model_name  # noqa: E402
 from gen_mopt_dag import write as write_recipe  # noqa: E402
 
 PEERS = (HERE.parent.parent / "shared" / "bench" / "peers").resolve()
@@ -99,6 +101,15 @@ def bench_mopt(root: Path, m: int, reps: int, full_phases: bool, fresh: bool = T
             fh.write(f"\n# bench edit {i}\n")
         res.setdefault("plan_edited", []).append((mopt_plan(recipe), 0, 0))
         run("edited")
+    nonce = time.time_ns()  # a new argv each run (the kept 10,000-node store holds the last run's)
+    for i in range(reps):
+        # one section's content changes: the last stage of model i gets its own argv (a new
+        # key for that one node: it is built; every other key hits, as in `edited`)
+        with open(recipe, "a") as fh:
+            argv = f'["sh", "-c", "sha1sum {{in}}/out > {{out}}/out # edit {i} {nonce}"]'
+            fh.write(f"\n[{model_name(m, i)}.cpu.bench]\nargv = {argv}\n")
+        res.setdefault("plan_one_edited", []).append((mopt_plan(recipe), 0, 0))
+        run("one_edited")
     if full_phases:
         weights = sorted(glob.glob(str(root / "weights" / "*.bin")))
         for w in weights:
@@ -193,8 +204,8 @@ def main() -> None:
         if peers:
             tools = "snakemake" if name == "xlarge" else "dvc snakemake"
             res.update(bench_peers(m, s, a.r, noop_only=not full, tools=tools))
-        phases = ["full", "noop", "plan", "all_cached", "plan_edited", "edited", "touched", "incremental",
-                  "after_change"]
+        phases = ["full", "noop", "plan", "all_cached", "plan_edited", "edited", "plan_one_edited", "one_edited",
+                  "touched", "incremental", "after_change"]
         load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
         print(f"\n(load average after this case: {load} on {os.cpu_count()} CPUs: read the ratios, not the seconds)")
         print(f"\n## M={m} models × 5 stages = {m * 5} targets, weights {s} MiB each")

@@ -11,11 +11,16 @@ from pathlib import Path
 STAGES = ["sanitize", "export", "quantize", "validate", "bench"]
 
 
+def model_name(models: int, i: int) -> str:
+    """The name of model `i` of a DAG of `models` models (m000, m001, ...)."""
+    width = max(3, len(str(models - 1)))
+    return f"m{i:0{width}d}"
+
+
 def write(root: Path, models: int) -> Path:
     d = root / "mopt"
     d.mkdir(parents=True, exist_ok=True)
-    width = max(3, len(str(models - 1)))
-    names = [f"m{i:0{width}d}" for i in range(models)]
+    names = [model_name(models, i) for i in range(models)]
     lines = ["schema = 1", "", "[defaults]", f"targets = {STAGES!r}".replace("'", '"'), ""]
     prev = None
     for s in STAGES:
