@@ -990,11 +990,11 @@ def _hash_all(
     started: Any,
 ) -> None:
     """`prehash`'s work: as many files at once as CPUs, each on one thread (BLAKE3's own
-    threads would only contend), largest first; a file taken when fewer are left than CPUs
-    (the last one while the others finish theirs; all of them when they are fewer than the
-    CPUs) is spread over BLAKE3's threads, so that no CPU idles at the end. The calling
-    thread is one of the workers (no pool: concurrent.futures' import alone delayed the
-    first byte by ~10 ms). `started` is set once each worker has taken its first file."""
+    threads would only contend), largest first; the last `cpus` files (all of them when
+    they are fewer) are spread over BLAKE3's threads, so that no CPU idles while another
+    thread finishes a file alone. The calling thread is one of the workers (no pool:
+    concurrent.futures' import alone delayed the first byte by ~10 ms). `started` is set
+    once each worker has taken its first file."""
     import collections
     import stat as stat_
     import threading
@@ -1031,7 +1031,9 @@ def _hash_all(
             if item is None:
                 return
             _, p, st = item
-            spread = len(queue) + 1 < cpus  # no file left for another thread to take
+            # one of the last `cpus` files: BLAKE3's threads take it, and the other
+            # threads' last files too, sharing the CPUs until every file is done
+            spread = cpus > 1 and len(queue) < cpus
             try:
                 digest = hash_file(p, threads=spread, size=st.st_size)
                 after = os.stat(p)
