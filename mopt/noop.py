@@ -516,41 +516,33 @@ def _rehash(
     import time
 
     inputs = set(stamp.get("inputs", ()))
-    cache: Any = None
-    if learn and any(paths[k] in inputs for k in touched):
-        with contextlib.suppress(Exception):  # loaded (sqlite) while the files are hashed
-            from mopt.statcache import StatCache as cache
-    t.join()
-    digests = stamp["digests"]
-    fresh: dict[str, tuple[tuple[int, ...], str]] = {}
-    for k, st in touched.items():
-        p = paths[k]
-        got = t.results.get(p)
-        if got is None:
-            return f"changed: {p}"
-        key, digest, mode = got
-        if (digest, mode) != tuple(digests[p]):
-            return f"changed: {p}"
-        if (key[2], key[3], key[4], key[1]) != st:
-            return f"changed: {p}"  # written again since it was stat-ed above
-        fresh[p] = (key, digest)
-    rehashed[:] = [len(fresh), sum(key[2] for key, _ in fresh.values())]
-    # Remember the new stats unless a file changed too recently to trust its stat ("racy").
-    now = time.time_ns()
-    keep = {p: v for p, v in fresh.items() if now - v[0][4] >= RACY_NS}
-    if keep and learn:
-        # the stat cache is the full path's: it only learns the input files (the recipe
-        # and modules are not digested by the full path)
-        import threading
-
-        # the two writes (each fsynced) side by side
-        learning = threading.Thread(
-            target=_remember,
-            args=(cache, stamp.get("state_db"), {p: v for p, v in keep.items() if p in inputs}),
-            name="mopt-noop-learn",
-        )
-        learning.start()
-        try:
+    # the stat cache is loaded and opened while the files are hashed
+    learner = _Learner(stamp.get("state_db")) if learn and any(paths[k] in inputs for k in touched) else None
+    try:
+        t.join()
+        digests = stamp["digests"]
+        fresh: dict[str, tuple[tuple[int, ...], str]] = {}
+        for k, st in touched.items():
+            p = paths[k]
+            got = t.results.get(p)
+            if got is None:
+                return f"changed: {p}"
+            key, digest, mode = got
+            if (digest, mode) != tuple(digests[p]):
+                return f"changed: {p}"
+            if (key[2], key[3], key[4], key[1]) != st:
+                return f"changed: {p}"  # written again since it was stat-ed above
+            fresh[p] = (key, digest)
+        rehashed[:] = [len(fresh), sum(key[2] for key, _ in fresh.values())]
+        # Remember the new stats unless a file changed too recently to trust its stat ("racy").
+        now = time.time_ns()
+        keep = {p: v for p, v in fresh.items() if now - v[0][4] >= RACY_NS}
+        if keep and learn:
+            if learner is not None:
+                # the stat cache is the full path's: it only learns the input files (the
+                # recipe and modules are not digested by the full path); written beside
+                # the stamp (each fsynced)
+                learner.give({p: v for p, v in keep.items() if p in inputs})
             stats = _recorded(stamp["stats"]) or []
             for k, st in touched.items():
                 if paths[k] in keep:
@@ -558,23 +550,53 @@ def _rehash(
             stamp["stats"] = _split_stats(stats, stamp["groups"], stamp["cut"])
             with contextlib.suppress(OSError, ValueError):
                 _save(path, stamp)
-        finally:
-            learning.join()
+    finally:
+        if learner is not None:
+            learner.finish()
     return ""
 
 
-def _remember(stat_cache: Any, db: Any, fresh: dict[str, tuple[tuple[int, ...], str]]) -> None:
-    """Record digests in the store's stat cache (the full path then does not hash them)."""
-    if not isinstance(db, str) or stat_cache is None or not fresh:
-        return
-    try:
-        with stat_cache(db) as cache, cache.batch():
-            for p, (key, digest) in fresh.items():
-                st = os.stat(p)
-                if _key(st) == key:
-                    cache.record(os.path.abspath(p), st, digest)
-    except Exception:  # a cache: losing records only costs hashing them again
-        pass
+class _Learner:
+    """Records digests in the store's stat cache (the full path then does not hash those
+    files) on a thread of its own, which loads and opens the cache at once (while the files
+    are hashed) and writes what `give` hands it; `finish` waits for it. A cache: losing
+    records only costs hashing the files again, so any failure is silent."""
+
+    def __init__(self, db: Any) -> None:
+        import threading
+
+        self._fresh: dict[str, tuple[tuple[int, ...], str]] = {}
+        self._given = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(db,), name="mopt-noop-learn", daemon=True)
+        self._thread.start()
+
+    def give(self, fresh: dict[str, tuple[tuple[int, ...], str]]) -> None:
+        """Record `fresh` (path → (stat key, digest)) for each file whose stat is still that key."""
+        self._fresh = fresh
+        self._given.set()
+
+    def finish(self) -> None:
+        self._given.set()
+        self._thread.join()
+
+    def _run(self, db: Any) -> None:
+        if not isinstance(db, str):
+            return
+        try:
+            from mopt.statcache import StatCache
+
+            with StatCache(db) as cache:
+                cache.open()
+                self._given.wait()
+                if not self._fresh:
+                    return
+                with cache.batch():
+                    for p, (key, digest) in self._fresh.items():
+                        st = os.stat(p)
+                        if _key(st) == key:
+                            cache.record(os.path.abspath(p), st, digest)
+        except Exception:
+            pass
 
 
 def _save(path: str, stamp: dict[str, Any]) -> None:

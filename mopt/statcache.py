@@ -275,6 +275,12 @@ class StatCache:
                         conn.execute("ROLLBACK")
         return len(stale)
 
+    def open(self) -> None:
+        """Connect now instead of at the first lookup or write (a caller with time to spare:
+        the no-op's learning opens it while the touched files are hashed)."""
+        with self._lock:
+            self._db()
+
     def close(self) -> None:
         """Flush and close the database connection (it reopens on next use)."""
         with self._lock:
