@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import blake3
@@ -122,3 +123,27 @@ def test_the_stat_cache_loads_neither_logging_nor_the_tree_digests() -> None:
     out = subprocess.run([sys.executable, "-S", "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == ""
+
+
+def test_a_touched_input_settled_by_the_noop_is_learnt_by_the_stat_cache(tmp_path: Path) -> None:
+    """The no-op's rehash records the new stat in the store's stat cache too (opened while
+    the file is hashed), so the full path does not hash the file again."""
+    from mopt.statcache import StatCache
+    from tests.test_noop import RECIPE, build, fast, settled
+
+    (tmp_path / "in").mkdir()
+    for m in ("m1", "m2"):
+        (tmp_path / "in" / f"{m}.txt").write_text(f"hello {m}\n")
+    (tmp_path / "r.toml").write_text(RECIPE)
+    (tmp_path / "mopt.toml").write_text('[store]\npath = ".mopt"\n')
+    build(tmp_path)
+    time.sleep(0.2)
+    build(tmp_path)
+    assert fast(settled(tmp_path))
+    f = tmp_path / "in" / "m1.txt"
+    os.utime(f)
+    time.sleep(0.3)  # past the racy window: the new stat can be remembered
+    data = build(tmp_path)
+    assert fast(data) and data["io"]["hashed_files"] == 1, data["io"]
+    with StatCache(tmp_path / ".mopt" / "state.db", read_only=True) as cache:
+        assert cache.lookup(str(f), os.stat(f)) == blake3.blake3(f.read_bytes()).hexdigest()
