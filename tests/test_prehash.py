@@ -25,7 +25,11 @@ def _files(tmp_path: Path) -> list[Path]:
         p = tmp_path / f"big{i}.bin"
         p.write_bytes(os.urandom(MMAP_THRESHOLD + 4096 * i + i))
         out.append(p)
-    for name, data in (("small.txt", b"hello\n"), ("mid.bin", os.urandom(MMAP_THRESHOLD - 1)), ("empty", b"")):
+    for name, data in (
+        ("small.txt", b"hello\n"),
+        ("mid.bin", os.urandom(MMAP_THRESHOLD - 1)),
+        ("empty", b""),
+    ):
         (tmp_path / name).write_bytes(data)
         out.append(tmp_path / name)
     exe = tmp_path / "run.sh"
@@ -36,7 +40,9 @@ def _files(tmp_path: Path) -> list[Path]:
 
 
 @pytest.mark.parametrize("cpus", [1, 2, 3])
-def test_prehash_gives_the_digests_of_hash_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cpus: int) -> None:
+def test_prehash_gives_the_digests_of_hash_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cpus: int
+) -> None:
     files = _files(tmp_path)
     (tmp_path / "folder").mkdir()
     monkeypatch.setattr(noop, "_cpus", lambda: cpus)
@@ -56,7 +62,9 @@ def test_prehash_gives_the_digests_of_hash_file(tmp_path: Path, monkeypatch: pyt
     assert all(t.results[str(p)][1] == hash_file(p) for p in files)
 
 
-def test_a_file_written_while_it_is_hashed_is_not_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_file_written_while_it_is_hashed_is_not_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     files = _files(tmp_path)
     victim = str(files[2])
     real = filehash.hash_file
@@ -97,7 +105,9 @@ def _hash_in_child(path: str) -> str:
     return hash_file(path)
 
 
-def test_forked_child_can_hash_after_prehash_spread_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_forked_child_can_hash_after_prehash_spread_a_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # the last files are hashed on BLAKE3's threads, which do not survive fork()
     p = tmp_path / "big.bin"
     p.write_bytes(os.urandom(MMAP_THRESHOLD * 2))
@@ -120,7 +130,9 @@ def test_the_stat_cache_loads_neither_logging_nor_the_tree_digests() -> None:
         "print(' '.join(sorted({'logging', 'json', 'dataclasses', 'mopt.digest'} & (set(sys.modules) - before))))"
     )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    out = subprocess.run([sys.executable, "-S", "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-S", "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == ""
 
