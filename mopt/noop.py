@@ -516,41 +516,33 @@ def _rehash(
     import time
 
     inputs = set(stamp.get("inputs", ()))
-    cache: Any = None
-    if learn and any(paths[k] in inputs for k in touched):
-        with contextlib.suppress(Exception):  # loaded (sqlite) while the files are hashed
-            from mopt.statcache import StatCache as cache
-    t.join()
-    digests = stamp["digests"]
-    fresh: dict[str, tuple[tuple[int, ...], str]] = {}
-    for k, st in touched.items():
-        p = paths[k]
-        got = t.results.get(p)
-        if got is None:
-            return f"changed: {p}"
-        key, digest, mode = got
-        if (digest, mode) != tuple(digests[p]):
-            return f"changed: {p}"
-        if (key[2], key[3], key[4], key[1]) != st:
-            return f"changed: {p}"  # written again since it was stat-ed above
-        fresh[p] = (key, digest)
-    rehashed[:] = [len(fresh), sum(key[2] for key, _ in fresh.values())]
-    # Remember the new stats unless a file changed too recently to trust its stat ("racy").
-    now = time.time_ns()
-    keep = {p: v for p, v in fresh.items() if now - v[0][4] >= RACY_NS}
-    if keep and learn:
-        # the stat cache is the full path's: it only learns the input files (the recipe
-        # and modules are not digested by the full path)
-        import threading
-
-        # the two writes (each fsynced) side by side
-        learning = threading.Thread(
-            target=_remember,
-            args=(cache, stamp.get("state_db"), {p: v for p, v in keep.items() if p in inputs}),
-            name="mopt-noop-learn",
-        )
-        learning.start()
-        try:
+    # the stat cache is loaded and opened while the files are hashed
+    learner = _Learner(stamp.get("state_db")) if learn and any(paths[k] in inputs for k in touched) else None
+    try:
+        t.join()
+        digests = stamp["digests"]
+        fresh: dict[str, tuple[tuple[int, ...], str]] = {}
+        for k, st in touched.items():
+            p = paths[k]
+            got = t.results.get(p)
+            if got is None:
+                return f"changed: {p}"
+            key, digest, mode = got
+            if (digest, mode) != tuple(digests[p]):
+                return f"changed: {p}"
+            if (key[2], key[3], key[4], key[1]) != st:
+                return f"changed: {p}"  # written again since it was stat-ed above
+            fresh[p] = (key, digest)
+        rehashed[:] = [len(fresh), sum(key[2] for key, _ in fresh.values())]
+        # Remember the new stats unless a file changed too recently to trust its stat ("racy").
+        now = time.time_ns()
+        keep = {p: v for p, v in fresh.items() if now - v[0][4] >= RACY_NS}
+        if keep and learn:
+            if learner is not None:
+                # the stat cache is the full path's: it only learns the input files (the
+                # recipe and modules are not digested by the full path); written beside
+                # the stamp (each fsynced)
+                learner.give({p: v for p, v in keep.items() if p in inputs})
             stats = _recorded(stamp["stats"]) or []
             for k, st in touched.items():
                 if paths[k] in keep:
@@ -558,23 +550,53 @@ def _rehash(
             stamp["stats"] = _split_stats(stats, stamp["groups"], stamp["cut"])
             with contextlib.suppress(OSError, ValueError):
                 _save(path, stamp)
-        finally:
-            learning.join()
+    finally:
+        if learner is not None:
+            learner.finish()
     return ""
 
 
-def _remember(stat_cache: Any, db: Any, fresh: dict[str, tuple[tuple[int, ...], str]]) -> None:
-    """Record digests in the store's stat cache (the full path then does not hash them)."""
-    if not isinstance(db, str) or stat_cache is None or not fresh:
-        return
-    try:
-        with stat_cache(db) as cache, cache.batch():
-            for p, (key, digest) in fresh.items():
-                st = os.stat(p)
-                if _key(st) == key:
-                    cache.record(os.path.abspath(p), st, digest)
-    except Exception:  # a cache: losing records only costs hashing them again
-        pass
+class _Learner:
+    """Records digests in the store's stat cache (the full path then does not hash those
+    files) on a thread of its own, which loads and opens the cache at once (while the files
+    are hashed) and writes what `give` hands it; `finish` waits for it. A cache: losing
+    records only costs hashing the files again, so any failure is silent."""
+
+    def __init__(self, db: Any) -> None:
+        import threading
+
+        self._fresh: dict[str, tuple[tuple[int, ...], str]] = {}
+        self._given = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(db,), name="mopt-noop-learn", daemon=True)
+        self._thread.start()
+
+    def give(self, fresh: dict[str, tuple[tuple[int, ...], str]]) -> None:
+        """Record `fresh` (path → (stat key, digest)) for each file whose stat is still that key."""
+        self._fresh = fresh
+        self._given.set()
+
+    def finish(self) -> None:
+        self._given.set()
+        self._thread.join()
+
+    def _run(self, db: Any) -> None:
+        if not isinstance(db, str):
+            return
+        try:
+            from mopt.statcache import StatCache
+
+            with StatCache(db) as cache:
+                cache.open()
+                self._given.wait()
+                if not self._fresh:
+                    return
+                with cache.batch():
+                    for p, (key, digest) in self._fresh.items():
+                        st = os.stat(p)
+                        if _key(st) == key:
+                            cache.record(os.path.abspath(p), st, digest)
+        except Exception:
+            pass
 
 
 def _save(path: str, stamp: dict[str, Any]) -> None:
@@ -955,45 +977,101 @@ def prehash(paths: list[str]) -> Any:
     while the full path loads plugins and the recipe (BLAKE3 leaves the GIL to the loading
     thread). A digest is kept only if the file's stat was the same before and after hashing,
     and the engine uses it only while the file's stat still is that one; anything that
-    fails here is left to the full path to digest and report."""
-    import stat as stat_
+    fails here is left to the full path to digest and report.
+
+    Returns once every hashing thread is in its first file (a millisecond or two): a caller
+    that went on at once to import modules would hold the GIL the new threads need to get
+    there (a thread that waits for it waits a switch interval, 5 ms, at each system call)."""
     import threading
 
     results: dict[str, tuple[tuple[int, ...], str, int]] = {}  # path → (stat key, digest, tree mode)
+    started = threading.Event()
 
-    from mopt.filehash import mode_of
-
-    def one(p: str, hash_file: Any, threads: bool) -> None:
-        try:
-            st = os.stat(p)
-            if not stat_.S_ISREG(st.st_mode):
-                return  # folders: the full path digests them
-            digest = hash_file(p, threads=threads)
-            after = os.stat(p)
-        except (OSError, ValueError):
-            return
-        if _key(after) == _key(st):  # not written meanwhile
-            results[p] = (_key(st), digest, mode_of(st.st_mode))
+    from mopt.filehash import hash_file, mode_of  # BLAKE3 loaded here, before the threads
 
     def work() -> None:
         try:
-            from concurrent.futures import ThreadPoolExecutor
-
-            from mopt.filehash import hash_file
-
-            cpus = _cpus()
-            # as many files at once as CPUs: each on one thread (BLAKE3's threads would only
-            # contend); fewer files than CPUs: BLAKE3 spreads each over them
-            threads = len(paths) < cpus
-            with ThreadPoolExecutor(max_workers=cpus) as pool:
-                list(pool.map(lambda p: one(p, hash_file, threads), paths))
+            _hash_all(paths, results, hash_file, mode_of, started)
         except Exception:  # a head start only: the full path digests what is missing
             pass
+        finally:
+            started.set()
 
     t = threading.Thread(target=work, name="mopt-prehash", daemon=True)
     t.results = results  # type: ignore[attr-defined]
     t.start()
+    started.wait(1.0)
     return t
+
+
+def _hash_all(
+    paths: list[str],
+    results: dict[str, tuple[tuple[int, ...], str, int]],
+    hash_file: Any,
+    mode_of: Any,
+    started: Any,
+) -> None:
+    """`prehash`'s work: as many files at once as CPUs, each on one thread (BLAKE3's own
+    threads would only contend), largest first; the last `cpus` files (all of them when
+    they are fewer) are spread over BLAKE3's threads, so that no CPU idles while another
+    thread finishes a file alone. The calling thread is one of the workers (no pool:
+    concurrent.futures' import alone delayed the first byte by ~10 ms). `started` is set
+    once each worker has taken its first file."""
+    import collections
+    import stat as stat_
+    import threading
+
+    todo: list[tuple[int, str, os.stat_result]] = []
+    for p in paths:
+        try:
+            st = os.stat(p)
+        except (OSError, ValueError):
+            continue
+        if stat_.S_ISREG(st.st_mode):  # folders: the full path digests them
+            todo.append((-st.st_size, p, st))
+    todo.sort(key=lambda x: x[0])
+    queue = collections.deque(todo)  # popleft is atomic: each file is taken once
+    cpus = _cpus()
+    workers = max(1, min(cpus, len(todo)))
+    waiting = [workers]
+    lock = threading.Lock()
+
+    def worker() -> None:
+        first = True
+        while True:
+            item: tuple[int, str, os.stat_result] | None
+            try:
+                item = queue.popleft()
+            except IndexError:
+                item = None
+            if first:
+                first = False
+                with lock:
+                    waiting[0] -= 1
+                    if waiting[0] == 0:
+                        started.set()
+            if item is None:
+                return
+            _, p, st = item
+            # one of the last `cpus` files: BLAKE3's threads take it, and the other
+            # threads' last files too, sharing the CPUs until every file is done
+            spread = cpus > 1 and len(queue) < cpus
+            try:
+                digest = hash_file(p, threads=spread, size=st.st_size)
+                after = os.stat(p)
+            except (OSError, ValueError):
+                continue
+            if _key(after) == _key(st):  # not written meanwhile
+                results[p] = (_key(st), digest, mode_of(st.st_mode))
+
+    others = [threading.Thread(target=worker, name="mopt-prehash", daemon=True) for _ in range(workers - 1)]
+    for o in others:
+        o.start()
+    try:
+        worker()
+    finally:
+        for o in others:
+            o.join()
 
 
 def _key(st: os.stat_result) -> tuple[int, ...]:

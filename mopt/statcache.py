@@ -17,7 +17,6 @@ opened at all (a read-only store) leaves every lookup a miss.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import sqlite3
 import stat
@@ -26,11 +25,24 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mopt.digest import StrPath, TreeEntry, TreeError, hash_file, iter_files, mode_of, tree_digest
+# mopt.digest (json, dataclasses) and logging are loaded where they are used: the no-op
+# path records a touched input's digest here while it hashes the others, and their
+# imports (~25 ms) would take that CPU from the hashing
+from mopt.filehash import StrPath, hash_file, mode_of
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    import logging
+
+    from mopt.digest import TreeEntry
+
+
+def _log() -> logging.Logger:
+    import logging
+
+    return logging.getLogger(__name__)
+
 
 _SCHEMA_VERSION = 1
 _SCHEMA = """
@@ -122,6 +134,8 @@ class StatCache:
         if stat.S_ISDIR(st.st_mode):
             raise IsADirectoryError(f"{abs_}: not a regular file (use path_digest for folders)")
         if not stat.S_ISREG(st.st_mode):
+            from mopt.digest import TreeError
+
             raise TreeError(f"{abs_}: not a regular file (a device, socket or pipe); give a file or a folder")
         return self._digest(abs_, st, None)
 
@@ -131,6 +145,8 @@ class StatCache:
 
     def tree(self, path: StrPath) -> tuple[str, list[TreeEntry]]:
         """(tree digest, entries sorted by path) of the folder `path`; unchanged files are not read."""
+        from mopt.digest import TreeEntry, iter_files, tree_digest
+
         base = os.path.abspath(path)
         with self.batch():
             known = self._load_under(base)
@@ -230,7 +246,7 @@ class StatCache:
                         self._move_aside(e)
                         continue
                     # Losing cache records only costs a rehash later; a build must not fail on it.
-                    log.warning("stat cache %s: could not save %d digests: %s", self.db_path, len(rows), e)
+                    _log().warning("stat cache %s: could not save %d digests: %s", self.db_path, len(rows), e)
                     return
 
     def prune(self) -> int:
@@ -254,10 +270,16 @@ class StatCache:
                     conn.executemany("DELETE FROM stat WHERE path = ?", stale)
                     conn.execute("COMMIT")
                 except sqlite3.Error as e:
-                    log.warning("stat cache %s: could not prune: %s", self.db_path, e)
+                    _log().warning("stat cache %s: could not prune: %s", self.db_path, e)
                     with contextlib.suppress(sqlite3.Error):
                         conn.execute("ROLLBACK")
         return len(stale)
+
+    def open(self) -> None:
+        """Connect now instead of at the first lookup or write (a caller with time to spare:
+        the no-op's learning opens it while the touched files are hashed)."""
+        with self._lock:
+            self._db()
 
     def close(self) -> None:
         """Flush and close the database connection (it reopens on next use)."""
@@ -339,7 +361,7 @@ class StatCache:
                 if attempt == 0 and _is_damage(e) and not self.read_only:
                     self._move_aside(e)
                     continue
-                log.warning("stat cache %s unusable, hashing instead: %s", self.db_path, e)
+                _log().warning("stat cache %s unusable, hashing instead: %s", self.db_path, e)
                 self._drop_connection()
                 self._unavailable = True
                 return []
@@ -349,7 +371,7 @@ class StatCache:
         """Rename a damaged database to state.db.broken and start an empty one."""
         self._drop_connection()
         aside = self.db_path + ".broken"
-        log.warning(
+        _log().warning(
             "stat cache %s is damaged (%s); moved it to %s and starting an empty one (it is a cache: "
             "files are rehashed once)",
             self.db_path,
@@ -359,7 +381,7 @@ class StatCache:
         try:
             os.replace(self.db_path, aside)
         except OSError as e:
-            log.warning("could not move %s aside: %s; not using a stat cache", self.db_path, e)
+            _log().warning("could not move %s aside: %s; not using a stat cache", self.db_path, e)
             self._unavailable = True
         for side in ("-wal", "-shm", "-journal"):
             with contextlib.suppress(OSError):
@@ -394,11 +416,11 @@ class StatCache:
                     if self._unavailable:
                         return None
                     continue
-                log.warning("stat cache %s cannot be opened, hashing instead: %s", self.db_path, e)
+                _log().warning("stat cache %s cannot be opened, hashing instead: %s", self.db_path, e)
                 self._unavailable = True
                 return None
             except OSError as e:
-                log.warning("stat cache %s cannot be opened, hashing instead: %s", self.db_path, e)
+                _log().warning("stat cache %s cannot be opened, hashing instead: %s", self.db_path, e)
                 self._unavailable = True
                 return None
             except BaseException:
@@ -428,7 +450,7 @@ class StatCache:
                 self._unavailable = True
                 return None
         except sqlite3.Error as e:
-            log.debug("stat cache %s not readable: %s", self.db_path, e)
+            _log().debug("stat cache %s not readable: %s", self.db_path, e)
             self._unavailable = True
             return None
         self._conn = conn

@@ -158,3 +158,16 @@ def test_forked_child_can_hash_large_files_after_parent_did(tmp_path: Path) -> N
     with ctx.Pool(2) as pool:
         got = pool.map_async(_hash_in_child, [str(p)] * 4).get(timeout=60)
     assert got == [want] * 4
+
+
+@pytest.mark.parametrize("n", [0, 1, 16 * 1024, MMAP_THRESHOLD - 1, MMAP_THRESHOLD, MMAP_THRESHOLD * 2 + 3])
+def test_a_size_given_changes_how_a_file_is_read_not_its_digest(tmp_path: Path, n: int) -> None:
+    # `size` is the caller's stat: a file that is smaller by the time it is hashed (even
+    # empty, which mmap could not map) still gets the digest of its bytes
+    p = tmp_path / "f.bin"
+    data = os.urandom(n)
+    p.write_bytes(data)
+    want = blake3.blake3(data).hexdigest()
+    for size in (None, 0, n, MMAP_THRESHOLD, MMAP_THRESHOLD * 8):
+        for threads in (True, False):
+            assert hash_file(p, threads=threads, size=size) == want
