@@ -30,7 +30,7 @@ from mopt.api import Artifact, Missing, SourceContext, SourceError, TargetKind
 from mopt.digest import canonical_json, hash_bytes
 from mopt.errors import MoptError
 from mopt.graph import Node
-from mopt.keys import action_key, diff_parts
+from mopt.keys import action_key_from_members, diff_parts, member
 from mopt.runner import InputWatch, ProcessRunner, Spawn, SpawnRunner, action_logger, close_logger
 from mopt.store import ActionEntry, Store, StoreError
 
@@ -275,6 +275,7 @@ class Engine:
         self._prefetched = False
         self._prefetched_dirs: set[str] = set()
         self._node_files: dict[str, list[Path]] = {}
+        self._files_by_params: dict[tuple[str, int], tuple[Any, list[Path]]] = {}
         #: outputs tree → the lstat of each blob of a hit just checked (`hit`), taken by
         #: `_materialize`
         self._hit_stats: dict[str, dict[str, os.stat_result]] = {}
@@ -468,8 +469,21 @@ class Engine:
         self, node: Node, inputs: dict[str, list[str]], missing: dict[str, list[Missing]] | None = None
     ) -> dict[str, Any]:
         """Everything that goes into the node's action key."""
+        return self.keyed(node, inputs, missing)[0]
+
+    def keyed(
+        self, node: Node, inputs: dict[str, list[str]], missing: dict[str, list[Missing]] | None = None
+    ) -> tuple[dict[str, Any], str]:
+        """`(parts, action_key(parts))` of the node, the key written from the parts' members
+        (`keys.from_members`): those that many nodes share (the kind's names, versions and
+        fingerprint, a params object's dump, a model's family and task, a profile's dump:
+        all frozen) encoded once a build, the rest for each node."""
         kind = self.kind(node.kind)
         params = node.target.params
+        fixed = self._fixed_members(node, kind)
+        members = dict(fixed[0])
+        members["params"] = self._params_member(node)
+        members["model"] = fixed[1][1]
         parts: dict[str, Any] = {
             "kind": node.kind,
             "kind_version": node.kind_version,
@@ -477,13 +491,17 @@ class Engine:
             "plugin_version": node.plugin_version,
             "params": node.params_json(),
             "inputs": inputs,
-            "model": {"family": node.model.spec.family, "task": node.model.spec.task},
-            "fingerprint": self.fingerprint(node.kind),
+            "model": fixed[1][0],
+            "fingerprint": fixed[2],
             "platform": kind.platform(node.hardware),
             "salt": self.salt,
         }
+        members["inputs"] = member("inputs", inputs)
+        members["platform"] = member("platform", parts["platform"])
+        members["salt"] = member("salt", self.salt)
         if kind.uses_source:
             parts["source"] = self.source(node.model.name)[1]
+            members["source"] = member("source", parts["source"])
         gathers = _gathers(kind)
         if gathers:  # a gathering kind names what it took: its output may say so
             gone = {(s, m.label) for s, ms in (missing or {}).items() for m in ms}
@@ -495,17 +513,63 @@ class Engine:
                 ]
                 for s in gathers
             }
+            members["input_labels"] = member("input_labels", parts["input_labels"])
         if missing:
             parts["missing"] = {s: [[m.label, m.status] for m in ms] for s, ms in sorted(missing.items())}
-        files = self.node_files(node)
+            members["missing"] = member("missing", parts["missing"])
+        files = self._node_files_of(node)
         if files:
             parts["files"] = {self._rel(f): self.file_digest(f) for f in files}
+            members["files"] = member("files", parts["files"])
         if kind.per_hardware:
-            parts["hardware"] = node.hardware.model_dump(mode="json")
+            parts["hardware"], members["hardware"] = self._hardware_member(node.hardware)
         env_values = getattr(kind, "env_values", None)
         if callable(env_values):
             parts["env"] = env_values(params)
-        return parts
+            members["env"] = member("env", parts["env"])
+        return parts, action_key_from_members(members)
+
+    def _fixed_members(self, node: Node, kind: TargetKind) -> tuple[dict[str, str], tuple[Any, str], Any]:
+        """(the kind's members, (the model's family/task, its member), the fingerprint) for
+        `keyed`, each made once (per kind and its fingerprint, per model object)."""
+        memo: dict[Any, Any] = self.__dict__.setdefault("_members", {})
+        hit = memo.get(node.kind)
+        fp = self.fingerprint(node.kind)
+        if hit is None or hit[1] is not fp or hit[3] != (node.kind_version, node.plugin, node.plugin_version):
+            fixed = {
+                "kind": node.kind,
+                "kind_version": node.kind_version,
+                "plugin": node.plugin,
+                "plugin_version": node.plugin_version,
+                "fingerprint": fp,
+            }
+            names = (node.kind_version, node.plugin, node.plugin_version)
+            hit = memo[node.kind] = ({k: member(k, v) for k, v in fixed.items()}, fp, {}, names)
+        models: dict[int, Any] = hit[2]
+        m = models.get(id(node.model))
+        if m is None or m[0] is not node.model:
+            fam = {"family": node.model.spec.family, "task": node.model.spec.task}
+            m = models[id(node.model)] = (node.model, (fam, member("model", fam)))
+        return hit[0], m[1], hit[1]
+
+    def _params_member(self, node: Node) -> str:
+        """`member("params", node.params_json())`, once per params object (frozen; its dump
+        is shared by the nodes that share it and read-only)."""
+        memo: dict[int, Any] = self.__dict__.setdefault("_params_members", {})
+        params = node.target.params
+        hit = memo.get(id(params))
+        if hit is None or hit[0] is not params or hit[1] is not node.params_json():
+            hit = memo[id(params)] = (params, node.params_json(), member("params", node.params_json()))
+        return str(hit[2])
+
+    def _hardware_member(self, hw: Any) -> tuple[Any, str]:
+        """(the profile's dump, its member), once per profile object (frozen)."""
+        memo: dict[int, Any] = self.__dict__.setdefault("_hw_members", {})
+        hit = memo.get(id(hw))
+        if hit is None or hit[0] is not hw:
+            dumped = hw.model_dump(mode="json")
+            hit = memo[id(hw)] = (hw, dumped, member("hardware", dumped))
+        return hit[1], hit[2]
 
     def _rel(self, p: Path) -> str:
         rels: dict[Path, str] = self.__dict__.setdefault("_rels", {})  # 10,000 nodes, few files each
@@ -651,13 +715,12 @@ class Engine:
                 missing_inputs(node, {d: (gone[d], "") for d in deps if d in gone}, self.graph) if gone else {}
             )
             try:
-                parts = self.parts(node, inputs, absent)  # type: ignore[arg-type]
+                parts, key = self.keyed(node, inputs, absent)  # type: ignore[arg-type]
             except SourceUnavailable as exc:  # e.g. not in the local cache: say so, go on
                 # (every other MoptError is a recipe error `build` rejects too: exit 2)
                 outputs[i] = None
                 result[i] = {"state": "unavailable", "summary": exc.message, "reasons": [exc.render()]}
                 continue
-            key = action_key(parts)
             entry = self.hit(key, fetch=False)
             if entry is not None:
                 outputs[i] = entry.outputs_tree
@@ -694,8 +757,7 @@ class Engine:
         for i in self.graph.closure([node_id]):
             n = self.graph.nodes[i]
             inputs = {s: [outputs.get(d, "") for d in ds] for s, ds in n.inputs.items()}
-            parts = self.parts(n, inputs)
-            key = action_key(parts)
+            parts, key = self.keyed(n, inputs)
             if i == node_id:
                 pending = [d for d in n.input_ids() if d not in outputs]
                 return {
@@ -814,8 +876,7 @@ class Engine:
                             continue
                         if st.key is None:
                             st.missing = missing
-                            st.parts = self.parts(node, built_inputs(node, outputs), missing)
-                            st.key = action_key(st.parts)
+                            st.parts, st.key = self.keyed(node, built_inputs(node, outputs), missing)
                             entry = self.hit(st.key)
                             if entry is not None:
                                 self._finish_hit(st, entry, outputs)
@@ -1002,12 +1063,20 @@ class Engine:
 
     def node_files(self, node: Node) -> list[Path]:
         """The declared input files of `node` (its kind's `input_files`, asked once a build)."""
+        return list(self._node_files_of(node))
+
+    def _node_files_of(self, node: Node) -> list[Path]:
+        """`node_files`, not copied: the caller only reads it. Asked once per kind and
+        params object (frozen: the nodes that share one declare the same files)."""
         files = self._node_files.get(node.id)
         if files is None:
-            files = self._node_files[node.id] = list(
-                self.kind(node.kind).input_files(node.target.params, self.recipe.project_dir)
-            )
-        return list(files)
+            params = node.target.params
+            shared = self._files_by_params.get((node.kind, id(params)))
+            if shared is None or shared[0] is not params:
+                found = list(self.kind(node.kind).input_files(params, self.recipe.project_dir))
+                shared = self._files_by_params[(node.kind, id(params))] = (params, found)
+            files = self._node_files[node.id] = shared[1]
+        return files
 
     def _prefetch_dirs(self, paths: Any) -> None:
         """The stat records under the folders of `paths` in one query per folder."""

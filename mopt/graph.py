@@ -18,7 +18,7 @@ from typing import Any
 from mopt.api import HardwareProfile, Input, TargetKind
 from mopt.digest import hash_bytes
 from mopt.errors import MoptError, did_you_mean
-from mopt.keys import canonical_bytes
+from mopt.keys import from_members, member
 from mopt.plugins import Registry
 from mopt.recipe import Model, Recipe, Section, Target
 
@@ -359,33 +359,63 @@ def _slot_mode(registry: Registry, kind: str, slot: str, memo: dict[tuple[str, s
 class _NodeMemo:
     """What `build_graph` computes once for the many nodes that share it: a params object's
     JSON dump (bound params are frozen and shared where a section's values are), a model's
-    family/task, a kind's plugin. Each is held with its object, so an id seen here is never
-    another object's."""
+    family/task, a kind's plugin, and each of these as the canonical JSON member it is in a
+    node's definition (`keys.member`). Each is held with its object, so an id seen here is
+    never another object's; every one of them is frozen (pydantic `frozen=True` models, the
+    registry's classes), so a member encoded once is the member encoded now."""
 
     def __init__(self) -> None:
-        self.dumps: dict[int, tuple[Any, Any]] = {}
-        self.models: dict[int, tuple[Model, dict[str, Any]]] = {}
-        self.kinds: dict[str, tuple[Any, Any, tuple[str, ...]]] = {}
+        self.dumps: dict[int, tuple[Any, Any, str]] = {}
+        self.models: dict[int, tuple[Model, dict[str, Any], str, str]] = {}
+        self.kinds: dict[str, tuple[Any, Any, tuple[str, ...], dict[str, str]]] = {}
+        self.hardware: dict[int, tuple[HardwareProfile, str]] = {}
 
     def dump(self, params: Any) -> Any:
+        return self._dump(params)[1]
+
+    def _dump(self, params: Any) -> tuple[Any, Any, str]:
         hit = self.dumps.get(id(params))
         if hit is None or hit[0] is not params:
-            hit = self.dumps[id(params)] = (params, params.model_dump(mode="json"))
-        return hit[1]
+            dumped = params.model_dump(mode="json")
+            hit = self.dumps[id(params)] = (params, dumped, member("params", dumped))
+        return hit
 
     def model(self, model: Model) -> dict[str, Any]:
+        return self._model(model)[1]
+
+    def _model(self, model: Model) -> tuple[Model, dict[str, Any], str, str]:
         hit = self.models.get(id(model))
         if hit is None or hit[0] is not model:
-            hit = self.models[id(model)] = (model, {"family": model.spec.family, "task": model.spec.task})
-        return hit[1]
+            fam = {"family": model.spec.family, "task": model.spec.task}
+            source = model.spec.source
+            hit = self.models[id(model)] = (model, fam, member("model", fam), member("source", source))
+        return hit
 
     def kind(self, registry: Registry, kind: str) -> tuple[Any, Any, tuple[str, ...]]:
+        return self._kind(registry, kind)[:3]
+
+    def _kind(self, registry: Registry, kind: str) -> tuple[Any, Any, tuple[str, ...], dict[str, str]]:
         hit = self.kinds.get(kind)
         if hit is None:
             cls = registry.targets[kind]
             partial = tuple(s.name for s in cls.consumes if s.gather and s.partial)
-            hit = self.kinds[kind] = (cls, registry.plugin_of("targets", kind), partial)
+            plugin = registry.plugin_of("targets", kind)
+            fixed = {
+                "kind": kind,
+                "kind_version": cls.version,
+                "plugin": plugin.name,
+                "plugin_version": plugin.version,
+            }
+            hit = self.kinds[kind] = (cls, plugin, partial, {k: member(k, v) for k, v in fixed.items()})
         return hit
+
+    def hw(self, hw: HardwareProfile, hw_json: dict[int, Any]) -> str:
+        hit = self.hardware.get(id(hw))
+        if hit is None or hit[0] is not hw:
+            if id(hw) not in hw_json:
+                hw_json[id(hw)] = hw.model_dump(mode="json")
+            hit = self.hardware[id(hw)] = (hw, member("hardware", hw_json[id(hw)]))
+        return hit[1]
 
 
 def _make_node(
@@ -400,28 +430,25 @@ def _make_node(
     hw_json: dict[int, Any] | None = None,
     memo: _NodeMemo | None = None,
 ) -> Node:
+    """The node of target `t`; its identity is the digest of its canonical definition:
+    {kind, kind_version, plugin, plugin_version, params, inputs (their identities), model
+    (family, task), source (kinds that read it), hardware (per-hardware kinds)}, written
+    from members encoded once per kind, params object, model and profile."""
     memo = memo or _NodeMemo()
-    cls, plugin, partial = memo.kind(registry, t.kind)
-    params_json = memo.dump(t.params)
-    definition: dict[str, Any] = {
-        "kind": t.kind,
-        "kind_version": cls.version,
-        "plugin": plugin.name,
-        "plugin_version": plugin.version,
-        "params": params_json,
-        "inputs": {s: [nodes[i].identity for i in ids] for s, ids in sorted(inputs.items())},
-        "model": memo.model(model),
-    }
+    cls, plugin, partial, members = memo._kind(registry, t.kind)
+    _, params_json, params_member = memo._dump(t.params)
+    _, _, model_member, source_member = memo._model(model)
+    definition = dict(members)
+    definition["params"] = params_member
+    definition["model"] = model_member
+    definition["inputs"] = member(
+        "inputs", {s: [nodes[i].identity for i in ids] for s, ids in sorted(inputs.items())}
+    )
     if cls.uses_source:
-        definition["source"] = model.spec.source
+        definition["source"] = source_member
     if cls.per_hardware:
-        if hw_json is None or id(hw) not in hw_json:
-            dumped = hw.model_dump(mode="json")
-            if hw_json is None:
-                hw_json = {}
-            hw_json[id(hw)] = dumped
-        definition["hardware"] = hw_json[id(hw)]
-    identity = hash_bytes(canonical_bytes(definition))
+        definition["hardware"] = memo.hw(hw, {} if hw_json is None else hw_json)
+    identity = hash_bytes(from_members(definition))
     node_id = f"{section.id}:{label}"
     return Node(
         id=node_id,
