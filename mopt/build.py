@@ -30,7 +30,7 @@ from mopt.api import Artifact, Missing, SourceContext, SourceError, TargetKind
 from mopt.digest import canonical_json, hash_bytes
 from mopt.errors import MoptError
 from mopt.graph import Node
-from mopt.keys import action_key_from_members, diff_parts, member
+from mopt.keys import KEY_FORMAT, Layout, diff_parts, member
 from mopt.runner import InputWatch, ProcessRunner, Spawn, SpawnRunner, action_logger, close_logger
 from mopt.store import ActionEntry, Store, StoreError
 
@@ -211,6 +211,18 @@ def _check_input_files(kind: TargetKind) -> None:
             ) from None
 
     kind.input_files = input_files  # type: ignore[method-assign]
+
+
+def _relative(path: str, base: str) -> str:
+    """`str(PurePosixPath(path).relative_to(base))`, else `path` (it is not under `base`),
+    for the strings of two pathlib paths (no trailing, doubled or `.` parts): the same
+    lexical rule, with no exception raised for the usual case of a file outside the project."""
+    if path == base:
+        return "."
+    if path.startswith("//") != base.startswith("//") or base == ".":  # another root
+        return path
+    prefix = base if base.endswith("/") else base + "/"
+    return path[len(prefix) :] if path.startswith(prefix) else path
 
 
 def _gathers(kind: TargetKind) -> list[str]:
@@ -475,15 +487,18 @@ class Engine:
         self, node: Node, inputs: dict[str, list[str]], missing: dict[str, list[Missing]] | None = None
     ) -> tuple[dict[str, Any], str]:
         """`(parts, action_key(parts))` of the node, the key written from the parts' members
-        (`keys.from_members`): those that many nodes share (the kind's names, versions and
-        fingerprint, a params object's dump, a model's family and task, a profile's dump:
-        all frozen) encoded once a build, the rest for each node."""
+        (`keys.Layout`): those that many nodes share (the format, the kind's names, versions
+        and fingerprint, a params object's dump, a model's family and task, a profile's
+        dump: all frozen) encoded once a build, the rest for each node."""
         kind = self.kind(node.kind)
         params = node.target.params
-        fixed = self._fixed_members(node, kind)
-        members = dict(fixed[0])
-        members["params"] = self._params_member(node)
-        members["model"] = fixed[1][1]
+        gathers = _gathers(kind)
+        env_values = getattr(kind, "env_values", None)
+        has_env = callable(env_values)
+        files = self._node_files_of(node)
+        fixed = self._fixed_members(node, kind, bool(missing), bool(files), has_env)
+        layout, fam = fixed[0], fixed[1]
+        platform = kind.platform(node.hardware)
         parts: dict[str, Any] = {
             "kind": node.kind,
             "kind_version": node.kind_version,
@@ -491,18 +506,22 @@ class Engine:
             "plugin_version": node.plugin_version,
             "params": node.params_json(),
             "inputs": inputs,
-            "model": fixed[1][0],
+            "model": fam[0],
             "fingerprint": fixed[2],
-            "platform": kind.platform(node.hardware),
+            "platform": platform,
             "salt": self.salt,
         }
-        members["inputs"] = member("inputs", inputs)
-        members["platform"] = member("platform", parts["platform"])
-        members["salt"] = member("salt", self.salt)
+        # in the order of `_fixed_members`'s holes
+        members = [
+            self._params_member(node),
+            fam[1],
+            member("inputs", inputs),
+            member("platform", platform),
+            member("salt", self.salt),
+        ]
         if kind.uses_source:
             parts["source"] = self.source(node.model.name)[1]
-            members["source"] = member("source", parts["source"])
-        gathers = _gathers(kind)
+            members.append(member("source", parts["source"]))
         if gathers:  # a gathering kind names what it took: its output may say so
             gone = {(s, m.label) for s, ms in (missing or {}).items() for m in ms}
             parts["input_labels"] = {
@@ -513,38 +532,55 @@ class Engine:
                 ]
                 for s in gathers
             }
-            members["input_labels"] = member("input_labels", parts["input_labels"])
+            members.append(member("input_labels", parts["input_labels"]))
         if missing:
             parts["missing"] = {s: [[m.label, m.status] for m in ms] for s, ms in sorted(missing.items())}
-            members["missing"] = member("missing", parts["missing"])
-        files = self._node_files_of(node)
+            members.append(member("missing", parts["missing"]))
         if files:
             parts["files"] = {self._rel(f): self.file_digest(f) for f in files}
-            members["files"] = member("files", parts["files"])
+            members.append(member("files", parts["files"]))
         if kind.per_hardware:
-            parts["hardware"], members["hardware"] = self._hardware_member(node.hardware)
-        env_values = getattr(kind, "env_values", None)
-        if callable(env_values):
+            parts["hardware"], hw_member = self._hardware_member(node.hardware)
+            members.append(hw_member)
+        if has_env:
+            assert env_values is not None
             parts["env"] = env_values(params)
-            members["env"] = member("env", parts["env"])
-        return parts, action_key_from_members(members)
+            members.append(member("env", parts["env"]))
+        return parts, hash_bytes(layout.join(*members))
 
-    def _fixed_members(self, node: Node, kind: TargetKind) -> tuple[dict[str, str], tuple[Any, str], Any]:
-        """(the kind's members, (the model's family/task, its member), the fingerprint) for
-        `keyed`, each made once (per kind and its fingerprint, per model object)."""
+    def _fixed_members(
+        self, node: Node, kind: TargetKind, missing: bool, files: bool, env: bool
+    ) -> tuple[Layout, tuple[Any, str], Any]:
+        """(the layout of the node's parts, (the model's family/task, its member), the
+        fingerprint) for `keyed`, each made once (per kind, fingerprint and which optional
+        parts there are; per model object)."""
         memo: dict[Any, Any] = self.__dict__.setdefault("_members", {})
-        hit = memo.get(node.kind)
+        shape = (node.kind, missing, files, env)
+        hit = memo.get(shape)
         fp = self.fingerprint(node.kind)
         if hit is None or hit[1] is not fp or hit[3] != (node.kind_version, node.plugin, node.plugin_version):
             fixed = {
+                "format": KEY_FORMAT,
                 "kind": node.kind,
                 "kind_version": node.kind_version,
                 "plugin": node.plugin,
                 "plugin_version": node.plugin_version,
                 "fingerprint": fp,
             }
+            holes = ["params", "model", "inputs", "platform", "salt"]
+            for name, present in (
+                ("source", kind.uses_source),
+                ("input_labels", bool(_gathers(kind))),
+                ("missing", missing),
+                ("files", files),
+                ("hardware", kind.per_hardware),
+                ("env", env),
+            ):
+                if present:
+                    holes.append(name)
+            layout = Layout({k: member(k, v) for k, v in fixed.items()}, tuple(holes))
             names = (node.kind_version, node.plugin, node.plugin_version)
-            hit = memo[node.kind] = ({k: member(k, v) for k, v in fixed.items()}, fp, {}, names)
+            hit = memo[shape] = (layout, fp, {}, names)
         models: dict[int, Any] = hit[2]
         m = models.get(id(node.model))
         if m is None or m[0] is not node.model:
@@ -575,11 +611,7 @@ class Engine:
         rels: dict[Path, str] = self.__dict__.setdefault("_rels", {})  # 10,000 nodes, few files each
         rel = rels.get(p)
         if rel is None:
-            try:
-                rel = str(p.relative_to(self.recipe.project_dir))
-            except ValueError:
-                rel = str(p)
-            rels[p] = rel
+            rel = rels[p] = _relative(str(p), str(self.recipe.project_dir))
         return rel
 
     # ------------------------------------------------------------------ index of last builds

@@ -18,7 +18,7 @@ from typing import Any
 from mopt.api import HardwareProfile, Input, TargetKind
 from mopt.digest import hash_bytes
 from mopt.errors import MoptError, did_you_mean
-from mopt.keys import from_members, member
+from mopt.keys import Layout, member
 from mopt.plugins import Registry
 from mopt.recipe import Model, Recipe, Section, Target
 
@@ -287,6 +287,7 @@ def build_graph(recipe: Recipe, registry: Registry) -> Graph:
     wirings: dict[Any, tuple[dict[str, dict[str, list[str]]], list[str]]] = {}
     slot_modes: dict[tuple[str, str], str] = {}  # (kind, slot) → gather | fanout | one
     for section in recipe.sections:
+        sid = section.id
         hw = registry.hardware[section.hardware]
         model = recipe.models[section.model]
         # sections of one shape (target names, kinds, inputs) wire alike: 10,000 sections
@@ -302,7 +303,7 @@ def build_graph(recipe: Recipe, registry: Registry) -> Graph:
             kind = kinds.get(t.kind)
             if kind is None:
                 kind = kinds[t.kind] = registry.targets[t.kind]()
-            t.params = kind.bind(t.params, model=section.model, hardware=section.key, section=section.id)
+            t.params = kind.bind(t.params, model=section.model, hardware=section.key, section=sid)
             variants.setdefault(t.name, []).append(t)
         built: dict[str, list[Node]] = {}  # target name → its nodes in this section
         for name in order:
@@ -331,15 +332,16 @@ def build_graph(recipe: Recipe, registry: Registry) -> Graph:
                         if is_multi:
                             suffix.append(inodes[0].label)
                     label = t.label + (f"[{','.join(suffix)}]" if suffix else "")
-                    node = _make_node(registry, section, model, hw, t, inputs, label, nodes, hw_json, memo)
-                    existing = by_identity.get(node.identity)
+                    identity = memo.identity(registry, model, hw, t, inputs, nodes, hw_json)
+                    existing = by_identity.get(identity)
                     if existing is not None:
-                        addr = f"{section.id}:{label}"
+                        addr = f"{sid}:{label}"
                         if addr not in existing.addresses:
                             existing.addresses.append(addr)
                         built[name].append(existing)
                         continue
-                    by_identity[node.identity] = node
+                    node = memo.node(registry, section, sid, model, hw, t, inputs, label, identity)
+                    by_identity[identity] = node
                     nodes[node.id] = node
                     built[name].append(node)
     return Graph(recipe, registry, nodes)
@@ -367,7 +369,7 @@ class _NodeMemo:
     def __init__(self) -> None:
         self.dumps: dict[int, tuple[Any, Any, str]] = {}
         self.models: dict[int, tuple[Model, dict[str, Any], str, str]] = {}
-        self.kinds: dict[str, tuple[Any, Any, tuple[str, ...], dict[str, str]]] = {}
+        self.kinds: dict[str, tuple[Any, Any, tuple[str, ...], Layout]] = {}
         self.hardware: dict[int, tuple[HardwareProfile, str]] = {}
 
     def dump(self, params: Any) -> Any:
@@ -394,7 +396,7 @@ class _NodeMemo:
     def kind(self, registry: Registry, kind: str) -> tuple[Any, Any, tuple[str, ...]]:
         return self._kind(registry, kind)[:3]
 
-    def _kind(self, registry: Registry, kind: str) -> tuple[Any, Any, tuple[str, ...], dict[str, str]]:
+    def _kind(self, registry: Registry, kind: str) -> tuple[Any, Any, tuple[str, ...], Layout]:
         hit = self.kinds.get(kind)
         if hit is None:
             cls = registry.targets[kind]
@@ -406,7 +408,11 @@ class _NodeMemo:
                 "plugin": plugin.name,
                 "plugin_version": plugin.version,
             }
-            hit = self.kinds[kind] = (cls, plugin, partial, {k: member(k, v) for k, v in fixed.items()})
+            holes = ("params", "model", "inputs") + (("source",) if cls.uses_source else ()) + (
+                ("hardware",) if cls.per_hardware else ()
+            )
+            layout = Layout({k: member(k, v) for k, v in fixed.items()}, holes)
+            hit = self.kinds[kind] = (cls, plugin, partial, layout)
         return hit
 
     def hw(self, hw: HardwareProfile, hw_json: dict[int, Any]) -> str:
@@ -416,6 +422,68 @@ class _NodeMemo:
                 hw_json[id(hw)] = hw.model_dump(mode="json")
             hit = self.hardware[id(hw)] = (hw, member("hardware", hw_json[id(hw)]))
         return hit[1]
+
+    def identity(
+        self,
+        registry: Registry,
+        model: Model,
+        hw: HardwareProfile,
+        t: Target,
+        inputs: dict[str, list[str]],
+        nodes: dict[str, Node],
+        hw_json: dict[int, Any],
+    ) -> str:
+        """The digest of the canonical JSON of the node's definition: {kind, kind_version,
+        plugin, plugin_version, params, inputs (their identities), model (family, task),
+        source (kinds that read it), hardware (per-hardware kinds)}, written from members
+        encoded once per kind, params object, model and profile (`keys.Layout`)."""
+        cls, _, _, layout = self._kind(registry, t.kind)
+        hit = self.dumps.get(id(t.params))
+        if hit is None or hit[0] is not t.params:
+            hit = self._dump(t.params)
+        m = self.models.get(id(model))
+        if m is None or m[0] is not model:
+            m = self._model(model)
+        ins = member("inputs", {s: [nodes[i].identity for i in ids] for s, ids in sorted(inputs.items())})
+        if cls.uses_source:
+            if cls.per_hardware:
+                return hash_bytes(layout.join(hit[2], m[2], ins, m[3], self.hw(hw, hw_json)))
+            return hash_bytes(layout.join(hit[2], m[2], ins, m[3]))
+        if cls.per_hardware:
+            return hash_bytes(layout.join(hit[2], m[2], ins, self.hw(hw, hw_json)))
+        return hash_bytes(layout.join(hit[2], m[2], ins))
+
+    def node(
+        self,
+        registry: Registry,
+        section: Section,
+        sid: str,
+        model: Model,
+        hw: HardwareProfile,
+        t: Target,
+        inputs: dict[str, list[str]],
+        label: str,
+        identity: str,
+    ) -> Node:
+        cls, plugin, partial, _ = self._kind(registry, t.kind)
+        node_id = f"{sid}:{label}"
+        return Node(
+            id=node_id,
+            identity=identity,
+            kind=t.kind,
+            kind_version=cls.version,
+            plugin=plugin.name,
+            plugin_version=plugin.version,
+            target=t,
+            section=section,
+            model=model,
+            hardware=hw,
+            inputs=inputs,
+            label=label,
+            addresses=[node_id],
+            partial_slots=partial,
+            params_dump=self._dump(t.params)[1],
+        )
 
 
 def _make_node(
@@ -430,43 +498,10 @@ def _make_node(
     hw_json: dict[int, Any] | None = None,
     memo: _NodeMemo | None = None,
 ) -> Node:
-    """The node of target `t`; its identity is the digest of its canonical definition:
-    {kind, kind_version, plugin, plugin_version, params, inputs (their identities), model
-    (family, task), source (kinds that read it), hardware (per-hardware kinds)}, written
-    from members encoded once per kind, params object, model and profile."""
+    """The node of target `t` (see `_NodeMemo.identity` for what its identity covers)."""
     memo = memo or _NodeMemo()
-    cls, plugin, partial, members = memo._kind(registry, t.kind)
-    _, params_json, params_member = memo._dump(t.params)
-    _, _, model_member, source_member = memo._model(model)
-    definition = dict(members)
-    definition["params"] = params_member
-    definition["model"] = model_member
-    definition["inputs"] = member(
-        "inputs", {s: [nodes[i].identity for i in ids] for s, ids in sorted(inputs.items())}
-    )
-    if cls.uses_source:
-        definition["source"] = source_member
-    if cls.per_hardware:
-        definition["hardware"] = memo.hw(hw, {} if hw_json is None else hw_json)
-    identity = hash_bytes(from_members(definition))
-    node_id = f"{section.id}:{label}"
-    return Node(
-        id=node_id,
-        identity=identity,
-        kind=t.kind,
-        kind_version=cls.version,
-        plugin=plugin.name,
-        plugin_version=plugin.version,
-        target=t,
-        section=section,
-        model=model,
-        hardware=hw,
-        inputs=inputs,
-        label=label,
-        addresses=[node_id],
-        partial_slots=partial,
-        params_dump=params_json,
-    )
+    identity = memo.identity(registry, model, hw, t, inputs, nodes, {} if hw_json is None else hw_json)
+    return memo.node(registry, section, section.id, model, hw, t, inputs, label, identity)
 
 
 # --------------------------------------------------------------------------- rendering

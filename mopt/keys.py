@@ -86,6 +86,29 @@ def from_members(members: dict[str, str]) -> bytes:
     return ("{" + ",".join([members[k] for k in sorted(members)]) + "}").encode("utf-8")
 
 
+class Layout:
+    """The member order of objects that all have the members `fixed` (already written by
+    `member`) and `holes` (written per object): `Layout(fixed, holes).join(*members)` ==
+    `from_members({**fixed, **dict(zip(holes, members))})`, the keys sorted once."""
+
+    __slots__ = ("_members", "_pos")
+
+    def __init__(self, fixed: dict[str, str], holes: tuple[str, ...]) -> None:
+        if set(fixed) & set(holes) or len(set(holes)) != len(holes):
+            raise ValueError("a hole is also a fixed member, or named twice")
+        names = sorted([*fixed, *holes])
+        self._members = [fixed.get(k, "") for k in names]
+        self._pos = tuple(names.index(h) for h in holes)
+
+    def join(self, *members: str) -> bytes:
+        if len(members) != len(self._pos):
+            raise TypeError(f"{len(self._pos)} member(s) expected, got {len(members)}")
+        out = self._members.copy()
+        for i, m in zip(self._pos, members):
+            out[i] = m
+        return ("{" + ",".join(out) + "}").encode("utf-8")
+
+
 def action_key_from_members(members: dict[str, str]) -> str:
     """`action_key(parts)` from the members of `parts` (see `from_members`)."""
     return hash_bytes(from_members({"format": _FORMAT_MEMBER, **members}))

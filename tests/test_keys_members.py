@@ -12,7 +12,15 @@ from typing import Any
 import pytest
 
 from mopt.digest import canonical_json
-from mopt.keys import _ENCODE, action_key, action_key_from_members, canonical_bytes, from_members, member
+from mopt.keys import (
+    _ENCODE,
+    Layout,
+    action_key,
+    action_key_from_members,
+    canonical_bytes,
+    from_members,
+    member,
+)
 from tests.conftest import write_files
 
 # keys that sort in ways a naive join would get wrong: prefixes, case, digits, non-ASCII,
@@ -52,6 +60,19 @@ def test_members_join_to_the_canonical_bytes_of_the_object() -> None:
         shuffled = dict(rng.sample(list(members.items()), len(members)))
         assert from_members(shuffled) == expected
         assert action_key_from_members(members) == action_key(obj)
+        # a layout: some members fixed, the others given per object
+        holes = tuple(rng.sample(list(obj), rng.randrange(len(obj) + 1)))
+        fixed = {k: m for k, m in members.items() if k not in holes}
+        assert Layout(fixed, holes).join(*[members[h] for h in holes]) == expected
+
+
+def test_a_layout_refuses_what_it_cannot_join() -> None:
+    with pytest.raises(ValueError):
+        Layout({"a": member("a", 1)}, ("a",))
+    with pytest.raises(ValueError):
+        Layout({}, ("a", "a"))
+    with pytest.raises(TypeError):
+        Layout({}, ("a", "b")).join(member("a", 1))
 
 
 def test_the_encoder_is_the_standard_one_byte_for_byte() -> None:
@@ -158,3 +179,21 @@ def test_node_identities_and_action_keys_are_the_canonical_ones(project: Path) -
     finally:
         engine.store.close()
     assert {"toy-weights", "toy-engine", "command", "toy-gather"} <= kinds
+
+
+def test_a_declared_file_is_named_relative_to_the_project_as_pathlib_does() -> None:
+    """The `files` part names each file relative to the project (else absolute), now from
+    the strings: the same names as `Path.relative_to`, roots `/` and `//` included."""
+    from pathlib import PurePosixPath
+
+    from mopt.build import _relative
+
+    cases = ["/", "//", "/a", "//a", "/a/b", "//a/b", "/ab", "/a/bc", "a", "a/b", ".", "/a/b/c", "/é/ü",
+             "ab/c", "/a/b/../c", "/a/b c/d"]
+    for x in cases:
+        for y in cases:
+            try:
+                want = str(PurePosixPath(x).relative_to(y))
+            except ValueError:
+                want = str(PurePosixPath(x))
+            assert _relative(str(PurePosixPath(x)), str(PurePosixPath(y))) == want, (x, y)
