@@ -92,6 +92,8 @@ class Graph:
 
     def select(self, selectors: list[str]) -> list[str]:
         """Node ids matched by `model.hardware:target` selectors (globs), with their deps."""
+        if not selectors:  # every node: the closure of all of them is all of them, in order
+            return list(self.nodes)
         return self.closure(self.match(selectors))
 
     def match(self, selectors: list[str]) -> list[str]:

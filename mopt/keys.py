@@ -73,6 +73,8 @@ def member(key: str, value: Any) -> str:
         if type(key) is not str:
             raise TypeError(f"keys must be str, not {type(key).__name__}")
         head = _HEADS[key] = _ENCODE(key) + ":"
+    if type(value) is dict and not value:  # an empty table (a kind's platform, env): `{}`
+        return head + "{}"
     return head + _ENCODE(value)
 
 
