@@ -286,7 +286,9 @@ def build_graph(recipe: Recipe, registry: Registry) -> Graph:
     kinds: dict[str, TargetKind] = {}  # one instance per kind, not one per target
     hw_json: dict[int, Any] = {}  # id(profile) → its JSON
     memo = _NodeMemo()
-    wirings: dict[Any, tuple[dict[str, dict[str, list[str]]], list[str]]] = {}
+    #: per shape: for each target name in topological order, its slots and the (slot, mode)
+    #: of those that have inputs
+    wirings: dict[Any, list[tuple[str, dict[str, list[str]], tuple[tuple[str, str], ...]]]] = {}
     slot_modes: dict[tuple[str, str], str] = {}  # (kind, slot) → gather | fanout | one
     for section in recipe.sections:
         sid = section.id
@@ -295,11 +297,22 @@ def build_graph(recipe: Recipe, registry: Registry) -> Graph:
         # sections of one shape (target names, kinds, inputs) wire alike: 10,000 sections
         # under one [defaults] have one shape; the first of a shape raises any wiring error
         shape = tuple((t.name, t.kind, None if t.inputs is None else tuple(t.inputs)) for t in section.targets)
-        wired = wirings.get(shape)
-        if wired is None:
-            w = _wire(section, registry)
-            wired = wirings[shape] = (w, _topo_names(w))
-        wiring, order = wired
+        plan = wirings.get(shape)
+        if plan is None:
+            wiring = _wire(section, registry)
+            kind_of = {t.name: t.kind for t in reversed(section.targets)}  # the first of a name
+            plan = wirings[shape] = [
+                (
+                    name,
+                    wiring[name],
+                    tuple(
+                        (s, slot_modes.get((kind_of[name], s)) or _slot_mode(registry, kind_of[name], s, slot_modes))
+                        for s in wiring[name]
+                        if wiring[name][s]
+                    ),
+                )
+                for name in _topo_names(wiring)
+            ]
         variants: dict[str, list[Target]] = {}
         for t in section.targets:
             kind = kinds.get(t.kind)
@@ -308,29 +321,24 @@ def build_graph(recipe: Recipe, registry: Registry) -> Graph:
             t.params = kind.bind(t.params, model=section.model, hardware=section.key, section=sid)
             variants.setdefault(t.name, []).append(t)
         built: dict[str, list[Node]] = {}  # target name → its nodes in this section
-        for name in order:
-            slots = wiring[name]
-            slot_names = [s for s in slots if slots[s]]
-            kind_name = variants[name][0].kind
-            modes = [
-                slot_modes.get((kind_name, s)) or _slot_mode(registry, kind_name, s, slot_modes) for s in slot_names
-            ]
+        for name, slots, modes in plan:
             choices: list[list[tuple[str, list[Node]]]] = [
                 [(s, [n for inp in slots[s] for n in built[inp]])]
                 if mode == "gather"
                 else [(s, [n]) for inp in slots[s] for n in built[inp]]
                 if mode == "fanout"
                 else [(s, [n]) for n in built[slots[s][0]]]
-                for s, mode in zip(slot_names, modes)
+                for s, mode in modes
             ]
             multi = [len(c) > 1 for c in choices]
-            built[name] = []
+            here: list[Node] = []
+            built[name] = here
             for t in variants[name]:
                 for combo in itertools.product(*choices) if choices else [()]:
                     inputs: dict[str, list[str]] = {s: [] for s in slots}
                     suffix = []
                     for (slot, inodes), is_multi in zip(combo, multi):
-                        inputs[slot].extend(n.id for n in inodes)
+                        inputs[slot] += [n.id for n in inodes]
                         if is_multi:
                             suffix.append(inodes[0].label)
                     label = t.label + (f"[{','.join(suffix)}]" if suffix else "")
@@ -340,12 +348,12 @@ def build_graph(recipe: Recipe, registry: Registry) -> Graph:
                         addr = f"{sid}:{label}"
                         if addr not in existing.addresses:
                             existing.addresses.append(addr)
-                        built[name].append(existing)
+                        here.append(existing)
                         continue
                     node = memo.node(registry, section, sid, model, hw, t, inputs, label, identity)
                     by_identity[identity] = node
                     nodes[node.id] = node
-                    built[name].append(node)
+                    here.append(node)
     return Graph(recipe, registry, nodes)
 
 
