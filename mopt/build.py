@@ -22,7 +22,7 @@ from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 from mopt import procs
@@ -211,6 +211,17 @@ def _check_input_files(kind: TargetKind) -> None:
             ) from None
 
     kind.input_files = input_files  # type: ignore[method-assign]
+
+
+def _abspath(p: Any) -> str:
+    """`os.path.abspath(p)`; for an absolute pathlib path that `normpath` leaves as it is
+    (pathlib writes no `.` part, no doubled or trailing slash: only a `..` part or a
+    leading `//` could change), its string without the work."""
+    if isinstance(p, PurePath):
+        s = str(p)
+        if s.startswith("/") and not s.startswith("//") and "/.." not in s:
+            return s
+    return os.path.abspath(p)
 
 
 def _relative(path: str, base: str) -> str:
@@ -1081,7 +1092,7 @@ class Engine:
                     continue
                 if stat_.S_ISREG(st.st_mode):
                     # an unchanged file is a stat-cache row (prefetched above): no thread
-                    known = self.store.state.lookup(os.path.abspath(p), st)
+                    known = self.store.state.lookup(_abspath(p), st)
                     if known is not None:
                         self._file_digests[p] = known
                         self.store.state.hits += 1
@@ -1112,7 +1123,7 @@ class Engine:
 
     def _prefetch_dirs(self, paths: Any) -> None:
         """The stat records under the folders of `paths` in one query per folder."""
-        for d in sorted({os.path.dirname(os.path.abspath(p)) for p in paths} - self._prefetched_dirs):
+        for d in sorted({os.path.dirname(_abspath(p)) for p in paths} - self._prefetched_dirs):
             self._prefetched_dirs.add(d)
             self.store.state.prefetch(d)
 

@@ -197,3 +197,16 @@ def test_a_declared_file_is_named_relative_to_the_project_as_pathlib_does() -> N
             except ValueError:
                 want = str(PurePosixPath(x))
             assert _relative(str(PurePosixPath(x)), str(PurePosixPath(y))) == want, (x, y)
+
+
+def test_a_declared_file_is_looked_up_under_its_absolute_path() -> None:
+    """The stat cache is asked under `os.path.abspath` of each declared file; the shortcut
+    for pathlib paths gives the same string."""
+    import os
+    from pathlib import Path, PurePosixPath
+
+    from mopt.build import _abspath
+
+    for s in ["/a/b", "/", "//a/b", "/a/../b", "/a/..b", "/a/b..", "a/b", ".", "a/../b", "/é/ü c", "/a/./b", "/a//b"]:
+        for p in (PurePosixPath(s), Path(s), s):
+            assert _abspath(p) == os.path.abspath(p), p
