@@ -22,7 +22,7 @@ from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 from mopt import procs
@@ -30,7 +30,7 @@ from mopt.api import Artifact, Missing, SourceContext, SourceError, TargetKind
 from mopt.digest import canonical_json, hash_bytes
 from mopt.errors import MoptError
 from mopt.graph import Node
-from mopt.keys import action_key, diff_parts
+from mopt.keys import KEY_FORMAT, Layout, diff_parts, member
 from mopt.runner import InputWatch, ProcessRunner, Spawn, SpawnRunner, action_logger, close_logger
 from mopt.store import ActionEntry, Store, StoreError
 
@@ -213,6 +213,29 @@ def _check_input_files(kind: TargetKind) -> None:
     kind.input_files = input_files  # type: ignore[method-assign]
 
 
+def _abspath(p: Any) -> str:
+    """`os.path.abspath(p)`; for an absolute pathlib path that `normpath` leaves as it is
+    (pathlib writes no `.` part, no doubled or trailing slash: only a `..` part or a
+    leading `//` could change), its string without the work."""
+    if isinstance(p, PurePath):
+        s = str(p)
+        if s.startswith("/") and not s.startswith("//") and "/.." not in s:
+            return s
+    return os.path.abspath(p)
+
+
+def _relative(path: str, base: str) -> str:
+    """`str(PurePosixPath(path).relative_to(base))`, else `path` (it is not under `base`),
+    for the strings of two pathlib paths (no trailing, doubled or `.` parts): the same
+    lexical rule, with no exception raised for the usual case of a file outside the project."""
+    if path == base:
+        return "."
+    if path.startswith("//") != base.startswith("//") or base == ".":  # another root
+        return path
+    prefix = base if base.endswith("/") else base + "/"
+    return path[len(prefix) :] if path.startswith(prefix) else path
+
+
 def _gathers(kind: TargetKind) -> list[str]:
     """The names of `kind`'s gathering slots (asked once per node when keying)."""
     consumes = kind.consumes
@@ -275,6 +298,7 @@ class Engine:
         self._prefetched = False
         self._prefetched_dirs: set[str] = set()
         self._node_files: dict[str, list[Path]] = {}
+        self._files_by_params: dict[tuple[str, int], tuple[Any, list[Path]]] = {}
         #: outputs tree → the lstat of each blob of a hit just checked (`hit`), taken by
         #: `_materialize`
         self._hit_stats: dict[str, dict[str, os.stat_result]] = {}
@@ -468,8 +492,24 @@ class Engine:
         self, node: Node, inputs: dict[str, list[str]], missing: dict[str, list[Missing]] | None = None
     ) -> dict[str, Any]:
         """Everything that goes into the node's action key."""
+        return self.keyed(node, inputs, missing)[0]
+
+    def keyed(
+        self, node: Node, inputs: dict[str, list[str]], missing: dict[str, list[Missing]] | None = None
+    ) -> tuple[dict[str, Any], str]:
+        """`(parts, action_key(parts))` of the node, the key written from the parts' members
+        (`keys.Layout`): those that many nodes share (the format, the kind's names, versions
+        and fingerprint, a params object's dump, a model's family and task, a profile's
+        dump: all frozen) encoded once a build, the rest for each node."""
         kind = self.kind(node.kind)
         params = node.target.params
+        gathers = _gathers(kind)
+        env_values = getattr(kind, "env_values", None)
+        has_env = callable(env_values)
+        files = self._node_files_of(node)
+        fixed = self._fixed_members(node, kind, bool(missing), bool(files), has_env)
+        layout, fam = fixed[0], fixed[1]
+        platform = kind.platform(node.hardware)
         parts: dict[str, Any] = {
             "kind": node.kind,
             "kind_version": node.kind_version,
@@ -477,14 +517,22 @@ class Engine:
             "plugin_version": node.plugin_version,
             "params": node.params_json(),
             "inputs": inputs,
-            "model": {"family": node.model.spec.family, "task": node.model.spec.task},
-            "fingerprint": self.fingerprint(node.kind),
-            "platform": kind.platform(node.hardware),
+            "model": fam[0],
+            "fingerprint": fixed[2],
+            "platform": platform,
             "salt": self.salt,
         }
+        # in the order of `_fixed_members`'s holes
+        members = [
+            self._params_member(node),
+            fam[1],
+            member("inputs", inputs),
+            member("platform", platform),
+            member("salt", self.salt),
+        ]
         if kind.uses_source:
             parts["source"] = self.source(node.model.name)[1]
-        gathers = _gathers(kind)
+            members.append(member("source", parts["source"]))
         if gathers:  # a gathering kind names what it took: its output may say so
             gone = {(s, m.label) for s, ms in (missing or {}).items() for m in ms}
             parts["input_labels"] = {
@@ -495,27 +543,86 @@ class Engine:
                 ]
                 for s in gathers
             }
+            members.append(member("input_labels", parts["input_labels"]))
         if missing:
             parts["missing"] = {s: [[m.label, m.status] for m in ms] for s, ms in sorted(missing.items())}
-        files = self.node_files(node)
+            members.append(member("missing", parts["missing"]))
         if files:
             parts["files"] = {self._rel(f): self.file_digest(f) for f in files}
+            members.append(member("files", parts["files"]))
         if kind.per_hardware:
-            parts["hardware"] = node.hardware.model_dump(mode="json")
-        env_values = getattr(kind, "env_values", None)
-        if callable(env_values):
+            parts["hardware"], hw_member = self._hardware_member(node.hardware)
+            members.append(hw_member)
+        if has_env:
+            assert env_values is not None
             parts["env"] = env_values(params)
-        return parts
+            members.append(member("env", parts["env"]))
+        return parts, hash_bytes(layout.join(*members))
+
+    def _fixed_members(
+        self, node: Node, kind: TargetKind, missing: bool, files: bool, env: bool
+    ) -> tuple[Layout, tuple[Any, str], Any]:
+        """(the layout of the node's parts, (the model's family/task, its member), the
+        fingerprint) for `keyed`, each made once (per kind, fingerprint and which optional
+        parts there are; per model object)."""
+        memo: dict[Any, Any] = self.__dict__.setdefault("_members", {})
+        shape = (node.kind, missing, files, env)
+        hit = memo.get(shape)
+        fp = self.fingerprint(node.kind)
+        if hit is None or hit[1] is not fp or hit[3] != (node.kind_version, node.plugin, node.plugin_version):
+            fixed = {
+                "format": KEY_FORMAT,
+                "kind": node.kind,
+                "kind_version": node.kind_version,
+                "plugin": node.plugin,
+                "plugin_version": node.plugin_version,
+                "fingerprint": fp,
+            }
+            holes = ["params", "model", "inputs", "platform", "salt"]
+            for name, present in (
+                ("source", kind.uses_source),
+                ("input_labels", bool(_gathers(kind))),
+                ("missing", missing),
+                ("files", files),
+                ("hardware", kind.per_hardware),
+                ("env", env),
+            ):
+                if present:
+                    holes.append(name)
+            layout = Layout({k: member(k, v) for k, v in fixed.items()}, tuple(holes))
+            names = (node.kind_version, node.plugin, node.plugin_version)
+            hit = memo[shape] = (layout, fp, {}, names)
+        models: dict[int, Any] = hit[2]
+        m = models.get(id(node.model))
+        if m is None or m[0] is not node.model:
+            fam = {"family": node.model.spec.family, "task": node.model.spec.task}
+            m = models[id(node.model)] = (node.model, (fam, member("model", fam)))
+        return hit[0], m[1], hit[1]
+
+    def _params_member(self, node: Node) -> str:
+        """`member("params", node.params_json())`, once per params object (frozen; its dump
+        is shared by the nodes that share it and read-only)."""
+        memo: dict[int, Any] = self.__dict__.setdefault("_params_members", {})
+        params = node.target.params
+        hit = memo.get(id(params))
+        if hit is None or hit[0] is not params or hit[1] is not node.params_json():
+            hit = memo[id(params)] = (params, node.params_json(), member("params", node.params_json()))
+        return str(hit[2])
+
+    def _hardware_member(self, hw: Any) -> tuple[Any, str]:
+        """(the profile's dump, its member), once per profile object (frozen)."""
+        memo: dict[int, Any] = self.__dict__.setdefault("_hw_members", {})
+        hit = memo.get(id(hw))
+        if hit is None or hit[0] is not hw:
+            dumped = hw.model_dump(mode="json")
+            hit = memo[id(hw)] = (hw, dumped, member("hardware", dumped))
+        return hit[1], hit[2]
 
     def _rel(self, p: Path) -> str:
         rels: dict[Path, str] = self.__dict__.setdefault("_rels", {})  # 10,000 nodes, few files each
         rel = rels.get(p)
         if rel is None:
-            try:
-                rel = str(p.relative_to(self.recipe.project_dir))
-            except ValueError:
-                rel = str(p)
-            rels[p] = rel
+            rel = rels[p] = _relative(str(p), str(self.recipe.project_dir))
         return rel
 
     # ------------------------------------------------------------------ index of last builds
@@ -651,13 +758,12 @@ class Engine:
                 missing_inputs(node, {d: (gone[d], "") for d in deps if d in gone}, self.graph) if gone else {}
             )
             try:
-                parts = self.parts(node, inputs, absent)  # type: ignore[arg-type]
+                parts, key = self.keyed(node, inputs, absent)  # type: ignore[arg-type]
             except SourceUnavailable as exc:  # e.g. not in the local cache: say so, go on
                 # (every other MoptError is a recipe error `build` rejects too: exit 2)
                 outputs[i] = None
                 result[i] = {"state": "unavailable", "summary": exc.message, "reasons": [exc.render()]}
                 continue
-            key = action_key(parts)
             entry = self.hit(key, fetch=False)
             if entry is not None:
                 outputs[i] = entry.outputs_tree
@@ -694,8 +800,7 @@ class Engine:
         for i in self.graph.closure([node_id]):
             n = self.graph.nodes[i]
             inputs = {s: [outputs.get(d, "") for d in ds] for s, ds in n.inputs.items()}
-            parts = self.parts(n, inputs)
-            key = action_key(parts)
+            parts, key = self.keyed(n, inputs)
             if i == node_id:
                 pending = [d for d in n.input_ids() if d not in outputs]
                 return {
@@ -814,8 +919,7 @@ class Engine:
                             continue
                         if st.key is None:
                             st.missing = missing
-                            st.parts = self.parts(node, built_inputs(node, outputs), missing)
-                            st.key = action_key(st.parts)
+                            st.parts, st.key = self.keyed(node, built_inputs(node, outputs), missing)
                             entry = self.hit(st.key)
                             if entry is not None:
                                 self._finish_hit(st, entry, outputs)
@@ -988,7 +1092,7 @@ class Engine:
                     continue
                 if stat_.S_ISREG(st.st_mode):
                     # an unchanged file is a stat-cache row (prefetched above): no thread
-                    known = self.store.state.lookup(os.path.abspath(p), st)
+                    known = self.store.state.lookup(_abspath(p), st)
                     if known is not None:
                         self._file_digests[p] = known
                         self.store.state.hits += 1
@@ -1002,16 +1106,24 @@ class Engine:
 
     def node_files(self, node: Node) -> list[Path]:
         """The declared input files of `node` (its kind's `input_files`, asked once a build)."""
+        return list(self._node_files_of(node))
+
+    def _node_files_of(self, node: Node) -> list[Path]:
+        """`node_files`, not copied: the caller only reads it. Asked once per kind and
+        params object (frozen: the nodes that share one declare the same files)."""
         files = self._node_files.get(node.id)
         if files is None:
-            files = self._node_files[node.id] = list(
-                self.kind(node.kind).input_files(node.target.params, self.recipe.project_dir)
-            )
-        return list(files)
+            params = node.target.params
+            shared = self._files_by_params.get((node.kind, id(params)))
+            if shared is None or shared[0] is not params:
+                found = list(self.kind(node.kind).input_files(params, self.recipe.project_dir))
+                shared = self._files_by_params[(node.kind, id(params))] = (params, found)
+            files = self._node_files[node.id] = shared[1]
+        return files
 
     def _prefetch_dirs(self, paths: Any) -> None:
         """The stat records under the folders of `paths` in one query per folder."""
-        for d in sorted({os.path.dirname(os.path.abspath(p)) for p in paths} - self._prefetched_dirs):
+        for d in sorted({os.path.dirname(_abspath(p)) for p in paths} - self._prefetched_dirs):
             self._prefetched_dirs.add(d)
             self.store.state.prefetch(d)
 

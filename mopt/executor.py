@@ -30,7 +30,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from mopt.api import ActionNode, Artifact, HardwareProfile, Missing
 from mopt.build import NodeState, Reporter, built_inputs, readiness
 from mopt.errors import MoptError
-from mopt.keys import action_key
 from mopt.runner import InputWatch, Spawn, execute_spawn
 from mopt.store import ActionEntry, Store
 
@@ -193,8 +192,7 @@ class BuildSession:
     def key(self, node_id: str) -> str:
         """The action key of a ready node (its inputs' outputs are known)."""
         st = self._states[node_id]
-        st.parts = self._engine.parts(st.node, built_inputs(st.node, self._outputs), st.missing)
-        st.key = action_key(st.parts)
+        st.parts, st.key = self._engine.keyed(st.node, built_inputs(st.node, self._outputs), st.missing)
         return st.key
 
     def cached(self, node_id: str) -> bool:

@@ -18,7 +18,7 @@ from typing import Any
 from mopt.api import HardwareProfile, Input, TargetKind
 from mopt.digest import hash_bytes
 from mopt.errors import MoptError, did_you_mean
-from mopt.keys import canonical_bytes
+from mopt.keys import Layout, member
 from mopt.plugins import Registry
 from mopt.recipe import Model, Recipe, Section, Target
 
@@ -92,6 +92,8 @@ class Graph:
 
     def select(self, selectors: list[str]) -> list[str]:
         """Node ids matched by `model.hardware:target` selectors (globs), with their deps."""
+        if not selectors:  # every node: the closure of all of them is all of them, in order
+            return list(self.nodes)
         return self.closure(self.match(selectors))
 
     def match(self, selectors: list[str]) -> list[str]:
@@ -284,64 +286,74 @@ def build_graph(recipe: Recipe, registry: Registry) -> Graph:
     kinds: dict[str, TargetKind] = {}  # one instance per kind, not one per target
     hw_json: dict[int, Any] = {}  # id(profile) → its JSON
     memo = _NodeMemo()
-    wirings: dict[Any, tuple[dict[str, dict[str, list[str]]], list[str]]] = {}
+    #: per shape: for each target name in topological order, its slots and the (slot, mode)
+    #: of those that have inputs
+    wirings: dict[Any, list[tuple[str, dict[str, list[str]], tuple[tuple[str, str], ...]]]] = {}
     slot_modes: dict[tuple[str, str], str] = {}  # (kind, slot) → gather | fanout | one
     for section in recipe.sections:
+        sid = section.id
         hw = registry.hardware[section.hardware]
         model = recipe.models[section.model]
         # sections of one shape (target names, kinds, inputs) wire alike: 10,000 sections
         # under one [defaults] have one shape; the first of a shape raises any wiring error
         shape = tuple((t.name, t.kind, None if t.inputs is None else tuple(t.inputs)) for t in section.targets)
-        wired = wirings.get(shape)
-        if wired is None:
-            w = _wire(section, registry)
-            wired = wirings[shape] = (w, _topo_names(w))
-        wiring, order = wired
+        plan = wirings.get(shape)
+        if plan is None:
+            wiring = _wire(section, registry)
+            kind_of = {t.name: t.kind for t in reversed(section.targets)}  # the first of a name
+            plan = wirings[shape] = [
+                (
+                    name,
+                    wiring[name],
+                    tuple(
+                        (s, slot_modes.get((kind_of[name], s)) or _slot_mode(registry, kind_of[name], s, slot_modes))
+                        for s in wiring[name]
+                        if wiring[name][s]
+                    ),
+                )
+                for name in _topo_names(wiring)
+            ]
         variants: dict[str, list[Target]] = {}
         for t in section.targets:
             kind = kinds.get(t.kind)
             if kind is None:
                 kind = kinds[t.kind] = registry.targets[t.kind]()
-            t.params = kind.bind(t.params, model=section.model, hardware=section.key, section=section.id)
+            t.params = kind.bind(t.params, model=section.model, hardware=section.key, section=sid)
             variants.setdefault(t.name, []).append(t)
         built: dict[str, list[Node]] = {}  # target name → its nodes in this section
-        for name in order:
-            slots = wiring[name]
-            slot_names = [s for s in slots if slots[s]]
-            kind_name = variants[name][0].kind
-            modes = [
-                slot_modes.get((kind_name, s)) or _slot_mode(registry, kind_name, s, slot_modes) for s in slot_names
-            ]
+        for name, slots, modes in plan:
             choices: list[list[tuple[str, list[Node]]]] = [
                 [(s, [n for inp in slots[s] for n in built[inp]])]
                 if mode == "gather"
                 else [(s, [n]) for inp in slots[s] for n in built[inp]]
                 if mode == "fanout"
                 else [(s, [n]) for n in built[slots[s][0]]]
-                for s, mode in zip(slot_names, modes)
+                for s, mode in modes
             ]
             multi = [len(c) > 1 for c in choices]
-            built[name] = []
+            here: list[Node] = []
+            built[name] = here
             for t in variants[name]:
                 for combo in itertools.product(*choices) if choices else [()]:
                     inputs: dict[str, list[str]] = {s: [] for s in slots}
                     suffix = []
                     for (slot, inodes), is_multi in zip(combo, multi):
-                        inputs[slot].extend(n.id for n in inodes)
+                        inputs[slot] += [n.id for n in inodes]
                         if is_multi:
                             suffix.append(inodes[0].label)
                     label = t.label + (f"[{','.join(suffix)}]" if suffix else "")
-                    node = _make_node(registry, section, model, hw, t, inputs, label, nodes, hw_json, memo)
-                    existing = by_identity.get(node.identity)
+                    identity = memo.identity(registry, model, hw, t, inputs, nodes, hw_json)
+                    existing = by_identity.get(identity)
                     if existing is not None:
-                        addr = f"{section.id}:{label}"
+                        addr = f"{sid}:{label}"
                         if addr not in existing.addresses:
                             existing.addresses.append(addr)
-                        built[name].append(existing)
+                        here.append(existing)
                         continue
-                    by_identity[node.identity] = node
+                    node = memo.node(registry, section, sid, model, hw, t, inputs, label, identity)
+                    by_identity[identity] = node
                     nodes[node.id] = node
-                    built[name].append(node)
+                    here.append(node)
     return Graph(recipe, registry, nodes)
 
 
@@ -359,33 +371,129 @@ def _slot_mode(registry: Registry, kind: str, slot: str, memo: dict[tuple[str, s
 class _NodeMemo:
     """What `build_graph` computes once for the many nodes that share it: a params object's
     JSON dump (bound params are frozen and shared where a section's values are), a model's
-    family/task, a kind's plugin. Each is held with its object, so an id seen here is never
-    another object's."""
+    family/task, a kind's plugin, and each of these as the canonical JSON member it is in a
+    node's definition (`keys.member`). Each is held with its object, so an id seen here is
+    never another object's; every one of them is frozen (pydantic `frozen=True` models, the
+    registry's classes), so a member encoded once is the member encoded now."""
 
     def __init__(self) -> None:
-        self.dumps: dict[int, tuple[Any, Any]] = {}
-        self.models: dict[int, tuple[Model, dict[str, Any]]] = {}
-        self.kinds: dict[str, tuple[Any, Any, tuple[str, ...]]] = {}
+        self.dumps: dict[int, tuple[Any, Any, str]] = {}
+        self.models: dict[int, tuple[Model, dict[str, Any], str, str]] = {}
+        self.kinds: dict[str, tuple[Any, Any, tuple[str, ...], Layout]] = {}
+        self.hardware: dict[int, tuple[HardwareProfile, str]] = {}
 
     def dump(self, params: Any) -> Any:
+        return self._dump(params)[1]
+
+    def _dump(self, params: Any) -> tuple[Any, Any, str]:
         hit = self.dumps.get(id(params))
         if hit is None or hit[0] is not params:
-            hit = self.dumps[id(params)] = (params, params.model_dump(mode="json"))
-        return hit[1]
+            dumped = params.model_dump(mode="json")
+            hit = self.dumps[id(params)] = (params, dumped, member("params", dumped))
+        return hit
 
     def model(self, model: Model) -> dict[str, Any]:
+        return self._model(model)[1]
+
+    def _model(self, model: Model) -> tuple[Model, dict[str, Any], str, str]:
         hit = self.models.get(id(model))
         if hit is None or hit[0] is not model:
-            hit = self.models[id(model)] = (model, {"family": model.spec.family, "task": model.spec.task})
-        return hit[1]
+            fam = {"family": model.spec.family, "task": model.spec.task}
+            source = model.spec.source
+            hit = self.models[id(model)] = (model, fam, member("model", fam), member("source", source))
+        return hit
 
     def kind(self, registry: Registry, kind: str) -> tuple[Any, Any, tuple[str, ...]]:
+        return self._kind(registry, kind)[:3]
+
+    def _kind(self, registry: Registry, kind: str) -> tuple[Any, Any, tuple[str, ...], Layout]:
         hit = self.kinds.get(kind)
         if hit is None:
             cls = registry.targets[kind]
             partial = tuple(s.name for s in cls.consumes if s.gather and s.partial)
-            hit = self.kinds[kind] = (cls, registry.plugin_of("targets", kind), partial)
+            plugin = registry.plugin_of("targets", kind)
+            fixed = {
+                "kind": kind,
+                "kind_version": cls.version,
+                "plugin": plugin.name,
+                "plugin_version": plugin.version,
+            }
+            holes = ("params", "model", "inputs") + (("source",) if cls.uses_source else ()) + (
+                ("hardware",) if cls.per_hardware else ()
+            )
+            layout = Layout({k: member(k, v) for k, v in fixed.items()}, holes)
+            hit = self.kinds[kind] = (cls, plugin, partial, layout)
         return hit
+
+    def hw(self, hw: HardwareProfile, hw_json: dict[int, Any]) -> str:
+        hit = self.hardware.get(id(hw))
+        if hit is None or hit[0] is not hw:
+            if id(hw) not in hw_json:
+                hw_json[id(hw)] = hw.model_dump(mode="json")
+            hit = self.hardware[id(hw)] = (hw, member("hardware", hw_json[id(hw)]))
+        return hit[1]
+
+    def identity(
+        self,
+        registry: Registry,
+        model: Model,
+        hw: HardwareProfile,
+        t: Target,
+        inputs: dict[str, list[str]],
+        nodes: dict[str, Node],
+        hw_json: dict[int, Any],
+    ) -> str:
+        """The digest of the canonical JSON of the node's definition: {kind, kind_version,
+        plugin, plugin_version, params, inputs (their identities), model (family, task),
+        source (kinds that read it), hardware (per-hardware kinds)}, written from members
+        encoded once per kind, params object, model and profile (`keys.Layout`)."""
+        cls, _, _, layout = self._kind(registry, t.kind)
+        hit = self.dumps.get(id(t.params))
+        if hit is None or hit[0] is not t.params:
+            hit = self._dump(t.params)
+        m = self.models.get(id(model))
+        if m is None or m[0] is not model:
+            m = self._model(model)
+        ins = member("inputs", {s: [nodes[i].identity for i in ids] for s, ids in sorted(inputs.items())})
+        if cls.uses_source:
+            if cls.per_hardware:
+                return hash_bytes(layout.join(hit[2], m[2], ins, m[3], self.hw(hw, hw_json)))
+            return hash_bytes(layout.join(hit[2], m[2], ins, m[3]))
+        if cls.per_hardware:
+            return hash_bytes(layout.join(hit[2], m[2], ins, self.hw(hw, hw_json)))
+        return hash_bytes(layout.join(hit[2], m[2], ins))
+
+    def node(
+        self,
+        registry: Registry,
+        section: Section,
+        sid: str,
+        model: Model,
+        hw: HardwareProfile,
+        t: Target,
+        inputs: dict[str, list[str]],
+        label: str,
+        identity: str,
+    ) -> Node:
+        cls, plugin, partial, _ = self._kind(registry, t.kind)
+        node_id = f"{sid}:{label}"
+        return Node(
+            id=node_id,
+            identity=identity,
+            kind=t.kind,
+            kind_version=cls.version,
+            plugin=plugin.name,
+            plugin_version=plugin.version,
+            target=t,
+            section=section,
+            model=model,
+            hardware=hw,
+            inputs=inputs,
+            label=label,
+            addresses=[node_id],
+            partial_slots=partial,
+            params_dump=self._dump(t.params)[1],
+        )
 
 
 def _make_node(
@@ -400,46 +508,10 @@ def _make_node(
     hw_json: dict[int, Any] | None = None,
     memo: _NodeMemo | None = None,
 ) -> Node:
+    """The node of target `t` (see `_NodeMemo.identity` for what its identity covers)."""
     memo = memo or _NodeMemo()
-    cls, plugin, partial = memo.kind(registry, t.kind)
-    params_json = memo.dump(t.params)
-    definition: dict[str, Any] = {
-        "kind": t.kind,
-        "kind_version": cls.version,
-        "plugin": plugin.name,
-        "plugin_version": plugin.version,
-        "params": params_json,
-        "inputs": {s: [nodes[i].identity for i in ids] for s, ids in sorted(inputs.items())},
-        "model": memo.model(model),
-    }
-    if cls.uses_source:
-        definition["source"] = model.spec.source
-    if cls.per_hardware:
-        if hw_json is None or id(hw) not in hw_json:
-            dumped = hw.model_dump(mode="json")
-            if hw_json is None:
-                hw_json = {}
-            hw_json[id(hw)] = dumped
-        definition["hardware"] = hw_json[id(hw)]
-    identity = hash_bytes(canonical_bytes(definition))
-    node_id = f"{section.id}:{label}"
-    return Node(
-        id=node_id,
-        identity=identity,
-        kind=t.kind,
-        kind_version=cls.version,
-        plugin=plugin.name,
-        plugin_version=plugin.version,
-        target=t,
-        section=section,
-        model=model,
-        hardware=hw,
-        inputs=inputs,
-        label=label,
-        addresses=[node_id],
-        partial_slots=partial,
-        params_dump=params_json,
-    )
+    identity = memo.identity(registry, model, hw, t, inputs, nodes, {} if hw_json is None else hw_json)
+    return memo.node(registry, section, section.id, model, hw, t, inputs, label, identity)
 
 
 # --------------------------------------------------------------------------- rendering

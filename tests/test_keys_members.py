@@ -1,0 +1,212 @@
+"""Keys written from pre-encoded members (`keys.member` / `from_members`): byte for byte the
+canonical JSON the engine has always hashed, so no key changes."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mopt.digest import canonical_json
+from mopt.keys import (
+    _ENCODE,
+    Layout,
+    action_key,
+    action_key_from_members,
+    canonical_bytes,
+    from_members,
+    member,
+)
+from tests.conftest import write_files
+
+# keys that sort in ways a naive join would get wrong: prefixes, case, digits, non-ASCII,
+# escapes (the encoder sorts by the key as a str: by code point, before escaping)
+AWKWARD_KEYS = ["a", "a_b", "ab", "a.b", "A", "Z", "z", "10", "9", "", " ", "é", "ä", "ß", "日本", "😀",
+                '"q', "back\\slash", "tab\t", "nl\n", "\u2028", "\x00nul", "\x7f", "kind", "kind_version"]
+
+AWKWARD_VALUES: list[Any] = [
+    0, -1, 10**30, -(10**30), 1.0, -0.0, 0.1, 1e300, 1e-300, 2.5e-8, 123456789.123456789, 1 / 3,
+    True, False, None, "", "x", "é\u2028\u2029", '"\\/\b\f\n\r\t', "\x00\x1f\x7f", "😀", "日本語",
+    [], {}, [[]], [{}], {"": {}}, [1, "a", None, [True, 2.0]],
+]
+
+
+def _random_value(rng: random.Random, depth: int = 0) -> Any:
+    pick = rng.random()
+    if depth > 3 or pick < 0.45:
+        return rng.choice(AWKWARD_VALUES)
+    if pick < 0.7:
+        return [_random_value(rng, depth + 1) for _ in range(rng.randrange(4))]
+    return {rng.choice(AWKWARD_KEYS): _random_value(rng, depth + 1) for _ in range(rng.randrange(5))}
+
+
+def _random_object(rng: random.Random) -> dict[str, Any]:
+    return {k: _random_value(rng) for k in rng.sample(AWKWARD_KEYS, rng.randrange(1, 12))}
+
+
+def test_members_join_to_the_canonical_bytes_of_the_object() -> None:
+    rng = random.Random(18)
+    for _ in range(3000):
+        obj = _random_object(rng)
+        expected = canonical_json(obj)
+        assert canonical_bytes(obj) == expected
+        members = {k: member(k, v) for k, v in obj.items()}
+        assert from_members(members) == expected, obj
+        # members made in any order, some shared between objects: the same bytes
+        shuffled = dict(rng.sample(list(members.items()), len(members)))
+        assert from_members(shuffled) == expected
+        assert action_key_from_members(members) == action_key(obj)
+        # a layout: some members fixed, the others given per object
+        holes = tuple(rng.sample(list(obj), rng.randrange(len(obj) + 1)))
+        fixed = {k: m for k, m in members.items() if k not in holes}
+        assert Layout(fixed, holes).join(*[members[h] for h in holes]) == expected
+
+
+def test_a_layout_refuses_what_it_cannot_join() -> None:
+    with pytest.raises(ValueError):
+        Layout({"a": member("a", 1)}, ("a",))
+    with pytest.raises(ValueError):
+        Layout({}, ("a", "a"))
+    with pytest.raises(TypeError):
+        Layout({}, ("a", "b")).join(member("a", 1))
+
+
+def test_the_encoder_is_the_standard_one_byte_for_byte() -> None:
+    std = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    for v in AWKWARD_VALUES + [{k: i for i, k in enumerate(AWKWARD_KEYS)}, AWKWARD_KEYS]:
+        assert _ENCODE(v) == std.encode(v)
+    # what it refuses, it refuses as the standard encoder does
+    for bad in (math.nan, math.inf, {"a": [-math.inf]}, object(), b"bytes", {1: 2, "a": 3}):
+        with pytest.raises((ValueError, TypeError)) as ours:
+            _ENCODE(bad)
+        with pytest.raises((ValueError, TypeError)) as theirs:
+            std.encode(bad)
+        assert type(ours.value) is type(theirs.value)
+
+
+def test_a_member_key_must_be_a_string() -> None:
+    # canonical_bytes would write 1 as "1": a member never guesses
+    with pytest.raises(TypeError):
+        member(1, "x")  # type: ignore[arg-type]
+
+
+def test_node_identities_and_action_keys_are_the_canonical_ones(project: Path) -> None:
+    """Every node's identity is the digest of the canonical JSON of its definition, and
+    every key `Engine.keyed` gives is `action_key` of the parts it gives: over kinds that
+    read the source, per-hardware kinds, sweeps, shared nodes, gathered and declared files."""
+    from mopt.api import Missing
+    from mopt.build import Engine
+    from mopt.cli import Session
+    from mopt.digest import hash_bytes
+
+    write_files(
+        project,
+        {
+            "in/a.txt": "a\n",
+            "in/b ü.txt": "b\n",
+            "r.toml": """\
+                schema = 1
+
+                [models.toy]
+                family = "toyfam"
+                source = { path = "toy-model" }
+
+                [models."m.2"]
+                family = "toyfam"
+                source = { path = "toy-model" }
+
+                [defaults]
+                targets = ["toy-weights", "toy-export", "toy-engine", "toy-check", "cmd", "toy-gather"]
+                toy-engine = { precision = "int8", opt_level = 1 }
+                toy-check = { min_score = 0.25 }
+                cmd = { kind = "command", files = ["in/a.txt", "in/b ü.txt"], argv = ["cat", "{file}", "é {model}"], env = ["LANG"] }
+
+                [toy.cpu]
+                hardware = "cpu"
+
+                [toy.gpu]
+                hardware = "toy-gpu"
+                opset = 18
+
+                [toy.gpu.sweep]
+                "toy-engine.max_batch_size" = [64, 128]
+                "toy-engine.opt_level" = [2, 3]
+
+                ["m.2".cpu]
+                hardware = "cpu"
+            """,
+        },
+    )
+    s = Session(project / "r.toml")
+    nodes = s.graph.nodes
+    assert len(nodes) > 10
+    for n in nodes.values():
+        cls = s.registry.targets[n.kind]
+        definition: dict[str, Any] = {
+            "kind": n.kind,
+            "kind_version": cls.version,
+            "plugin": n.plugin,
+            "plugin_version": n.plugin_version,
+            "params": n.target.params.model_dump(mode="json"),
+            "inputs": {sl: [nodes[i].identity for i in ids] for sl, ids in sorted(n.inputs.items())},
+            "model": {"family": n.model.spec.family, "task": n.model.spec.task},
+        }
+        if cls.uses_source:
+            definition["source"] = n.model.spec.source
+        if cls.per_hardware:
+            definition["hardware"] = n.hardware.model_dump(mode="json")
+        assert n.identity == hash_bytes(canonical_bytes(definition)), n.id
+    engine = Engine(s, read_only=True, salt="sälted")
+    kinds = set()
+    try:
+        for n in nodes.values():
+            inputs = {sl: [f"{d}-{k}" for k, d in enumerate(ids)] for sl, ids in n.inputs.items()}
+            parts, key = engine.keyed(n, inputs)
+            assert key == action_key(parts), n.id
+            assert parts == engine.parts(n, inputs)
+            kinds.add(n.kind)
+            if n.partial_slots:  # a gathering node some of whose inputs will not build
+                slot = n.partial_slots[0]
+                dep = nodes[n.inputs[slot][0]]
+                gone = {slot: [Missing(dep.label, dep.kind, "unbuildable")]}
+                parts, key = engine.keyed(n, inputs, gone)
+                assert "missing" in parts and "input_labels" in parts
+                assert key == action_key(parts), n.id
+    finally:
+        engine.store.close()
+    assert {"toy-weights", "toy-engine", "command", "toy-gather"} <= kinds
+
+
+def test_a_declared_file_is_named_relative_to_the_project_as_pathlib_does() -> None:
+    """The `files` part names each file relative to the project (else absolute), now from
+    the strings: the same names as `Path.relative_to`, roots `/` and `//` included."""
+    from pathlib import PurePosixPath
+
+    from mopt.build import _relative
+
+    cases = ["/", "//", "/a", "//a", "/a/b", "//a/b", "/ab", "/a/bc", "a", "a/b", ".", "/a/b/c", "/é/ü",
+             "ab/c", "/a/b/../c", "/a/b c/d"]
+    for x in cases:
+        for y in cases:
+            try:
+                want = str(PurePosixPath(x).relative_to(y))
+            except ValueError:
+                want = str(PurePosixPath(x))
+            assert _relative(str(PurePosixPath(x)), str(PurePosixPath(y))) == want, (x, y)
+
+
+def test_a_declared_file_is_looked_up_under_its_absolute_path() -> None:
+    """The stat cache is asked under `os.path.abspath` of each declared file; the shortcut
+    for pathlib paths gives the same string."""
+    import os
+    from pathlib import Path, PurePosixPath
+
+    from mopt.build import _abspath
+
+    for s in ["/a/b", "/", "//a/b", "/a/../b", "/a/..b", "/a/b..", "a/b", ".", "a/../b", "/é/ü c", "/a/./b", "/a//b"]:
+        for p in (PurePosixPath(s), Path(s), s):
+            assert _abspath(p) == os.path.abspath(p), p
