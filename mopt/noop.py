@@ -506,6 +506,9 @@ def vouch(path: str, ident: Any, *, store_dir: str, build_dir: str, plan: bool =
     there is no such stamp, or anything it watches in the store changed (`vouch_miss`
     says why): the full path checks every hit. Read-only."""
     global vouch_miss
+    if os.environ.get("MOPT_NO_VOUCH"):  # the full path checks every hit (tests compare the two)
+        vouch_miss = "MOPT_NO_VOUCH is set"
+        return None
     try:
         got = _vouch(path, ident, os.path.abspath(store_dir), os.path.abspath(build_dir), plan)
     except (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError, EOFError):
