@@ -1747,14 +1747,6 @@ def vouched_stamp_updates(
     changed: dict[str, Any] = vouched["changed"]
     if any(p not in head for p in changed):
         return None
-    from mopt import tomlfile
-
-    for name, want in stamp["head"]:
-        read = tomlfile.reads.get(name)
-        if name not in changed and read is not None and want != [
-            read[0].st_size, read[0].st_mtime_ns, read[0].st_ctime_ns, read[0].st_ino
-        ]:
-            return None  # changed after the stamp was checked: as read, not as checked
     # the modules this process loaded: all of them watched by the stamp already
     mods = set()
     for m in list(sys.modules.values()):
@@ -1765,33 +1757,52 @@ def vouched_stamp_updates(
 
     if len(indices(stamp["groups"], sorted(mods))) != len(mods):
         return None
+    from mopt import tomlfile
     from mopt.digest import mode_of
     from mopt.noop import RACY_NS
 
+    # each head file's stat and digest as `noop_stamp_inputs` files them (the recipe and
+    # settings as read; mopt.lock as it is now, after this build wrote it or not)
     now = time.time_ns()
+    recorded = dict((p, want) for p, want in stamp["head"])
+    digests = stamp.get("digests", {})
     updates: dict[str, tuple[list[int], Any]] = {}
-    for name in changed:
-        if name == head[-1]:  # mopt.lock, as `noop_stamp_inputs` files it
+    for name in recorded:
+        digest: Any = None
+        if name == head[-1]:
             try:
                 with open(name, "rb") as fh:
                     st = os.fstat(fh.fileno())
                     data = fh.read()
                 if _stat_id(os.stat(name)) != _stat_id(st):
-                    return None
+                    return None  # replaced meanwhile (the full write files it with no digest)
+            except FileNotFoundError:
+                if recorded[name] is None:
+                    continue  # none, as then (--no-lock)
+                return None
             except OSError:
                 return None
-            digest: Any = (hash_bytes(data), mode_of(st.st_mode))
-        else:
-            read = tomlfile.reads.get(name)
+            digest = (hash_bytes(data), mode_of(st.st_mode))
+        elif name in tomlfile.reads:
+            read = tomlfile.reads[name]
             if read is None:
-                return None  # not read through tomlfile, or seen changed while read
+                return None  # seen changed while read: the full write writes no stamp
             st, data, at = read
             if at - st.st_ctime_ns < RACY_NS:
                 return None
             digest = (hash_bytes(data), mode_of(st.st_mode))
+        else:
+            return None  # not read through tomlfile: left to the full write
         if now - st.st_ctime_ns < RACY_NS:
             return None
-        updates[name] = ([st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino], digest)
+        stat_now = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+        if stat_now == recorded[name] and tuple(digests.get(name, ())) == digest:
+            continue
+        if name not in changed and stat_now != recorded[name]:
+            return None  # changed after the stamp was checked: left to the full write
+        updates[name] = (stat_now, digest)
+    if set(changed) - set(updates):
+        return None  # a changed file not recorded anew (gone, or not read)
     return updates
 
 

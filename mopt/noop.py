@@ -233,6 +233,8 @@ def _read(path: str) -> dict[str, Any] | str:
 def _miss(path: str, out: dict[str, Any], ident: Any, learn: bool = True) -> str:
     """Why the stamp at `path` does not hold ("" if it does); the stamp is put in `out`."""
     global prehashing, last_seen
+    if last_seen is not None and last_seen["pending"] is not None:
+        last_seen["pending"].abandon()  # another stamp is checked now
     last_seen = None
     stamp = _read(path)
     if isinstance(stamp, str):
@@ -470,6 +472,15 @@ class _Diff:
                 os._exit(code)
         os.close(w)
         self.pid, self.fd = pid, r
+
+    def abandon(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # a child still writing gets EPIPE and exits
+            self.fd = -1
+        if self.pid:
+            with contextlib.suppress(OSError):
+                os.waitpid(self.pid, 0)
+            self.pid = 0
 
     def result(self) -> list[dict[int, Any] | None]:
         if self.pid:
