@@ -1097,8 +1097,8 @@ def _vouch_record(vouch: dict[str, Any], now: int) -> dict[str, Any] | None:
             while d not in folders and len(d) > len(top):
                 folders.add(d)
                 d = os.path.dirname(d)
-    order = sorted(folders)
-    groups, order = _group(order)
+    # grouped by parent, however few (the names stay short: the stamp is read by every no-op)
+    groups, _order = _group(sorted(folders), least=1)
     taken = _stat_part(groups, follow=False)
     if taken is None or any(now - st[2] < RACY_NS for st in taken):
         return None
@@ -1219,7 +1219,7 @@ def _one_name_per_inode(
     return out
 
 
-def _group(paths: list[str]) -> tuple[list[tuple[str, str, int]], list[str]]:
+def _group(paths: list[str], least: int = GROUP_MIN) -> tuple[list[tuple[str, str, int]], list[str]]:
     """The stamp's groups (folder, NUL-joined names, count) of `paths`, and the paths in
     the groups' order. A folder holding GROUP_MIN or more of them (the store's shards) is
     one group, stat-ed through a descriptor of it; the rest are by full path, in order."""
@@ -1227,7 +1227,7 @@ def _group(paths: list[str]) -> tuple[list[tuple[str, str, int]], list[str]]:
     for p in paths:
         folder, name = os.path.split(p)
         by_folder.setdefault(folder, []).append(name)
-    loose = [p for p in paths if len(by_folder[os.path.dirname(p)]) < GROUP_MIN]
+    loose = [p for p in paths if len(by_folder[os.path.dirname(p)]) < least]
     groups: list[tuple[str, str, int]] = []
     order: list[str] = []
     for k in range(0, len(loose), GROUP_MAX):
@@ -1235,7 +1235,7 @@ def _group(paths: list[str]) -> tuple[list[tuple[str, str, int]], list[str]]:
         groups.append(("", "\0".join(part), len(part)))
         order.extend(part)
     for folder, names in by_folder.items():
-        if len(names) < GROUP_MIN:
+        if len(names) < least:
             continue
         for k in range(0, len(names), GROUP_MAX):
             part = names[k : k + GROUP_MAX]
