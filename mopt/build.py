@@ -623,8 +623,8 @@ class Engine:
     def plan(self, ids: list[str]) -> dict[str, dict[str, Any]]:
         """Per node: up to date / new / why it will run, without running anything."""
         self.planning = True
-        if not self._prefetched:  # the blobs' stat records (a plan checks no build/ file)
-            self.store.state.prefetch(self.store.cas_dir)
+        if self.vouched is None:  # else at the first hit not vouched for (`hit`)
+            self._prefetch()
         nodes = self.graph.nodes
         self._prefetch_dirs([f for i in ids for f in self.node_files(nodes[i])])
         outputs: dict[str, str | None] = {}
@@ -778,7 +778,8 @@ class Engine:
         reporter = reporter or Reporter()
         jobs = jobs or usable_cpus()
         self.store.cleanup_tmp()
-        self._prefetch()
+        if self.vouched is None:  # else at the first hit not vouched for (`hit`)
+            self._prefetch()
         self._hash_input_files(ids)
         states = {i: NodeState(self.graph.nodes[i]) for i in ids}
         pending = deque(ids)
@@ -1034,12 +1035,14 @@ class Engine:
             self.store.state.prefetch(d)
 
     def _prefetch(self) -> None:
-        """One query for the stat records of every blob and every materialized file: hits
-        then cost a stat each (not a SELECT each)."""
+        """One query for the stat records of every blob and every materialized file (a plan
+        checks no build/ file: the blobs' only): hits then cost a stat each (not a SELECT
+        each)."""
         if not self._prefetched:
             self._prefetched = True
             self.store.state.prefetch(self.store.cas_dir)
-            self.store.state.prefetch(self.build_dir)
+            if not self.planning:
+                self.store.state.prefetch(self.build_dir)
 
     def hit(self, key: str, *, fetch: bool = True) -> ActionEntry | None:
         """The cache entry for `key` if it and every blob it names are intact.
@@ -1050,6 +1053,8 @@ class Engine:
         remote cache (if any) is asked: with `fetch`, its blobs are downloaded, re-hashed
         and recorded locally; without, only the entry is read (plan: no bytes).
         """
+        if self.vouched is not None and not self._prefetched:
+            self._prefetch()  # not done up front: hits vouched for need no stat records
         quick = self.store.quick_hit(key)  # the common case, in fewer steps (same answer)
         if quick is not None:
             if not self.read_only:

@@ -1219,7 +1219,7 @@ def _one_name_per_inode(
     return out
 
 
-def _group(paths: list[str], least: int = GROUP_MIN) -> tuple[list[tuple[str, str, int]], list[str]]:
+def _group(paths: list[str], least: int | None = None) -> tuple[list[tuple[str, str, int]], list[str]]:
     """The stamp's groups (folder, NUL-joined names, count) of `paths`, and the paths in
     the groups' order. A folder holding GROUP_MIN or more of them (the store's shards) is
     one group, stat-ed through a descriptor of it; the rest are by full path, in order."""
@@ -1227,6 +1227,8 @@ def _group(paths: list[str], least: int = GROUP_MIN) -> tuple[list[tuple[str, st
     for p in paths:
         folder, name = os.path.split(p)
         by_folder.setdefault(folder, []).append(name)
+    if least is None:
+        least = GROUP_MIN
     loose = [p for p in paths if len(by_folder[os.path.dirname(p)]) < least]
     groups: list[tuple[str, str, int]] = []
     order: list[str] = []
