@@ -498,6 +498,26 @@ class Store:
         meta.pop("parts", None)
         return [list(sk), dict(fields, meta=meta)]
 
+    def recorded_holds(self, key: str, record: list[Any]) -> bool:
+        """Whether ac/<key>.json still has the stat of `record` (`entry_record`): the entry
+        it recorded is there (`recorded_entry` without building the entry: a read-only
+        caller that needs only its outputs tree, `mopt plan`)."""
+        if not self.read_only:
+            return False  # a build says it "in use" and may touch it: `recorded_entry`
+        try:
+            st = os.lstat(f"{self._ac_prefix}{key}.json")
+            sk = record[0]
+            return (
+                sk[1] == st.st_ino
+                and sk[4] == st.st_ctime_ns
+                and sk[3] == st.st_mtime_ns
+                and sk[2] == st.st_size
+                and sk[0] == st.st_dev
+                and record[1]["key"] == key
+            )
+        except (OSError, TypeError, IndexError, KeyError):
+            return False
+
     def recorded_entry(self, key: str, record: list[Any], parts: Any) -> ActionEntry | None:
         """The entry of `key` per `record` (`entry_record`, taken by an earlier build) while
         ac/<key>.json still has the stat recorded (the same bytes: entries are replaced only
