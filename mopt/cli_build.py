@@ -329,8 +329,8 @@ def register(app: click.Group) -> None:
                     expect = vouched_expect(engine, vouched)
                 noop.write(stamp, **watch, ident=ident, result=result, expect=expect)
             if os.path.exists(stamp):  # `mopt plan` of these selectors, answered from it
-                    keys = {i: st.key for i, st in states.items() if st.key}
-                    planstamp.write(stamp, token, s, engine, ids, keys)
+                keys = {i: st.key for i, st in states.items() if st.key}
+                planstamp.write(stamp, token, s, engine, ids, keys)
         if as_json:
             _print_json(
                 {
