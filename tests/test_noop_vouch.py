@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -106,6 +107,18 @@ def test_a_vouched_build_answers_as_the_full_path(proj: Path) -> None:
     assert tree(proj) == before
     # the stamp it patched holds: the next build is the no-op
     assert build(proj)["io"].get("noop_stamp")
+    if shutil.which("taskset") and len(os.sched_getaffinity(0)) >= 2:
+        # on one CPU nothing is forked: the stamp's files are compared in this process
+        edit(proj)
+        proc = subprocess.run(
+            ["taskset", "-c", str(min(os.sched_getaffinity(0))), sys.executable, "-m", "mopt", "build", "r.toml",
+             "--json", "--no-check"],
+            cwd=proj, capture_output=True, text=True, timeout=120,
+        )
+        assert proc.returncode == 0, proc.stderr
+        one_cpu = json.loads(proc.stdout)
+        assert one_cpu["io"]["vouched"] == 4, one_cpu["io"]
+        same_answer(vouched, one_cpu)
     edit(proj)
     full = build(proj, {"MOPT_NO_VOUCH": "1"})
     assert full["io"]["vouched"] == 0
