@@ -1661,6 +1661,8 @@ def noop_stamp_inputs(engine: Engine, states: dict[str, NodeState]) -> dict[str,
             record = old[i][3]  # its file found with that stat by this build
         else:
             record = engine.store.entry_record(st.key)
+            if record is None and st.status == "built":  # stored by this build: read back
+                record = engine.store.entry_record_of(st.key, st.entry)
             if record is None:
                 continue
         bases = [engine.address_str(a) for a in st.node.addresses] if i in want else []

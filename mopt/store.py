@@ -498,6 +498,31 @@ class Store:
         meta.pop("parts", None)
         return [list(sk), dict(fields, meta=meta)]
 
+    def entry_record_of(self, key: str, e: ActionEntry) -> list[Any] | None:
+        """`entry_record` of an entry this process holds (`e`, e.g. one it just stored) that
+        the memo does not know: ac/<key>.json read through one descriptor, its stat the stat
+        of the bytes read, kept only if they are `e`'s and that stat is not within the
+        memo's racy window (a rewrite in the same tick could keep it)."""
+        if self.read_only or _KEY_FULL(key) is None:
+            return None
+        try:
+            fd = os.open(f"{self._ac_prefix}{key}.json", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with open(fd, "rb") as fh:
+                st = os.fstat(fh.fileno())
+                data = fh.read()
+            if not stat.S_ISREG(st.st_mode) or time.time_ns() - st.st_ctime_ns < _MEMO_RACY_NS:
+                return None
+            import json
+
+            fields = json.loads(data)
+        except (OSError, ValueError):
+            return None
+        if not isinstance(fields, dict) or fields != e.model_dump(mode="json"):
+            return None
+        meta = dict(fields.get("meta") or {})
+        meta.pop("parts", None)
+        return [[st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns], dict(fields, meta=meta)]
+
     def recorded_holds(self, key: str, record: list[Any]) -> bool:
         """Whether ac/<key>.json still has the stat of `record` (`entry_record`): the entry
         it recorded is there (`recorded_entry` without building the entry: a read-only
