@@ -14,11 +14,13 @@ import logging
 import marshal
 import os
 import socket
+import sys
 import threading
 import time
 import traceback
 import zlib
 from collections import deque
+from collections.abc import Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -309,6 +311,12 @@ class Engine:
         self.prehashed_files = 0
         self.prehashed_bytes = 0
         self.planning = False  # plan never downloads a source
+        #: node id → [key, outputs tree, build/ folders] of the last build, per its stale
+        #: no-op stamp (`noop.vouch`): a node whose key is that one is a hit whose blobs and
+        #: build/ folders need no check (the stamp shows them as that build found them)
+        self.vouched: Mapping[str, Any] | None = None
+        self.vouched_n = 0  # the hits taken so (`mopt build --json`'s io.vouched)
+        self.vouched_ids: set[str] = set()
         #: the runner `prestart` started, until `build` takes it
         self._early_runner: SpawnRunner | None = None
         self.index_dir = self.store.root / "index"
@@ -722,8 +730,8 @@ class Engine:
     def plan(self, ids: list[str]) -> dict[str, dict[str, Any]]:
         """Per node: up to date / new / why it will run, without running anything."""
         self.planning = True
-        if not self._prefetched:  # the blobs' stat records (a plan checks no build/ file)
-            self.store.state.prefetch(self.store.cas_dir)
+        if self.vouched is None:  # else at the first hit not vouched for (`hit`)
+            self._prefetch()
         nodes = self.graph.nodes
         self._prefetch_dirs([f for i in ids for f in self.node_files(nodes[i])])
         outputs: dict[str, str | None] = {}
@@ -764,9 +772,20 @@ class Engine:
                 outputs[i] = None
                 result[i] = {"state": "unavailable", "summary": exc.message, "reasons": [exc.render()]}
                 continue
-            entry = self.hit(key, fetch=False)
-            if entry is not None:
-                outputs[i] = entry.outputs_tree
+            tree = None
+            if self.vouched is not None:
+                # the stamp's word: this key, its blobs unchanged, its entry's file as read then
+                v = self.vouched.get(i)
+                if v is not None and v[0] == key and self.store.recorded_holds(key, v[3]) and v[3][1].get(
+                    "outputs_tree"
+                ) == v[1]:
+                    tree = v[1]
+                    self.vouched_n += 1
+            if tree is None:
+                entry = self.hit(key, fetch=False)
+                tree = None if entry is None else entry.outputs_tree
+            if tree is not None:
+                outputs[i] = tree
                 result[i] = {"state": "up-to-date", "summary": "up to date", "key": key}
                 continue
             outputs[i] = None
@@ -871,7 +890,8 @@ class Engine:
         reporter = reporter or Reporter()
         jobs = jobs or usable_cpus()
         self.store.cleanup_tmp()
-        self._prefetch()
+        if self.vouched is None:  # else at the first hit not vouched for (`hit`)
+            self._prefetch()
         self._hash_input_files(ids)
         states = {i: NodeState(self.graph.nodes[i]) for i in ids}
         pending = deque(ids)
@@ -920,6 +940,12 @@ class Engine:
                         if st.key is None:
                             st.missing = missing
                             st.parts, st.key = self.keyed(node, built_inputs(node, outputs), missing)
+                            entry = self._vouched_hit(st) if self.vouched is not None else None
+                            if entry is not None:
+                                self._finish_hit(st, entry, outputs, vouched=True)
+                                reporter.done(st)
+                                progressed = True
+                                continue
                             entry = self.hit(st.key)
                             if entry is not None:
                                 self._finish_hit(st, entry, outputs)
@@ -1128,12 +1154,14 @@ class Engine:
             self.store.state.prefetch(d)
 
     def _prefetch(self) -> None:
-        """One query for the stat records of every blob and every materialized file: hits
-        then cost a stat each (not a SELECT each)."""
+        """One query for the stat records of every blob and every materialized file (a plan
+        checks no build/ file: the blobs' only): hits then cost a stat each (not a SELECT
+        each)."""
         if not self._prefetched:
             self._prefetched = True
             self.store.state.prefetch(self.store.cas_dir)
-            self.store.state.prefetch(self.build_dir)
+            if not self.planning:
+                self.store.state.prefetch(self.build_dir)
 
     def hit(self, key: str, *, fetch: bool = True) -> ActionEntry | None:
         """The cache entry for `key` if it and every blob it names are intact.
@@ -1144,6 +1172,8 @@ class Engine:
         remote cache (if any) is asked: with `fetch`, its blobs are downloaded, re-hashed
         and recorded locally; without, only the entry is read (plan: no bytes).
         """
+        if self.vouched is not None and not self._prefetched:
+            self._prefetch()  # not done up front: hits vouched for need no stat records
         quick = self.store.quick_hit(key)  # the common case, in fewer steps (same answer)
         if quick is not None:
             if not self.read_only:
@@ -1201,12 +1231,42 @@ class Engine:
             res = {r: max(n, res.get(r, 0)) for r, n in slots.items()}
         return {r: n for r, n in res.items() if n > 0}
 
-    def _finish_hit(self, st: NodeState, entry: ActionEntry, outputs: dict[str, str]) -> None:
+    def _vouched_entry(self, node_id: str, key: str, parts: Any) -> ActionEntry | None:
+        """The entry of `key` if the stale stamp vouches for it (`vouched`): the last build
+        had this node under this key and outputs tree, every blob of it is unchanged since
+        (the stamp's stats), and its entry's file is the one that build read (its stat:
+        `Store.recorded_entry`, said "in use"). Else None: `hit` decides."""
+        assert self.vouched is not None
+        v = self.vouched.get(node_id)
+        if v is None or v[0] != key:
+            return None
+        e = self.store.recorded_entry(key, v[3], parts)
+        return e if e is not None and e.outputs_tree == v[1] else None
+
+    def _vouched_hit(self, st: NodeState) -> ActionEntry | None:
+        """`_vouched_entry` for a build: also materialized to the same build/ folders as
+        then (every file and folder of them unchanged since, per the stamp), or not at all
+        if it is not to be now: `hit` + `_materialize` would find exactly that."""
+        assert self.vouched is not None and st.key is not None
+        node = st.node
+        v = self.vouched.get(node.id)
+        if v is None or v[0] != st.key:
+            return None
+        bases = [self.address_str(a) for a in node.addresses] if node.id in self._want else []
+        if list(v[2]) != bases:
+            return None
+        return self._vouched_entry(node.id, st.key, st.parts)
+
+    def _finish_hit(self, st: NodeState, entry: ActionEntry, outputs: dict[str, str], vouched: bool = False) -> None:
         st.status = "cached"
         st.entry = entry
         self._meta[entry.outputs_tree] = dict(entry.meta.get("result") or {})
         outputs[st.node.id] = entry.outputs_tree
-        self._materialize(st.node, entry.outputs_tree, blobs_checked=True)
+        if vouched:  # its build/ folders hold it, as the stamp shows (`_vouched_hit`)
+            self.vouched_n += 1
+            self.vouched_ids.add(st.node.id)
+        else:
+            self._materialize(st.node, entry.outputs_tree, blobs_checked=True)
         assert st.key is not None and st.parts is not None
         self.record(st.node, st.key, st.parts)
 
@@ -1703,7 +1763,25 @@ def noop_stamp_inputs(engine: Engine, states: dict[str, NodeState]) -> dict[str,
             digests[lock] = (hash_bytes(lock_bytes), mode_of(lock_st.st_mode))
     except OSError:
         pass  # none (--no-lock): it must not appear (the stamp lists it absent)
+    # per node, what a later full path may take unchecked (`noop.vouch`): its key, tree,
+    # build/ folders and its entry as read (the stat of its file then)
+    vouch_nodes = {}
+    old = engine.vouched or {}
+    for i, st in states.items():
+        assert st.key is not None and st.entry is not None
+        if i in engine.vouched_ids:
+            record = old[i][3]  # its file found with that stat by this build
+        else:
+            record = engine.store.entry_record(st.key)
+            if record is None and st.status == "built":  # stored by this build: read back
+                record = engine.store.entry_record_of(st.key, st.entry)
+            if record is None:
+                continue
+        bases = [engine.address_str(a) for a in st.node.addresses] if i in want else []
+        vouch_nodes[i] = [st.key, st.entry.outputs_tree, bases, record]
     return {
+        "head": files[: len(engine.recipe.files) + (engine.project.config_file is not None) + 1],
+        "vouch": {"nodes": vouch_nodes, "build_dir": str(engine.build_dir)},
         "files": files,
         "exist": exist,
         "absent": absent,
@@ -1753,6 +1831,141 @@ def plan_status(session: Any, ids: list[str]) -> dict[str, dict[str, Any]]:
     """`mopt plan`'s status column (read-only: a plan never changes the store)."""
     engine = Engine(session, read_only=True)
     try:
+        engine.vouched = _plan_vouched(engine)
         return engine.plan(ids)
     finally:
         engine.store.close()
+
+
+def _plan_vouched(engine: Engine) -> Mapping[str, Any] | None:
+    """What the stale no-op stamp of this recipe's last build vouches for (`noop.vouch`), if
+    this process checked one (`mopt plan` asks for its plan file first): plan checks no
+    build/ file, so only the store's blobs must be unchanged."""
+    from mopt import noop
+
+    seen = noop.last_seen
+    if seen is None or seen["stamp"].get("result", {}).get("recipe") != str(engine.recipe.path):
+        return None
+    v = noop.vouch(
+        seen["path"], seen["ident"], store_dir=str(engine.store.root), build_dir=str(engine.build_dir), plan=True
+    )
+    return None if v is None else v["nodes"]
+
+
+def vouched_stamp_updates(
+    engine: Engine, states: dict[str, NodeState], vouched: dict[str, Any]
+) -> dict[str, tuple[list[int], Any]] | None:
+    """When every node of this build was vouched for by its stale stamp (`noop.vouch`) and
+    nothing but the recipe, settings or lock files changed (their new stat and digest:
+    path → (stat, (digest, mode) or None)), what `noop.write` would record differs from
+    that stamp only in those files and the result (`noop.patch`). None when anything else
+    may differ (the full write then runs): another node, a changed module or input, the
+    environment, a folder, a file gone, a racy read."""
+    stamp = vouched["stamp"]
+    if vouched["others"] or engine.vouched_n != len(states) or list(states) != stamp["result"]["ids"]:
+        return None
+    head = [str(p) for p in engine.recipe.files]
+    if engine.project.config_file is not None:
+        head.append(str(engine.project.config_file))
+    head.append(str(engine.recipe.path.parent / LOCK_NAME))
+    if [p for p, _st in stamp.get("head", [])] != list(dict.fromkeys(head)):
+        return None
+    changed: dict[str, Any] = vouched["changed"]
+    if any(p not in head for p in changed):
+        return None
+    # the modules this process loaded: all of them watched by the stamp already
+    mods = set()
+    for m in list(sys.modules.values()):
+        f = getattr(m, "__file__", None)
+        if f and not f.startswith(sys.base_prefix + os.sep):
+            mods.add(os.path.abspath(f))
+    from mopt.noop import indices
+
+    if len(indices(stamp["groups"], sorted(mods))) != len(mods):
+        return None
+    from mopt import tomlfile
+    from mopt.digest import mode_of
+    from mopt.noop import RACY_NS
+
+    # each head file's stat and digest as `noop_stamp_inputs` files them (the recipe and
+    # settings as read; mopt.lock as it is now, after this build wrote it or not)
+    now = time.time_ns()
+    recorded = dict((p, want) for p, want in stamp["head"])
+    digests = stamp.get("digests", {})
+    updates: dict[str, tuple[list[int], Any]] = {}
+    for name in recorded:
+        digest: Any = None
+        if name == head[-1]:
+            try:
+                with open(name, "rb") as fh:
+                    st = os.fstat(fh.fileno())
+                    data = fh.read()
+                if _stat_id(os.stat(name)) != _stat_id(st):
+                    return None  # replaced meanwhile (the full write files it with no digest)
+            except FileNotFoundError:
+                if recorded[name] is None:
+                    continue  # none, as then (--no-lock)
+                return None
+            except OSError:
+                return None
+            digest = (hash_bytes(data), mode_of(st.st_mode))
+        elif name in tomlfile.reads:
+            read = tomlfile.reads[name]
+            if read is None:
+                return None  # seen changed while read: the full write writes no stamp
+            st, data, at = read
+            if at - st.st_ctime_ns < RACY_NS:
+                return None
+            digest = (hash_bytes(data), mode_of(st.st_mode))
+        else:
+            return None  # not read through tomlfile: left to the full write
+        if now - st.st_ctime_ns < RACY_NS:
+            return None
+        stat_now = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+        if stat_now == recorded[name] and tuple(digests.get(name, ())) == digest:
+            continue
+        if name not in changed and stat_now != recorded[name]:
+            return None  # changed after the stamp was checked: left to the full write
+        updates[name] = (stat_now, digest)
+    if set(changed) - set(updates):
+        return None  # a changed file not recorded anew (gone, or not read)
+    return updates
+
+
+def noop_paths(stamp: dict[str, Any]) -> list[str]:
+    from mopt.noop import _paths
+
+    return _paths(stamp["groups"])
+
+
+def vouched_expect(engine: Engine, vouched: dict[str, Any]) -> dict[str, Any]:
+    """For `noop.write(expect=...)` after a build where some nodes were vouched for: each
+    blob and build/ file of the stale stamp that it showed unchanged and this build did
+    not check again, with the stat it showed (the one it was last found intact under).
+    Only ever stricter than a stat taken now: a file changed since is a miss next time.
+    The build/ files of nodes not vouched for are left out (they may be rebuilt)."""
+    from mopt.noop import _recorded
+
+    stamp = vouched["stamp"]
+    paths = noop_paths(stamp)
+    stats = _recorded(stamp["stats"]) or []
+    if len(stats) != len(paths):
+        return {}
+    cas = os.path.join(os.path.abspath(engine.store.root), "cas") + os.sep
+    built = str(engine.build_dir).rstrip(os.sep) + os.sep
+    others = {
+        engine.address_str(a) for i, node in engine.graph.nodes.items() if i not in engine.vouched_ids for a in node.addresses
+    }
+    changed, verified = vouched["changed"], engine.store.verified
+    n = len(built)
+
+    def base(p: str) -> str:  # the build/<model>/<section>/<target> folder of a build/ file
+        return built + "/".join(p[n:].split("/", 3)[:3])
+
+    return {
+        p: rec
+        for p, rec in zip(paths, stats)
+        if (p.startswith(cas) or (p.startswith(built) and base(p) not in others))
+        and p not in changed
+        and p not in verified
+    }

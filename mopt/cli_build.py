@@ -208,7 +208,16 @@ def register(app: click.Group) -> None:
             prehashing = noop.prehashing  # the changed input files, being digested
         from mopt import build as build_mod
         from mopt import procs
-        from mopt.build import Engine, LockFileError, current_lock, frozen_diff, noop_stamp_inputs, write_lock
+        from mopt.build import (
+            Engine,
+            LockFileError,
+            current_lock,
+            frozen_diff,
+            noop_stamp_inputs,
+            vouched_expect,
+            vouched_stamp_updates,
+            write_lock,
+        )
 
         build_mod.gc_paused = not gc.isenabled()
 
@@ -222,6 +231,13 @@ def register(app: click.Group) -> None:
         engine = Engine(s, offline=offline)
         if prehashing is not None:
             engine.prehashed = dict(prehashing.results)
+        vouched = None
+        if stamp is not None:
+            # the stale stamp's word for the nodes whose key is the one it recorded: their
+            # blobs and build/ folders are unchanged since that build found them intact
+            vouched = noop.vouch(stamp, ident, store_dir=str(engine.store.root), build_dir=str(engine.build_dir))
+            if vouched is not None:
+                engine.vouched = vouched["nodes"]
         # the action runner's zygotes import torch & co. while the sources are resolved
         engine.prestart(ids, jobs)
         try:
@@ -284,30 +300,37 @@ def register(app: click.Group) -> None:
             from mopt import planstamp
 
             planstamp.forget(stamp)  # removed first: a crash below leaves no plan file behind
-            watch = None if failed else noop_stamp_inputs(engine, states)
-            if watch is None and no_fast_path and not failed:
+            nodes = [dict(st.as_json(), status="cached") for st in states.values()]
+            token = planstamp.new_token()
+            result = {
+                "recipe": str(s.recipe.path),
+                "n": len(states),
+                "build_dir": str(engine.build_dir),
+                "nodes": nodes,
+                "selected": selected,
+                "plan_token": token,
+            }
+            # every node vouched for, only the recipe/settings/lock changed: the stamp is the
+            # old one with their new stats (what the full write below would record)
+            updates = None if failed or vouched is None else vouched_stamp_updates(engine, states, vouched)
+            watch = None
+            if updates is not None and noop.patch(stamp, vouched["stamp"], updates, result):  # type: ignore[index]
+                pass
+            elif failed:
+                noop.invalidate(stamp)
+            elif (watch := noop_stamp_inputs(engine, states)) is None and no_fast_path:
                 noop.skip(stamp, no_fast_path)
             elif watch is None:
                 noop.invalidate(stamp)
             else:
-                nodes = [dict(st.as_json(), status="cached") for st in states.values()]
-                token = planstamp.new_token()
-                noop.write(
-                    stamp,
-                    **watch,
-                    ident=ident,
-                    result={
-                        "recipe": str(s.recipe.path),
-                        "n": len(states),
-                        "build_dir": str(engine.build_dir),
-                        "nodes": nodes,
-                        "selected": selected,
-                        "plan_token": token,
-                    },
-                )
-                if os.path.exists(stamp):  # `mopt plan` of these selectors, answered from it
-                    keys = {i: st.key for i, st in states.items() if st.key}
-                    planstamp.write(stamp, token, s, engine, ids, keys)
+                expect = None
+                if vouched is not None and engine.vouched_n:
+                    # the files of vouched nodes, filed under the stat the stamp showed them at
+                    expect = vouched_expect(engine, vouched)
+                noop.write(stamp, **watch, ident=ident, result=result, expect=expect)
+            if os.path.exists(stamp):  # `mopt plan` of these selectors, answered from it
+                keys = {i: st.key for i, st in states.items() if st.key}
+                planstamp.write(stamp, token, s, engine, ids, keys)
         if as_json:
             _print_json(
                 {
@@ -319,6 +342,8 @@ def register(app: click.Group) -> None:
                         "hashed_bytes": engine.store.state.hashed_bytes + engine.prehashed_bytes,
                         # of those, hashed while the build loaded (after a no-op miss)
                         "prehashed_files": engine.prehashed_files,
+                        # hits the stale no-op stamp vouched for (blobs, build/ not checked again)
+                        "vouched": engine.vouched_n,
                         "stat_hits": engine.store.state.hits,
                         # why the no-op fast path was not taken
                         "noop_miss": noop.last_miss if stamp is not None else "no store folder",

@@ -232,7 +232,10 @@ def _read(path: str) -> dict[str, Any] | str:
 
 def _miss(path: str, out: dict[str, Any], ident: Any, learn: bool = True) -> str:
     """Why the stamp at `path` does not hold ("" if it does); the stamp is put in `out`."""
-    global prehashing
+    global prehashing, last_seen
+    if last_seen is not None and last_seen["pending"] is not None:
+        last_seen["pending"].abandon()  # another stamp is checked now
+    last_seen = None
     stamp = _read(path)
     if isinstance(stamp, str):
         return stamp
@@ -245,8 +248,21 @@ def _miss(path: str, out: dict[str, Any], ident: Any, learn: bool = True) -> str
         return "a stamp of other settings"
     if stamp.get("host") != _host():  # platform() parts (CPU class) are per machine
         return "another host"
+    # a stamp of this build: what changed is kept for `vouch` (the full path then need not
+    # check again what the stamp shows unchanged)
+    seen: dict[str, Any] = {"path": path, "ident": ident, "stamp": stamp, "changed": None, "pending": None}
+    seen["others"] = None
+    last_seen = seen
     if _env(stamp.get("env_extra", [])) != stamp.get("env"):
+        seen["others"] = "environment changed"
         return "environment changed"
+    early = _head_changed(stamp)
+    if early is not None:
+        # a recipe or settings file holds other bytes: a miss, said without first statting
+        # every file of the stamp; that comparison goes on in a forked child while the full
+        # path loads the recipe (`vouch` takes its result)
+        seen["pending"] = _Diff(_diff_jobs(stamp))
+        return f"changed: {early}"
     # The loop that is the whole no-op at 10,000 nodes (~40,000 files): the stats are taken
     # in C (map, attrgetter), marshalled and compared as bytes; the second half by a forked
     # child where there are two CPUs (os.stat is mostly kernel time; threads would contend
@@ -292,6 +308,7 @@ def _miss(path: str, out: dict[str, Any], ident: Any, learn: bool = True) -> str
                 changed.update((offset + k, a) for k, (a, b) in enumerate(zip(now, recorded)) if a != b)
             offset += n
         where = _paths_at(groups, changed)
+        seen["changed"] = changed
         inputs = set(stamp.get("inputs", ()))
         # the full path will digest the changed input files first: name them, so that
         # hashing them can start while it loads (see `prehash`)
@@ -301,6 +318,8 @@ def _miss(path: str, out: dict[str, Any], ident: Any, learn: bool = True) -> str
             if st is None or where[k] not in digests:
                 return f"changed: {where[k]}"
             touched[k] = st
+    else:
+        seen["changed"] = {}
     hashing = None
     if touched:
         # hashing first (BLAKE3 leaves the GIL): the other checks run meanwhile; on a miss
@@ -308,6 +327,7 @@ def _miss(path: str, out: dict[str, Any], ident: Any, learn: bool = True) -> str
         hashing = prehashing = prehash([where[k] for k in touched])
     if also is None:
         also = _others(stamp)
+    seen["others"] = also
     if also:
         return also
     if hashing is not None:
@@ -332,6 +352,254 @@ def _others(stamp: dict[str, Any]) -> str:
             if want_mtime is not None:
                 return f"folder gone: {p}"
     return ""
+
+
+#: what the last `_miss` in this process saw of a readable stamp of its build (None: no such
+#: stamp): path, ident, stamp, changed (stat index → the stat now, None if gone; None while
+#: not known), pending (the `_Diff` comparing them, after an early miss), others (why it
+#: misses for anything but its files' stats, "" for nothing; None while not known)
+last_seen: dict[str, Any] | None = None
+#: why the last `vouch` vouched for nothing ("" when it did)
+vouch_miss = ""
+#: a head file (recipe, settings, lock) whose stat changed is hashed at once up to this size
+HEAD_HASH_MAX = 16 << 20
+
+
+def _head_changed(stamp: dict[str, Any]) -> str | None:
+    """A recipe, settings or lock file of the stamp (its `head`, checked first) that holds
+    other bytes or another mode than the stamp's digest of it, or is gone or new; None if
+    none does (a touched one with the same bytes is left to the full check, which rehashes
+    and learns it)."""
+    head = stamp.get("head")
+    if not isinstance(head, list):
+        return None
+    digests = stamp.get("digests", {})
+    for p, want in head:
+        now = _stat(p)
+        if now is None or want is None:
+            if now is None and want is None:
+                continue
+            return str(p)
+        if now == list(want):
+            continue
+        d = digests.get(p)
+        if d is None:
+            return str(p)
+        if now[0] > HEAD_HASH_MAX:
+            return None  # the full check hashes it
+        from mopt.filehash import hash_bytes, mode_of
+
+        try:
+            with open(p, "rb") as fh:
+                st = os.fstat(fh.fileno())
+                data = fh.read()
+        except OSError:
+            return str(p)
+        if (hash_bytes(data), mode_of(st.st_mode)) != tuple(d):
+            return str(p)
+    return None
+
+
+def _diff_jobs(stamp: dict[str, Any]) -> list[tuple[list[tuple[str, str, int]], bytes, bool]]:
+    """What `vouch` compares: each half of the stamp's files (stat), then the build/ folders
+    of its nodes (lstat), as (groups, recorded stats, follow links)."""
+    groups: list[tuple[str, str, int]] = stamp["groups"]
+    parts: list[bytes] = stamp["stats"]
+    cut: int = stamp["cut"] if len(parts) == 2 else len(groups)
+    jobs = [(groups[:cut], parts[0], True)]
+    if len(parts) == 2:
+        jobs.append((groups[cut:], parts[1], True))
+    v = stamp.get("vouch")
+    if isinstance(v, dict) and "dir_groups" in v:
+        jobs.append((v["dir_groups"], v["dir_stats"], False))
+    return jobs
+
+
+def _diff_part(groups: list[tuple[str, str, int]], want: bytes, follow: bool = True) -> dict[int, Any] | None:
+    """index → stat now (None: gone) of each file of `groups` whose stat is not the one
+    recorded in `want`; None if `want` is not a record of them."""
+    got = _stat_part(groups, follow)
+    if got is not None and marshal.dumps(got, STATS_MARSHAL) == want:
+        return {}
+    recorded = marshal.loads(want)
+    n = sum(g[2] for g in groups)
+    if not isinstance(recorded, list) or len(recorded) != n:
+        return None
+    taken: list[tuple[int, ...] | None]
+    if got is None or len(got) != n:  # a file gone: see which
+        one = _stat if follow else _lstat
+        taken = [None if (rec := one(p)) is None else tuple(rec) for p in _paths(groups)]
+    else:
+        taken = list(got)
+    return {k: a for k, (a, b) in enumerate(zip(taken, recorded)) if a != b}
+
+
+def _lstat(path: str) -> list[int] | None:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
+class _Diff:
+    """`_diff_part` of each job, taken by a forked child (started now, read by `result`):
+    the full path loads meanwhile. Without fork, or if the child fails, taken here."""
+
+    def __init__(self, jobs: list[tuple[list[tuple[str, str, int]], bytes, bool]]) -> None:
+        self.jobs = jobs
+        self.pid = 0
+        self.fd = -1
+        if not _can_fork():
+            return
+        r, w = os.pipe()
+        try:
+            pid = os.fork()
+        except OSError:
+            os.close(r)
+            os.close(w)
+            return
+        if pid == 0:  # the child: only os calls and marshal, then _exit
+            code = 1
+            try:
+                os.close(r)
+                msg = marshal.dumps([_diff_part(*job) for job in jobs], STATS_MARSHAL)
+                view = memoryview(msg)
+                while view:
+                    view = view[os.write(w, view) :]
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(w)
+        self.pid, self.fd = pid, r
+
+    def abandon(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # a child still writing gets EPIPE and exits
+            self.fd = -1
+        if self.pid:
+            with contextlib.suppress(OSError):
+                os.waitpid(self.pid, 0)
+            self.pid = 0
+
+    def result(self) -> list[dict[int, Any] | None]:
+        if self.pid:
+            chunks = []
+            try:
+                while chunk := os.read(self.fd, 1 << 20):
+                    chunks.append(chunk)
+            except OSError:
+                chunks = []
+            finally:
+                os.close(self.fd)
+                self.fd = -1
+                with contextlib.suppress(OSError):
+                    os.waitpid(self.pid, 0)
+                self.pid = 0
+            with contextlib.suppress(EOFError, ValueError, TypeError):
+                got = marshal.loads(b"".join(chunks))
+                if isinstance(got, list) and len(got) == len(self.jobs):
+                    return got
+        return [_diff_part(*job) for job in self.jobs]
+
+
+def vouch(path: str, ident: Any, *, store_dir: str, build_dir: str, plan: bool = False) -> dict[str, Any] | None:
+    """What the stale stamp at `path` (of the build `ident`) still shows, for the full path
+    (Bazel's Skyframe re-checks only what changed): per node of that build, its key, its
+    outputs tree and the build/ folders it was materialized to ("nodes": id → [key, tree,
+    folders]), when none of the store's blobs (nor, unless `plan`, any build/ file or
+    folder) the stamp watches changed since. A node whose key now is the one recorded then
+    needs no check of its blobs or build/ folders (`Engine.vouched`): they are as they were
+    when that build found them intact. What may have changed is what the full path reads
+    again and keys on (recipe, settings, lock, modules, inputs, environment): the keys show
+    it. Also "changed" (path → stat now or None, of each stamped file that changed),
+    "others" (why the stamp misses for anything else, "" if nothing) and "stamp". None if
+    there is no such stamp, or anything it watches in the store changed (`vouch_miss`
+    says why): the full path checks every hit. Read-only."""
+    global vouch_miss
+    if os.environ.get("MOPT_NO_VOUCH"):  # the full path checks every hit (tests compare the two)
+        vouch_miss = "MOPT_NO_VOUCH is set"
+        return None
+    try:
+        got = _vouch(path, ident, os.path.abspath(store_dir), os.path.abspath(build_dir), plan)
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError, EOFError):
+        got = "unreadable stamp"
+    if isinstance(got, str):
+        vouch_miss = got
+        return None
+    vouch_miss = ""
+    return got
+
+
+def _vouch(path: str, ident: Any, store_dir: str, build_dir: str, plan: bool) -> dict[str, Any] | str:
+    seen = last_seen
+    if seen is None or seen["path"] != path or seen["ident"] != ident:
+        if check(path, ident, learn=False) is not None:  # it holds (read-only: nothing learnt)
+            pass
+        seen = last_seen
+        if seen is None or seen["path"] != path or seen["ident"] != ident:
+            return last_miss or "no stamp"
+    stamp = seen["stamp"]
+    v = stamp.get("vouch")
+    if not isinstance(v, dict):
+        return "the stamp records no nodes to vouch for"
+    if stamp.get("store_dir") != store_dir or stamp["result"]["build_dir"] != build_dir:
+        return "a stamp of another store or build folder"
+    nodes = _read_vouch(stamp, path)
+    if isinstance(nodes, str):
+        return nodes
+    jobs = _diff_jobs(stamp)
+    pending = seen["pending"]
+    if pending is not None:
+        seen["pending"] = None
+        diffs = pending.result()
+        for d in diffs:
+            if d is None:
+                return "unreadable stamp"
+        n_files = 2 if len(stamp["stats"]) == 2 else 1
+        changed: dict[int, Any] = {}
+        offset = 0
+        for (groups, _want, _f), d in zip(jobs[:n_files], diffs[:n_files]):
+            assert d is not None
+            changed.update((offset + k, st) for k, st in d.items())
+            offset += sum(g[2] for g in groups)
+        seen["changed"] = changed
+        seen["dirs"] = diffs[n_files] if len(diffs) > n_files else None
+    if seen["changed"] is None:  # a miss before the stats were compared (the environment)
+        changed = {}
+        offset = 0
+        for groups, want, follow in jobs[: 2 if len(stamp["stats"]) == 2 else 1]:
+            d = _diff_part(groups, want, follow)
+            if d is None:
+                return "unreadable stamp"
+            changed.update((offset + k, st) for k, st in d.items())
+            offset += sum(g[2] for g in groups)
+        seen["changed"] = changed
+    where = _paths_at(stamp["groups"], seen["changed"])
+    inputs = set(stamp.get("inputs", ()))
+    cas = os.path.join(store_dir, "cas") + os.sep
+    built = build_dir.rstrip(os.sep) + os.sep
+    for p in where.values():
+        if p in inputs:
+            continue  # the full path digests it again: its key shows it
+        if p.startswith(cas) or (not plan and p.startswith(built)):
+            return f"changed: {p}"
+    if not plan:
+        if "dir_groups" not in v:
+            return "the stamp records no build/ folders"
+        dirs = seen.get("dirs")
+        if dirs is None:
+            dirs = _diff_part(v["dir_groups"], v["dir_stats"], False)
+            if dirs is None:
+                return "unreadable stamp"
+        if dirs:
+            k = min(dirs)
+            return f"changed: {_paths_at(v['dir_groups'], {k: None})[k]}"
+    others = seen["others"]
+    if others is None:
+        others = seen["others"] = _others(stamp)
+    changed_paths = {where[k]: st for k, st in seen["changed"].items()}
+    return {"nodes": nodes, "changed": changed_paths, "others": others, "stamp": stamp}
 
 
 def _recorded(parts: list[bytes]) -> list[Any] | None:
@@ -466,21 +734,24 @@ def _paths(groups: list[tuple[str, str, int]]) -> list[str]:
     return out
 
 
-def _stat_part(groups: list[tuple[str, str, int]]) -> list[tuple[int, ...]] | None:
-    """The stats of the files of `groups`, in order; None if one is gone."""
+def _stat_part(groups: list[tuple[str, str, int]], follow: bool = True) -> list[tuple[int, ...]] | None:
+    """The stats of the files of `groups`, in order; None if one is gone. `follow=False`:
+    their lstats (the build/ folders `vouch` checks: a folder replaced by a link differs)."""
     import functools
 
     out: list[tuple[int, ...]] = []
+    stat_ = os.stat if follow else os.lstat
     try:
         for folder, names, _n in groups:
             if not names:
                 continue
             if not folder:  # files of folders holding few of them: by their full paths
-                out.extend(map(_FIELDS, map(os.stat, names.split("\0"))))
+                out.extend(map(_FIELDS, map(stat_, names.split("\0"))))
                 continue
             fd = os.open(folder, _DIR_FLAGS)
             try:
-                out.extend(map(_FIELDS, map(functools.partial(os.stat, dir_fd=fd), names.split("\0"))))
+                by_fd = functools.partial(os.stat, dir_fd=fd, follow_symlinks=follow)
+                out.extend(map(_FIELDS, map(by_fd, names.split("\0"))))
             finally:
                 os.close(fd)
     except OSError:
@@ -599,9 +870,43 @@ class _Learner:
             pass
 
 
-def _save(path: str, stamp: dict[str, Any]) -> None:
+def _save(path: str, stamp: dict[str, Any], magic: bytes = MAGIC) -> None:
     payload = marshal.dumps(stamp, MARSHAL_VERSION)
-    replace_durably(path, MAGIC + zlib.crc32(payload).to_bytes(4, "little") + payload)
+    replace_durably(path, magic + zlib.crc32(payload).to_bytes(4, "little") + payload)
+
+
+#: the first bytes of a stamp's vouch file (`vouch_path`); then as a stamp's
+VOUCH_MAGIC = b"mopt noop vouch 5\n"
+
+
+def vouch_path(stamp: str) -> str:
+    """Beside the stamp: per node of its build, what `vouch` needs (a file of its own, bound
+    to the stamp by a token: the no-op never reads it)."""
+    return stamp + ".vouch"
+
+
+def _read_vouch(stamp: dict[str, Any], path: str) -> dict[str, Any] | str:
+    """The nodes of the vouch file of the stamp `stamp` at `path`, or why there are none."""
+    v = stamp.get("vouch")
+    if not isinstance(v, dict) or "token" not in v:
+        return "the stamp records no nodes to vouch for"
+    try:
+        with open(vouch_path(path), "rb") as fh:
+            data = fh.read()
+    except OSError:
+        return "no vouch file"
+    n = len(VOUCH_MAGIC)
+    payload = memoryview(data)[n + 4 :]
+    if data[:n] != VOUCH_MAGIC or zlib.crc32(payload) != int.from_bytes(data[n : n + 4], "little"):
+        return "unreadable vouch file"
+    try:
+        doc = marshal.loads(payload)
+    except (EOFError, ValueError, TypeError):
+        return "unreadable vouch file"
+    if not isinstance(doc, dict) or doc.get("token") != v["token"] or not isinstance(doc.get("nodes"), dict):
+        return "the vouch file is not the stamp's"
+    nodes: dict[str, Any] = doc["nodes"]
+    return nodes
 
 
 def _fields() -> Any:
@@ -656,6 +961,9 @@ def write(
     known: Mapping[str, os.stat_result] | None = None,
     unsure: list[str] | None = None,
     config: str | None = None,
+    head: list[str] | None = None,
+    vouch: dict[str, Any] | None = None,
+    expect: Mapping[str, Any] | None = None,
 ) -> None:
     """Record a successful build's dependencies (stats taken now). `inputs`: those of
     `files` that are declared input files or model sources (see `changed_inputs`);
@@ -665,9 +973,13 @@ def write(
     holding them; the recipe files as they were read), filed as taken then: a change since
     is a miss next time. `unsure`: files the build read within a moment of their last change
     (no stamp: they may have changed again unseen). `config`: the settings file (mopt.toml)
-    the build read, if any (one of `files`).
+    the build read, if any (one of `files`). `head`: the recipe files, settings and lock
+    (of `files`), checked first next time. `vouch`: {"nodes": id → [key, outputs tree,
+    build/ folders], "build_dir"}, what a later full path may take unchecked (see `vouch`).
+    `expect`: path → the stat (size, mtime_ns, ctime_ns, inode) a file of `files` was last
+    found intact under, when not checked again by this build (a node `vouch` vouched for):
+    filed under that stat, so a change since is a miss next time, as with `known`.
     `result`: recipe, n, build_dir, nodes (as `mopt build --json` lists them), selected."""
-    import json
 
     mods = set()
     for m in list(sys.modules.values()):
@@ -691,6 +1003,9 @@ def write(
         p: None if st is None else [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
         for p, st in full.items()
     }
+    for p, want in (expect or {}).items():
+        if stats.get(p) is not None:
+            stats[p] = list(want)
     # A file changed within the last moment may change again within the same timestamp
     # tick without its stat changing ("racily clean", as git calls it): stamp next time.
     import time
@@ -721,14 +1036,6 @@ def write(
         folder, name = os.path.split(p)
         exist_by_folder.setdefault(folder, []).append(name)
 
-    # what `mopt build --json` prints on a hit, encoded now: a hit only splices in the
-    # seconds (the compact form of cli.dump_json; a terminal gets it indented)
-    def compact(obj: Any) -> str:
-        return json.dumps(obj, separators=(",", ":"), default=str)
-
-    n = result["n"]
-    head = compact({"recipe": result["recipe"]})[:-1] + ',"seconds":'
-    tail = "," + compact({"build_dir": result["build_dir"], "nodes": result["nodes"]})[1:]
     stamp = {
         "version": STAMP_VERSION,
         "ident": ident,
@@ -749,19 +1056,21 @@ def write(
         "inputs": sorted(set(inputs or ())),
         "digests": {p: (d, m) for p, (d, m) in (digests or {}).items() if p in stats},
         "state_db": state_db,
-        "result": {
-            "recipe": result["recipe"],
-            "n": n,
-            "build_dir": result["build_dir"],
-            "ids": [node["id"] for node in result["nodes"]],
-            "selected": list(result.get("selected", [])),
-            "json_head": head,
-            "json_tail": tail,
-            # binds the plan file the build writes beside the stamp (`mopt.planstamp`)
-            "plan_token": result.get("plan_token"),
-        },
+        "result": stamp_result(result),
+        # checked first: an edited recipe is a miss without statting every other file
+        "head": [[p, stats.get(p)] for p in dict.fromkeys(head or ())],
     }
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    _remove(vouch_path(path))
+    if vouch is not None:
+        record = _vouch_record(vouch, now)
+        if record is not None:
+            token = os.urandom(12).hex()
+            try:
+                _save(vouch_path(path), {"version": STAMP_VERSION, "token": token, "nodes": vouch["nodes"]}, VOUCH_MAGIC)
+                stamp["vouch"] = dict(record, token=token)
+            except (OSError, ValueError):
+                _remove(vouch_path(path))
     try:
         _save(path, stamp)
     except ValueError:  # a value marshal cannot hold (it takes only builtins)
@@ -770,6 +1079,111 @@ def write(
     if ident is not None:  # the JSON stamp an older mopt left for this build
         old = _legacy_stamp_path(os.path.dirname(path), ident)
         _remove(old, old + ".skipped")
+
+
+def stamp_result(result: dict[str, Any]) -> dict[str, Any]:
+    """The stamp's `result` of a build's `result` (see `write`)."""
+    import json
+
+    # what `mopt build --json` prints on a hit, encoded now: a hit only splices in the
+    # seconds (the compact form of cli.dump_json; a terminal gets it indented)
+    def compact(obj: Any) -> str:
+        return json.dumps(obj, separators=(",", ":"), default=str)
+
+    head = compact({"recipe": result["recipe"]})[:-1] + ',"seconds":'
+    tail = "," + compact({"build_dir": result["build_dir"], "nodes": result["nodes"]})[1:]
+    return {
+        "recipe": result["recipe"],
+        "n": result["n"],
+        "build_dir": result["build_dir"],
+        "ids": [node["id"] for node in result["nodes"]],
+        "selected": list(result.get("selected", [])),
+        "json_head": head,
+        "json_tail": tail,
+        # binds the plan file the build writes beside the stamp (`mopt.planstamp`)
+        "plan_token": result.get("plan_token"),
+    }
+
+
+def _vouch_record(vouch: dict[str, Any], now: int) -> dict[str, Any] | None:
+    """The stamp's `vouch`: the nodes, and the lstat of every build/ folder they were
+    materialized to and of each folder above it up to the build folder (a file added to
+    one, or a folder replaced by a link, changes one of them); None (nothing to vouch for
+    next time) if one changed within RACY_NS or cannot be read."""
+    nodes: dict[str, Any] = vouch["nodes"]
+    top = os.path.abspath(vouch["build_dir"])
+    folders: set[str] = {top}
+    for _key, _tree, bases, _entry in nodes.values():
+        for b in bases:
+            d = b
+            while d not in folders and len(d) > len(top):
+                folders.add(d)
+                d = os.path.dirname(d)
+    # grouped by parent, however few (the names stay short: the stamp is read by every no-op)
+    groups, _order = _group(sorted(folders), least=1)
+    taken = _stat_part(groups, follow=False)
+    if taken is None or any(now - st[2] < RACY_NS for st in taken):
+        return None
+    return {"dir_groups": groups, "dir_stats": marshal.dumps(taken, STATS_MARSHAL)}
+
+
+def patch(path: str, stamp: dict[str, Any], updates: Mapping[str, tuple[list[int], Any]], result: dict[str, Any]) -> bool:
+    """Write the stamp `stamp` (read from `path` by this process, its files found unchanged
+    since but for `updates`: path → (stat now, (digest, mode) or None)) with those files'
+    stats and digests and the build's `result`: what `write` would record for a build of
+    the same nodes, keys, outputs and files. False (nothing written) if a file of
+    `updates` is not one of the stamp's."""
+    stamp = dict(stamp)
+    groups = stamp["groups"]
+    index = indices(groups, list(updates))
+    if len(index) != len(updates):
+        return False
+    parts = list(stamp["stats"])
+    n0 = sum(g[2] for g in (groups[: stamp["cut"]] if len(parts) == 2 else groups))
+    # only a half that holds an updated file is decoded and marshalled again
+    for half, lo in enumerate([0, n0][: len(parts)]):
+        mine = {k - lo: p for p, k in index.items() if (k >= n0) == (half == 1)}
+        if not mine:
+            continue
+        stats = marshal.loads(parts[half])
+        if not isinstance(stats, list):
+            return False
+        for k, p in mine.items():
+            stats[k] = tuple(updates[p][0])
+        parts[half] = marshal.dumps(stats, STATS_MARSHAL)
+    digests = dict(stamp.get("digests", {}))
+    for p, (_st, digest) in updates.items():
+        if digest is None:
+            digests.pop(p, None)
+        else:
+            digests[p] = tuple(digest)
+    stamp["stats"] = parts
+    stamp["digests"] = digests
+    stamp["head"] = [[p, list(updates[p][0]) if p in updates else want] for p, want in stamp.get("head", [])]
+    stamp["result"] = stamp_result(result)
+    try:
+        _save(path, stamp)
+    except ValueError:
+        return False
+    _remove(path + ".skipped")
+    return True
+
+
+def indices(groups: list[tuple[str, str, int]], paths: list[str]) -> dict[str, int]:
+    """path → its index in the stamp's stats, of those of `paths` the stamp's `groups`
+    hold (only the groups that may hold one are split into names)."""
+    want = set(paths)
+    folders = {os.path.dirname(p) for p in paths}
+    out: dict[str, int] = {}
+    offset = 0
+    for folder, names, n in groups:
+        if not folder or folder in folders:
+            for k, name in enumerate(names.split("\0") if names else ()):
+                p = os.path.join(folder, name) if folder else name
+                if p in want:
+                    out[p] = offset + k
+        offset += n
+    return out
 
 
 def _module_digests(
@@ -827,7 +1241,7 @@ def _one_name_per_inode(
     return out
 
 
-def _group(paths: list[str]) -> tuple[list[tuple[str, str, int]], list[str]]:
+def _group(paths: list[str], least: int | None = None) -> tuple[list[tuple[str, str, int]], list[str]]:
     """The stamp's groups (folder, NUL-joined names, count) of `paths`, and the paths in
     the groups' order. A folder holding GROUP_MIN or more of them (the store's shards) is
     one group, stat-ed through a descriptor of it; the rest are by full path, in order."""
@@ -835,7 +1249,9 @@ def _group(paths: list[str]) -> tuple[list[tuple[str, str, int]], list[str]]:
     for p in paths:
         folder, name = os.path.split(p)
         by_folder.setdefault(folder, []).append(name)
-    loose = [p for p in paths if len(by_folder[os.path.dirname(p)]) < GROUP_MIN]
+    if least is None:
+        least = GROUP_MIN
+    loose = [p for p in paths if len(by_folder[os.path.dirname(p)]) < least]
     groups: list[tuple[str, str, int]] = []
     order: list[str] = []
     for k in range(0, len(loose), GROUP_MAX):
@@ -843,7 +1259,7 @@ def _group(paths: list[str]) -> tuple[list[tuple[str, str, int]], list[str]]:
         groups.append(("", "\0".join(part), len(part)))
         order.extend(part)
     for folder, names in by_folder.items():
-        if len(names) < GROUP_MIN:
+        if len(names) < least:
             continue
         for k in range(0, len(names), GROUP_MAX):
             part = names[k : k + GROUP_MAX]
@@ -1108,7 +1524,7 @@ def _host() -> str:
 
 
 def invalidate(path: str) -> None:
-    _remove(path, path + ".skipped")
+    _remove(path, path + ".skipped", vouch_path(path))
 
 
 def skip(path: str, why: str) -> None:

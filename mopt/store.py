@@ -468,6 +468,115 @@ class Store:
         else None, and the caller takes the full path (`ac_entry`, `intact_stat`), which
         reads, touches, rehashes or removes what needs it. Where it answers, it answers what
         the full path would."""
+        e = self.quick_entry(key)
+        if e is None:
+            return None
+        rows = self.known_tree(e.outputs_tree)
+        if rows is None:
+            return None
+        digests = [e.outputs_tree, *(r.digest for r in rows)]
+        if e.log:
+            digests.append(e.log)
+        found = self.quick_intact(digests)
+        return None if found is None else (e, found)
+
+    def entry_record(self, key: str) -> list[Any] | None:
+        """[stat key of ac/<key>.json, its entry as JSON but `meta.parts`] while the file has
+        the stat the memo files that entry under (its bytes hold that entry), for the no-op
+        stamp's record of a node (`noop.vouch`); None if the memo does not know it so."""
+        if self._memo is None or _KEY_FULL(key) is None:
+            return None
+        row = self._memo.get(key)
+        try:
+            st = os.lstat(f"{self._ac_prefix}{key}.json")
+            sk, fields = row  # type: ignore[misc]
+            if sk != [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns] or fields.get("key") != key:
+                return None
+            meta = dict(fields.get("meta") or {})
+        except (OSError, TypeError, ValueError, AttributeError):
+            return None
+        meta.pop("parts", None)
+        return [list(sk), dict(fields, meta=meta)]
+
+    def entry_record_of(self, key: str, e: ActionEntry) -> list[Any] | None:
+        """`entry_record` of an entry this process holds (`e`, e.g. one it just stored) that
+        the memo does not know: ac/<key>.json read through one descriptor, its stat the stat
+        of the bytes read, kept only if they are `e`'s and that stat is not within the
+        memo's racy window (a rewrite in the same tick could keep it)."""
+        if self.read_only or _KEY_FULL(key) is None:
+            return None
+        try:
+            fd = os.open(f"{self._ac_prefix}{key}.json", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with open(fd, "rb") as fh:
+                st = os.fstat(fh.fileno())
+                data = fh.read()
+            if not stat.S_ISREG(st.st_mode) or time.time_ns() - st.st_ctime_ns < _MEMO_RACY_NS:
+                return None
+            import json
+
+            fields = json.loads(data)
+        except (OSError, ValueError):
+            return None
+        if not isinstance(fields, dict) or fields != e.model_dump(mode="json"):
+            return None
+        meta = dict(fields.get("meta") or {})
+        meta.pop("parts", None)
+        return [[st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns], dict(fields, meta=meta)]
+
+    def recorded_holds(self, key: str, record: list[Any]) -> bool:
+        """Whether ac/<key>.json still has the stat of `record` (`entry_record`): the entry
+        it recorded is there (`recorded_entry` without building the entry: a read-only
+        caller that needs only its outputs tree, `mopt plan`)."""
+        if not self.read_only:
+            return False  # a build says it "in use" and may touch it: `recorded_entry`
+        try:
+            st = os.lstat(f"{self._ac_prefix}{key}.json")
+            sk = record[0]
+            return (
+                sk[1] == st.st_ino
+                and sk[4] == st.st_ctime_ns
+                and sk[3] == st.st_mtime_ns
+                and sk[2] == st.st_size
+                and sk[0] == st.st_dev
+                and record[1]["key"] == key
+            )
+        except (OSError, TypeError, IndexError, KeyError):
+            return False
+
+    def recorded_entry(self, key: str, record: list[Any], parts: Any) -> ActionEntry | None:
+        """The entry of `key` per `record` (`entry_record`, taken by an earlier build) while
+        ac/<key>.json still has the stat recorded (the same bytes: entries are replaced only
+        by a rename, an edit changes the ctime) and no touch is due, said "in use", as
+        `quick_entry` gives it; its `meta.parts` are `parts`, the parts the caller keyed to
+        `key` (the parts recorded with an entry are those its key is the digest of). Else
+        None (the caller takes `quick_entry` / the full path)."""
+        try:
+            st = os.lstat(f"{self._ac_prefix}{key}.json")
+            sk, fields = record
+            if (
+                sk[1] != st.st_ino
+                or sk[4] != st.st_ctime_ns
+                or sk[3] != st.st_mtime_ns
+                or sk[2] != st.st_size
+                or sk[0] != st.st_dev
+                or fields["key"] != key
+            ):
+                return None
+            e = _entry_from_row(dict(fields, meta={"parts": parts, **fields["meta"]}))
+        except (OSError, TypeError, ValueError, IndexError, KeyError, AttributeError):
+            return None
+        if not self.read_only:
+            if time.time() - st.st_mtime > TOUCH_AFTER_S:
+                return None  # the full path touches it (gc's "last used") and refiles it
+            self.use(key)
+        return e
+
+    def quick_entry(self, key: str) -> ActionEntry | None:
+        """The first half of `quick_hit`: `ac_entry(key, check_blobs=False)` in its common
+        case only (the entry's file has the stat the memo files it under; no touch due),
+        the entry said "in use" (`use`); else None (the caller takes the full path). Its
+        blobs are not looked at: the caller checks them (`quick_hit`), or knows them
+        unchanged since they were last found intact (the no-op stamp: `Engine.vouched`)."""
         if _KEY_FULL(key) is None:
             return None
         path = f"{self._ac_prefix}{key}.json"
@@ -498,14 +607,7 @@ class Store:
             if time.time() - st.st_mtime > TOUCH_AFTER_S:
                 return None  # the full path touches it (gc's "last used") and refiles it
             self.use(key)  # before the blobs are looked at, as `ac_entry` does
-        rows = self.known_tree(e.outputs_tree)
-        if rows is None:
-            return None
-        digests = [e.outputs_tree, *(r.digest for r in rows)]
-        if e.log:
-            digests.append(e.log)
-        found = self.quick_intact(digests)
-        return None if found is None else (e, found)
+        return e
 
     def quick_intact(self, digests: Iterable[str]) -> dict[str, os.stat_result] | None:
         """`intact_stat` of each of `digests` (a hit's blobs) in its common case only: every
