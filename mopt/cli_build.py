@@ -314,20 +314,20 @@ def register(app: click.Group) -> None:
             # old one with their new stats (what the full write below would record)
             updates = None if failed or vouched is None else vouched_stamp_updates(engine, states, vouched)
             watch = None
-            if updates is not None and noop.patch(stamp, vouched["stamp"], updates, result):  # type: ignore[index]
-                pass
-            elif failed:
-                noop.invalidate(stamp)
-            elif (watch := noop_stamp_inputs(engine, states)) is None and no_fast_path:
-                noop.skip(stamp, no_fast_path)
-            elif watch is None:
-                noop.invalidate(stamp)
-            else:
-                expect = None
-                if vouched is not None and engine.vouched_n:
-                    # the files of vouched nodes, filed under the stat the stamp showed them at
-                    expect = vouched_expect(engine, vouched)
-                noop.write(stamp, **watch, ident=ident, result=result, expect=expect)
+            patched = updates is not None and noop.patch(stamp, vouched["stamp"], updates, result)  # type: ignore[index]
+            if not patched:  # else the patched stamp stands
+                if failed:
+                    noop.invalidate(stamp)
+                elif (watch := noop_stamp_inputs(engine, states)) is None and no_fast_path:
+                    noop.skip(stamp, no_fast_path)
+                elif watch is None:
+                    noop.invalidate(stamp)
+                else:
+                    expect = None
+                    if vouched is not None and engine.vouched_n:
+                        # the files of vouched nodes, filed under the stat the stamp showed them at
+                        expect = vouched_expect(engine, vouched)
+                    noop.write(stamp, **watch, ident=ident, result=result, expect=expect)
             if os.path.exists(stamp):  # `mopt plan` of these selectors, answered from it
                 keys = {i: st.key for i, st in states.items() if st.key}
                 planstamp.write(stamp, token, s, engine, ids, keys)

@@ -442,12 +442,12 @@ def _lstat(path: str) -> list[int] | None:
     return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
 
 
-class _Diff:
-    """`_diff_part` of each job, taken by a forked child (started now, read by `result`):
-    the full path loads meanwhile. Without fork, or if the child fails, taken here."""
+class _Forked:
+    """The bytes `work()` returns, computed by a forked child (started now, read by `_read`)
+    while this process goes on: only os calls and marshal there, then _exit (no atexit, no
+    stdio flush). `pid` stays 0 without fork (or if it fails): the caller works here."""
 
-    def __init__(self, jobs: list[tuple[list[tuple[str, str, int]], bytes, bool]]) -> None:
-        self.jobs = jobs
+    def __init__(self, work: Any) -> None:
         self.pid = 0
         self.fd = -1
         if not _can_fork():
@@ -459,12 +459,11 @@ class _Diff:
             os.close(r)
             os.close(w)
             return
-        if pid == 0:  # the child: only os calls and marshal, then _exit
+        if pid == 0:  # the child
             code = 1
             try:
                 os.close(r)
-                msg = marshal.dumps([_diff_part(*job) for job in jobs], STATS_MARSHAL)
-                view = memoryview(msg)
+                view = memoryview(work())
                 while view:
                     view = view[os.write(w, view) :]
                 code = 0
@@ -472,6 +471,18 @@ class _Diff:
                 os._exit(code)
         os.close(w)
         self.pid, self.fd = pid, r
+
+    def _read(self) -> bytes | None:
+        """What the child sent (None if reading failed); the child is reaped."""
+        chunks = []
+        try:
+            while chunk := os.read(self.fd, 1 << 20):
+                chunks.append(chunk)
+        except OSError:
+            return None
+        finally:
+            self.abandon()
+        return b"".join(chunks)
 
     def abandon(self) -> None:
         if self.fd >= 0:
@@ -482,22 +493,20 @@ class _Diff:
                 os.waitpid(self.pid, 0)
             self.pid = 0
 
+
+class _Diff(_Forked):
+    """`_diff_part` of each job, taken by a forked child (started now, read by `result`):
+    the full path loads meanwhile. Without fork, or if the child fails, taken here."""
+
+    def __init__(self, jobs: list[tuple[list[tuple[str, str, int]], bytes, bool]]) -> None:
+        self.jobs = jobs
+        super().__init__(lambda: marshal.dumps([_diff_part(*job) for job in jobs], STATS_MARSHAL))
+
     def result(self) -> list[dict[int, Any] | None]:
         if self.pid:
-            chunks = []
-            try:
-                while chunk := os.read(self.fd, 1 << 20):
-                    chunks.append(chunk)
-            except OSError:
-                chunks = []
-            finally:
-                os.close(self.fd)
-                self.fd = -1
-                with contextlib.suppress(OSError):
-                    os.waitpid(self.pid, 0)
-                self.pid = 0
+            data = self._read()
             with contextlib.suppress(EOFError, ValueError, TypeError):
-                got = marshal.loads(b"".join(chunks))
+                got = marshal.loads(data or b"")
                 if isinstance(got, list) and len(got) == len(self.jobs):
                     return got
         return [_diff_part(*job) for job in self.jobs]
@@ -534,8 +543,7 @@ def vouch(path: str, ident: Any, *, store_dir: str, build_dir: str, plan: bool =
 def _vouch(path: str, ident: Any, store_dir: str, build_dir: str, plan: bool) -> dict[str, Any] | str:
     seen = last_seen
     if seen is None or seen["path"] != path or seen["ident"] != ident:
-        if check(path, ident, learn=False) is not None:  # it holds (read-only: nothing learnt)
-            pass
+        check(path, ident, learn=False)  # read-only (nothing learnt); it fills `last_seen`
         seen = last_seen
         if seen is None or seen["path"] != path or seen["ident"] != ident:
             return last_miss or "no stamp"
@@ -620,55 +628,28 @@ def _split_stats(stats: list[tuple[int, ...]], groups: list[tuple[str, str, int]
     return [marshal.dumps(stats[:n], STATS_MARSHAL), marshal.dumps(stats[n:], STATS_MARSHAL)]
 
 
-class _Half:
+class _Half(_Forked):
     """The stats of `groups` taken by a forked child and compared with `want` there; the
     child sends "=" (the same), "x" (a file gone) or "!" and the stats it took. Without
     fork (or if it fails) the stats are taken here, when the result is asked for."""
 
     def __init__(self, groups: list[tuple[str, str, int]], want: bytes) -> None:
         self.groups, self.want = groups, want
-        self.pid = 0
-        self.fd = -1
-        if not _can_fork():
-            return
-        r, w = os.pipe()
-        try:
-            pid = os.fork()
-        except OSError:
-            os.close(r)
-            os.close(w)
-            return
-        if pid == 0:  # the child: only os calls, then _exit (no atexit, no stdio flush)
-            code = 1
-            try:
-                os.close(r)
-                got = _stat_part(groups)
-                if got is None:
-                    msg = b"x"
-                else:
-                    data = marshal.dumps(got, STATS_MARSHAL)
-                    msg = b"=" if data == want else b"!" + data
-                view = memoryview(msg)
-                while view:
-                    view = view[os.write(w, view) :]
-                code = 0
-            finally:
-                os._exit(code)
-        os.close(w)
-        self.pid, self.fd = pid, r
+        super().__init__(self._compare)
+
+    def _compare(self) -> bytes:
+        got = _stat_part(self.groups)
+        if got is None:
+            return b"x"
+        data = marshal.dumps(got, STATS_MARSHAL)
+        return b"=" if data == self.want else b"!" + data
 
     def result(self) -> tuple[bool, list[tuple[int, ...]] | None]:
         """(the same as `want`, the stats taken or None if a file is gone / unknown)."""
         if self.pid == 0:
             got = _stat_part(self.groups)
             return got is not None and marshal.dumps(got, STATS_MARSHAL) == self.want, got
-        chunks = []
-        try:
-            while chunk := os.read(self.fd, 1 << 20):
-                chunks.append(chunk)
-        finally:
-            self.abandon()
-        msg = b"".join(chunks)
+        msg = self._read() or b""
         if msg == b"=":
             return True, None
         if msg[:1] == b"!":
@@ -677,15 +658,6 @@ class _Half:
                 if isinstance(got, list):
                     return False, got
         return False, None  # a file gone, or the child failed: the caller stats each file
-
-    def abandon(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-        if self.pid:
-            with contextlib.suppress(OSError):
-                os.waitpid(self.pid, 0)
-            self.pid = 0
 
 
 def _can_fork() -> bool:
@@ -866,7 +838,7 @@ class _Learner:
                         st = os.stat(p)
                         if _key(st) == key:
                             cache.record(os.path.abspath(p), st, digest)
-        except Exception:
+        except Exception:  # a cache: losing records only costs hashing them again
             pass
 
 
