@@ -124,7 +124,10 @@ def test_kind_writes_genbench_json_with_artifact_and_baseline(tmp_path: Path, mo
             assert set(s["ttft_ms"]) == {"p50", "p90", "p99", "mean"} and s["itl_ms"]["p50"] > 0
             assert s["output_tok_s"] > 0
     sp1 = rep["speedup_vs_baseline"][0]
-    assert sp1["step"] == 1 and 1.3 < sp1["output_tok_s_ratio"] < 3.0  # twice as fast, on a busy machine
+    # the baseline sleeps 8x as long per step: well above 1 (a swapped ratio reads ~0.13), wide
+    # bounds for a loaded machine (7.07 read under a CI run; 2x sleeps were too short beside
+    # the per-step overhead: 0.92 and 3.76 were seen)
+    assert sp1["step"] == 1 and 1.5 < sp1["output_tok_s_ratio"] < 30
     assert meta["task"] == "text-generation" and set(meta["output_tok_s"]) == {"1", "2"}
     assert "Output tokens / s" in (out / "report.html").read_text()
 
