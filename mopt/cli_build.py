@@ -215,6 +215,7 @@ def register(app: click.Group) -> None:
             frozen_diff,
             noop_stamp_inputs,
             vouched_expect,
+            vouched_nodes_now,
             vouched_stamp_updates,
             write_lock,
         )
@@ -278,6 +279,9 @@ def register(app: click.Group) -> None:
             os._exit(128 + signum)  # worker threads may be inside a library call; outputs are in tmp only
         finally:
             engine.store.close()
+        # off again (the first action run turned it on): the lock, stamp and plan files are
+        # made of ~100,000 objects at 10,000 nodes that all stay alive; on at the end
+        gc.disable()
         artifacts = {
             st.node.id: st.key for st in states.values() if st.status in ("built", "cached") and st.key
         }
@@ -314,7 +318,9 @@ def register(app: click.Group) -> None:
             # old one with their new stats (what the full write below would record)
             updates = None if failed or vouched is None else vouched_stamp_updates(engine, states, vouched)
             watch = None
-            patched = updates is not None and noop.patch(stamp, vouched["stamp"], updates, result)  # type: ignore[index]
+            patched = updates is not None and noop.patch(
+                stamp, vouched["stamp"], updates, result, nodes=vouched_nodes_now(engine, vouched)  # type: ignore[arg-type,index]
+            )
             if not patched:  # else the patched stamp stands
                 if failed:
                     noop.invalidate(stamp)

@@ -1099,12 +1099,21 @@ def _vouch_record(vouch: dict[str, Any], now: int) -> dict[str, Any] | None:
     return {"dir_groups": groups, "dir_stats": marshal.dumps(taken, STATS_MARSHAL)}
 
 
-def patch(path: str, stamp: dict[str, Any], updates: Mapping[str, tuple[list[int], Any]], result: dict[str, Any]) -> bool:
+def patch(
+    path: str,
+    stamp: dict[str, Any],
+    updates: Mapping[str, tuple[list[int], Any]],
+    result: dict[str, Any],
+    nodes: dict[str, Any] | None = None,
+) -> bool:
     """Write the stamp `stamp` (read from `path` by this process, its files found unchanged
     since but for `updates`: path → (stat now, (digest, mode) or None)) with those files'
     stats and digests and the build's `result`: what `write` would record for a build of
-    the same nodes, keys, outputs and files. False (nothing written) if a file of
-    `updates` is not one of the stamp's."""
+    the same nodes, keys, outputs and files. `nodes`: the vouch file's nodes now, if they
+    changed (entries touched: their new records), written first under the same token (a
+    crash between leaves the old stamp with records of the entries as they are). False
+    (nothing written, or only the vouch file) if a file of `updates` is not one of the
+    stamp's."""
     stamp = dict(stamp)
     groups = stamp["groups"]
     index = indices(groups, list(updates))
@@ -1133,6 +1142,15 @@ def patch(path: str, stamp: dict[str, Any], updates: Mapping[str, tuple[list[int
     stamp["digests"] = digests
     stamp["head"] = [[p, list(updates[p][0]) if p in updates else want] for p, want in stamp.get("head", [])]
     stamp["result"] = stamp_result(result)
+    if nodes is not None:
+        token = stamp.get("vouch", {}).get("token")
+        if token is None:
+            return False
+        try:
+            _save(vouch_path(path), {"version": STAMP_VERSION, "token": token, "nodes": nodes}, VOUCH_MAGIC)
+        except (OSError, ValueError):
+            _remove(vouch_path(path))  # the stamp then vouches for nothing
+            return False
     try:
         _save(path, stamp)
     except ValueError:

@@ -320,6 +320,8 @@ class Store:
         #: to hold its blob (`_holds_flat`) by this Store: what the no-op stamp files them
         #: under (a stat taken when it was checked, not after: a change since is a miss)
         self.verified: dict[str, os.stat_result] = {}
+        # the keys whose entry file this process touched (`_touch`): their stat changed
+        self.touched: set[str] = set()
         self._use_fds: dict[int, int | None] = {}  # shard → descriptor of locks/entries-<NN>.lock
         self._used: set[str] = set()
         self._use_lock = threading.Lock()
@@ -546,10 +548,11 @@ class Store:
     def recorded_entry(self, key: str, record: list[Any], parts: Any) -> ActionEntry | None:
         """The entry of `key` per `record` (`entry_record`, taken by an earlier build) while
         ac/<key>.json still has the stat recorded (the same bytes: entries are replaced only
-        by a rename, an edit changes the ctime) and no touch is due, said "in use", as
-        `quick_entry` gives it; its `meta.parts` are `parts`, the parts the caller keyed to
-        `key` (the parts recorded with an entry are those its key is the digest of). Else
-        None (the caller takes `quick_entry` / the full path)."""
+        by a rename, an edit changes the ctime), said "in use" and touched if due (its new
+        stat filed in the memo: `touched`), as `ac_entry` gives it; its `meta.parts` are
+        `parts`, the parts the caller keyed to `key` (the parts recorded with an entry are
+        those its key is the digest of). Else None (the caller takes `quick_entry` / the
+        full path)."""
         try:
             st = os.lstat(f"{self._ac_prefix}{key}.json")
             sk, fields = record
@@ -566,9 +569,11 @@ class Store:
         except (OSError, TypeError, ValueError, IndexError, KeyError, AttributeError):
             return None
         if not self.read_only:
-            if time.time() - st.st_mtime > TOUCH_AFTER_S:
-                return None  # the full path touches it (gc's "last used") and refiles it
             self.use(key)
+            # touched as the full path would (gc's "last used"); its blobs need no check
+            # (the caller's stamp vouches for them), its new stat is in the memo
+            if time.time() - st.st_mtime > TOUCH_AFTER_S and not self._touch(key, f"{self._ac_prefix}{key}.json", st, e):
+                return None
         return e
 
     def quick_entry(self, key: str) -> ActionEntry | None:
@@ -839,27 +844,34 @@ class Store:
             self._memo_put(key, st, e)
         if not self.read_only and time.time() - st.st_mtime > TOUCH_AFTER_S:
             # Touch the entry before checking its blobs (as Bazel does), so that a gc
-            # running now sees it as recently used; and file it in the memo under its new
-            # stat, or the next build would read every entry again after each touch.
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            except FileNotFoundError:
+            # running now sees it as recently used
+            if not self._touch(key, path, st, e):
                 return None
-            except OSError:
-                fd = -1
-            if fd >= 0:
-                try:
-                    now = os.fstat(fd)
-                    if (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):
-                        os.utime(fd)
-                        self._memo_put(key, os.fstat(fd), e, touched=True)
-                except PermissionError:
-                    pass  # another user's entry in a shared store: still a hit, just not touched
-                finally:
-                    os.close(fd)
         if check_blobs and self._missing_blobs(e):
             return None
         return e
+
+    def _touch(self, key: str, path: str, st: os.stat_result, e: ActionEntry) -> bool:
+        """Touch the entry file `path` of `e` (its stat `st`: gc's "last used"), and file it
+        in the memo under its new stat, or the next build would read every entry again
+        after each touch; its key joins `touched`. False if the file is gone."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return True  # unreadable now: still a hit, just not touched
+        try:
+            now = os.fstat(fd)
+            if (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):
+                os.utime(fd)
+                self._memo_put(key, os.fstat(fd), e, touched=True)
+                self.touched.add(key)
+        except PermissionError:
+            pass  # another user's entry in a shared store: still a hit, just not touched
+        finally:
+            os.close(fd)
+        return True
 
     # -- the entry memo -------------------------------------------------------------------
     #
