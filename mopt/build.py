@@ -308,6 +308,9 @@ class Engine:
         #: digests of input files hashed while the build loaded (`noop.prehash`): path →
         #: (stat key, digest), used only while the file's stat is still that one
         self.prehashed: dict[str, tuple[tuple[int, ...], str]] = {}
+        # input file → digest, of those the stale no-op stamp recorded and showed unchanged
+        # (`noop.vouch`): their stat is the one the stat cache had their digest under
+        self.vouched_digests: dict[str, str] = {}
         self.prehashed_files = 0
         self.prehashed_bytes = 0
         self.planning = False  # plan never downloads a source
@@ -1097,6 +1100,14 @@ class Engine:
         for i in ids:
             node = self.graph.nodes[i]
             paths.update(self.node_files(node))
+        vouched = self.vouched_digests
+        if vouched:
+            for p in paths:
+                d = vouched.get(str(p))
+                if d is not None and p not in self._file_digests:
+                    self._file_digests[p] = d
+                    self.store.state.hits += 1
+            paths = {p for p in paths if p not in self._file_digests}
         self._prefetch_dirs(paths)
         import stat as stat_
 
@@ -1838,25 +1849,36 @@ def plan_status(session: Any, ids: list[str]) -> dict[str, dict[str, Any]]:
     """`mopt plan`'s status column (read-only: a plan never changes the store)."""
     engine = Engine(session, read_only=True)
     try:
-        engine.vouched = _plan_vouched(engine)
+        _plan_vouched(engine)
         return engine.plan(ids)
     finally:
         engine.store.close()
 
 
-def _plan_vouched(engine: Engine) -> Mapping[str, Any] | None:
-    """What the stale no-op stamp of this recipe's last build vouches for (`noop.vouch`), if
-    this process checked one (`mopt plan` asks for its plan file first): plan checks no
-    build/ file, so only the store's blobs must be unchanged."""
+def _plan_vouched(engine: Engine) -> None:
+    """Give `engine` what the stale no-op stamp of this recipe's last build vouches for
+    (`noop.vouch`), if this process checked one (`mopt plan` asks for its plan file first):
+    plan checks no build/ file, so only the store's blobs must be unchanged."""
     from mopt import noop
 
     seen = noop.last_seen
     if seen is None or seen["stamp"].get("result", {}).get("recipe") != str(engine.recipe.path):
-        return None
+        return
     v = noop.vouch(
         seen["path"], seen["ident"], store_dir=str(engine.store.root), build_dir=str(engine.build_dir), plan=True
     )
-    return None if v is None else v["nodes"]
+    if v is not None:
+        engine.vouched = v["nodes"]
+        engine.vouched_digests = vouched_input_digests(v)
+
+
+def vouched_input_digests(vouched: dict[str, Any]) -> dict[str, str]:
+    """Of `noop.vouch`'s answer: path → digest of each input file the stale stamp recorded
+    a digest of and showed unchanged (its stat now is the one the stamp was written under,
+    when the stat cache had that digest under it), for `Engine.vouched_digests`."""
+    stamp, changed = vouched["stamp"], vouched["changed"]
+    inputs = set(stamp.get("inputs", ()))
+    return {p: d for p, (d, _mode) in stamp.get("digests", {}).items() if p in inputs and p not in changed}
 
 
 def vouched_stamp_updates(

@@ -239,6 +239,7 @@ def register(app: click.Group) -> None:
             vouched = noop.vouch(stamp, ident, store_dir=str(engine.store.root), build_dir=str(engine.build_dir))
             if vouched is not None:
                 engine.vouched = vouched["nodes"]
+                engine.vouched_digests = build_mod.vouched_input_digests(vouched)
         # the action runner's zygotes import torch & co. while the sources are resolved
         engine.prestart(ids, jobs)
         try:

@@ -842,11 +842,10 @@ class Store:
                         _rmtree_ro(self.guard(path))
                 return None
             self._memo_put(key, st, e)
-        if not self.read_only and time.time() - st.st_mtime > TOUCH_AFTER_S:
-            # Touch the entry before checking its blobs (as Bazel does), so that a gc
-            # running now sees it as recently used
-            if not self._touch(key, path, st, e):
-                return None
+        # Touch the entry before checking its blobs (as Bazel does), so that a gc running
+        # now sees it as recently used
+        if not self.read_only and time.time() - st.st_mtime > TOUCH_AFTER_S and not self._touch(key, path, st, e):
+            return None
         if check_blobs and self._missing_blobs(e):
             return None
         return e
