@@ -464,7 +464,7 @@ class Store:
     def quick_hit(self, key: str) -> tuple[ActionEntry, dict[str, os.stat_result]] | None:
         """`ac_entry(key, check_blobs=False)` and the check of every blob it names
         (`quick_intact`) in their common case only, for a cache hit's hot path: the entry's
-        file has the stat the memo files it under, its last use is recent (no touch due),
+        file has the stat the memo files it under, touched if its last use is old (as `ac_entry`),
         the memo knows its tree's rows, and every blob is as the stat cache filed it. Then
         (entry, digest → blob lstat), the entry said "in use" (`use`) as `ac_entry` does;
         else None, and the caller takes the full path (`ac_entry`, `intact_stat`), which
@@ -556,14 +556,7 @@ class Store:
         try:
             st = os.lstat(f"{self._ac_prefix}{key}.json")
             sk, fields = record
-            if (
-                sk[1] != st.st_ino
-                or sk[4] != st.st_ctime_ns
-                or sk[3] != st.st_mtime_ns
-                or sk[2] != st.st_size
-                or sk[0] != st.st_dev
-                or fields["key"] != key
-            ):
+            if not _same_file(sk, st) or fields["key"] != key:
                 return None
             e = _entry_from_row(dict(fields, meta={"parts": parts, **fields["meta"]}))
         except (OSError, TypeError, ValueError, IndexError, KeyError, AttributeError):
@@ -578,7 +571,7 @@ class Store:
 
     def quick_entry(self, key: str) -> ActionEntry | None:
         """The first half of `quick_hit`: `ac_entry(key, check_blobs=False)` in its common
-        case only (the entry's file has the stat the memo files it under; no touch due),
+        case only (the entry's file has the stat the memo files it under; touched if due),
         the entry said "in use" (`use`); else None (the caller takes the full path). Its
         blobs are not looked at: the caller checks them (`quick_hit`), or knows them
         unchanged since they were last found intact (the no-op stamp: `Engine.vouched`)."""
@@ -595,13 +588,7 @@ class Store:
             return None
         try:
             sk, fields = row
-            if (
-                sk[1] != st.st_ino
-                or sk[4] != st.st_ctime_ns
-                or sk[3] != st.st_mtime_ns
-                or sk[2] != st.st_size
-                or sk[0] != st.st_dev
-            ):
+            if not _same_file(sk, st):
                 return None
             e = _entry_from_row(fields)
         except (TypeError, ValueError, IndexError, AttributeError):
@@ -609,9 +596,10 @@ class Store:
         if e.key != key:
             return None
         if not self.read_only:
-            if time.time() - st.st_mtime > TOUCH_AFTER_S:
-                return None  # the full path touches it (gc's "last used") and refiles it
             self.use(key)  # before the blobs are looked at, as `ac_entry` does
+            # touched (gc's "last used") before the caller checks the blobs, as `ac_entry`
+            if time.time() - st.st_mtime > TOUCH_AFTER_S and not self._touch(key, path, st, e):
+                return None
         return e
 
     def quick_intact(self, digests: Iterable[str]) -> dict[str, os.stat_result] | None:
@@ -1760,6 +1748,18 @@ class Store:
 
 
 _ENTRY_FIELDS = frozenset(ActionEntry.model_fields)
+
+
+def _same_file(sk: list[int], st: os.stat_result) -> bool:
+    """Whether `st` is the stat a memo row or entry record files (`sk`: device, inode, size,
+    mtime, ctime): the same bytes, since entries are replaced only by a rename."""
+    return (
+        sk[1] == st.st_ino
+        and sk[4] == st.st_ctime_ns
+        and sk[3] == st.st_mtime_ns
+        and sk[2] == st.st_size
+        and sk[0] == st.st_dev
+    )
 
 
 def _entry_from_row(row: dict[str, Any]) -> ActionEntry:

@@ -793,8 +793,8 @@ def test_the_path_guard_resolves_folders_as_realpath_does(tmp_path: Path) -> Non
 def test_quick_hit_answers_as_the_full_path_or_leaves_it_to_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`Store.quick_hit` (a hit's common case) answers only where the entry is the memo's and
     every blob is as the stat cache filed it, with what `ac_entry` and `intact_stat` would
-    say; a writable, edited or missing blob, an entry due a touch or replaced, is left to the
-    full path (None), which repairs, removes or touches."""
+    say (an entry due a touch is touched); a writable, edited or missing blob or a replaced
+    entry is left to the full path (None), which repairs or removes."""
     root = tmp_path / "store"
     with Store(root) as store:
         tree = build(store, tmp_path, "k1", {"a.txt": b"a"})
@@ -837,17 +837,22 @@ def test_quick_hit_answers_as_the_full_path_or_leaves_it_to_it(tmp_path: Path, m
     assert q is not None
     store.close()
 
-    # last used an hour ago (the clock moved on, the entry's stat did not): the full path
-    # touches it (gc's "last used")
+    # last used an hour ago (the clock moved on, the entry's stat did not): the quick hit
+    # touches it itself (gc's "last used"), as `ac_entry` would, and files its new stat
     real = time.time
     monkeypatch.setattr(time, "time", lambda: real() + 3600)
-    store, q = quick()
-    assert q is None
     before = (root / "ac" / "k1.json").stat().st_mtime_ns
-    assert store.ac_entry("k1") is not None
+    store, q = quick()
+    assert q is not None and store.touched == {"k1"} and store._used == {"k1"}
     assert (root / "ac" / "k1.json").stat().st_mtime_ns != before
     store.close()
+    store, q = quick(read_only=True)  # read-only (plan): never touches
+    assert q is not None and store.touched == set()
+    store.close()
     monkeypatch.setattr(time, "time", real)
+    store, q = quick()  # the memo has the touched stat: the quick path, no touch due now
+    assert q is not None and store.touched == set()
+    store.close()
 
     blob.chmod(0o644)
     blob.write_bytes(b"b")  # damaged: never a hit
