@@ -22,7 +22,7 @@ import zlib
 from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from typing import Any
@@ -1420,7 +1420,8 @@ class Engine:
                 st.duration = time.time() - t0
                 if isinstance(exc, KeyboardInterrupt | SystemExit):
                     raise
-                with open(log_path, "a") as fh:
+                # the log may not take it (a full disk: what failed is in st.reason all the same)
+                with suppress(OSError), open(log_path, "a") as fh:
                     if isinstance(exc, InputChanged):
                         fh.write(f"mopt: FAILED: {exc}\n")
                     else:

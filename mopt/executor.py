@@ -14,6 +14,7 @@ file and the reporter's lines are the session's business, never the executor's.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -556,7 +557,7 @@ def _run(spec: RemoteSpawn, store: Store, registry: Any, remote: Any, *, executo
                 why = f"kind {spec.kind!r} changed its input {os.path.relpath(changed[0][0], scratch)}"
                 if removed:
                     why += f"; {removed} damaged blob(s) removed from {host}'s store"
-                with open(log_path, "a") as fh:
+                with contextlib.suppress(OSError), open(log_path, "a") as fh:  # a full disk: `why` is reported all the same
                     fh.write(f"mopt: FAILED: {why}\n")
                 res = replace(res, status="failed", error=why)
             if not res.ok:
@@ -591,7 +592,7 @@ def _run(spec: RemoteSpawn, store: Store, registry: Any, remote: Any, *, executo
         except BaseException as exc:  # fetching or storing failed: the action fails, not the worker
             if isinstance(exc, KeyboardInterrupt | SystemExit):
                 raise
-            with open(log_path, "a") as fh:
+            with contextlib.suppress(OSError), open(log_path, "a") as fh:  # a full disk: the reason is reported
                 fh.write("mopt: FAILED: " + "".join(traceback.format_exception_only(exc)).strip() + "\n")
                 fh.write(traceback.format_exc())
             store.keep_failed_log(spec.key, log_path)

@@ -222,7 +222,7 @@ def execute_spawn(spawn: Spawn, registry: Any, on_line: Callable[[str], None] | 
             exc = RuntimeError(f"the kind called sys.exit({exc.code!r})")
         logger.error("mopt: FAILED: " + "".join(traceback.format_exception_only(exc)).strip())
         close_logger(logger)
-        with open(log, "a") as fh:
+        with contextlib.suppress(OSError), open(log, "a") as fh:  # a full disk: the error is returned
             fh.write(traceback.format_exc())
         return SpawnResult(
             "failed", duration=time.time() - t0, error=f"{type(exc).__name__}: {exc}", out=out, log=log

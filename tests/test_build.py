@@ -438,3 +438,33 @@ def test_the_index_keys_sidecar_is_used_only_for_the_index_it_names(toy: Path) -
     plan = json.loads(run_mopt("plan", "r.toml", "--json", cwd=toy).stdout)
     status = {n["id"]: n["status"]["summary"] for n in plan["nodes"]}
     assert status["toy.gpu:toy-engine"] == "param max_batch_size: 32 → 64"
+
+
+def test_a_failure_whose_log_cannot_be_written_is_still_a_clean_failure(tmp_path: Path) -> None:
+    """An action whose inputs cannot be laid out on a full disk: appending mopt's own
+    "FAILED" lines to its log fails too (ENOSPC). The build reports the action's error and
+    exits 1, no traceback (a clean-clone CI run once met this in the full-disk fault test)."""
+    (tmp_path / "r.toml").write_text(
+        'schema = 1\n[defaults]\ntargets = ["a"]\n[defaults.a]\nkind = "command"\n'
+        'argv = ["sh", "-c", "echo out > {out}/a"]\n[models.m]\n[m.cpu]\n'
+    )
+    (tmp_path / "mopt.toml").write_text('[store]\npath = ".mopt"\n')
+    code = (
+        "import builtins, errno, os, sys\n"
+        "import mopt.build\n"
+        "def full(path, mode='r', *a, **k):\n"
+        "    if 'a' in mode and str(path).endswith('.txt'):\n"
+        "        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))\n"
+        "    return builtins.open(path, mode, *a, **k)\n"
+        "mopt.build.open = full  # the engine's own writes to a log (the action's run elsewhere)\n"
+        "def no_room(self, st, in_dir):\n"
+        "    raise OSError(errno.ENOSPC, 'no space left while materializing the inputs')\n"
+        "mopt.build.Engine._inputs = no_room\n"
+        "sys.argv = ['mopt', 'build', 'r.toml', '--no-check']\n"
+        "from mopt.__main__ import main\n"
+        "main()\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert "FAILED m.cpu:a" in proc.stderr and "no space left while materializing" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr.split("  | ")[0], proc.stderr

@@ -76,6 +76,9 @@ def stamped(p: Path) -> None:
 def edit(p: Path, extra: str = "") -> None:
     with open(p / "r.toml", "a") as fh:
         fh.write(f"\n# edited {time.time_ns()}\n{extra}")
+    # past the racy window: a build that reads the recipe within 0.2 s of its change writes
+    # no stamp (it may change again unseen), and the tests here look at the stamp it writes
+    time.sleep(0.25)
 
 
 def tree(p: Path) -> dict[str, tuple[int, bytes]]:
