@@ -533,15 +533,7 @@ class Store:
             return False  # a build says it "in use" and may touch it: `recorded_entry`
         try:
             st = os.lstat(f"{self._ac_prefix}{key}.json")
-            sk = record[0]
-            return (
-                sk[1] == st.st_ino
-                and sk[4] == st.st_ctime_ns
-                and sk[3] == st.st_mtime_ns
-                and sk[2] == st.st_size
-                and sk[0] == st.st_dev
-                and record[1]["key"] == key
-            )
+            return _same_file(record[0], st) and record[1]["key"] == key
         except (OSError, TypeError, IndexError, KeyError):
             return False
 
