@@ -11,76 +11,29 @@ from __future__ import annotations
 
 import json
 import logging
-import marshal
 import os
 import socket
-import sys
 import threading
 import time
 import traceback
-import zlib
 from collections import deque
-from collections.abc import Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import ExitStack, contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from typing import Any
 
-from mopt import procs
+from mopt import buildlog, procs
 from mopt.api import Artifact, Missing, SourceContext, SourceError, TargetKind
-from mopt.digest import canonical_json, hash_bytes
+from mopt.digest import hash_bytes
 from mopt.errors import MoptError
+from mopt.filehash import file_stat
 from mopt.graph import Node
 from mopt.keys import KEY_FORMAT, Layout, diff_parts, member
 from mopt.runner import InputWatch, ProcessRunner, Spawn, SpawnRunner, action_logger, close_logger
-from mopt.store import ActionEntry, Store, StoreError
+from mopt.store import ActionEntry, Store, StoreError, _entry_from_row
 
 LOCK_NAME = "mopt.lock"
-
-#: the first bytes of an index's key sidecar (`Engine._last_keys`), then a CRC-32 of the rest
-_KEYS_MAGIC = b"mk1\n"
-
-
-def _stat_list(st: os.stat_result) -> list[int]:
-    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
-
-
-def _write_index(path: str, data: bytes) -> list[int] | None:
-    """`noop.replace_durably(path, data)`, returning the new file's stat after the rename,
-    or None when `path` is no longer the file written (another build replaced it since)."""
-    import tempfile
-
-    folder = os.path.dirname(path)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fchmod(fh.fileno(), 0o644)
-            os.fsync(fh.fileno())
-            ino = os.fstat(fh.fileno()).st_ino
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
-    st = os.lstat(path)  # after the rename (it may change the ctime)
-    return _stat_list(st) if st.st_ino == ino else None
-
-
-def _unlink_keys(index: Path) -> None:
-    try:
-        os.unlink(f"{index}.keys")
-    except FileNotFoundError:
-        pass
 
 
 #: statuses after which a node's output will not come in this build
@@ -268,7 +221,18 @@ class SourceUnavailable(MoptError):
 class Engine:
     """Keys, plans and builds the nodes of a session's graph."""
 
-    def __init__(self, session: Any, *, offline: bool = False, salt: str = "", read_only: bool = False) -> None:
+    def __init__(
+        self,
+        session: Any,
+        *,
+        offline: bool = False,
+        salt: str = "",
+        read_only: bool = False,
+        selectors: list[str] | tuple[str, ...] = (),
+        use_log: bool = True,
+    ) -> None:
+        """`selectors` and `offline` name the build log (`mopt.buildlog`) this build reads and
+        writes; `use_log=False` (`--no-log`) reads none: every hit is checked in the store."""
         self.session = session
         self.project = session.project
         self.recipe = session.recipe
@@ -290,45 +254,35 @@ class Engine:
         self._meta: dict[str, dict[str, Any]] = {}  # output tree → its action's run() result
         self._source_errors: dict[str, MoptError] = {}
         self._source_files: list[str] = []
-        self._index_data: dict[str, Any] | None = None
-        self._index_dirty = False
-        #: address → key of the index, from its sidecar or the index (`_last_keys`)
-        self._index_keys: dict[str, Any] | None = None
-        self._index_keys_stale = False  # the sidecar does not hold `_index_keys`: rewrite it
-        self._index_stat: list[int] | None = None  # the stat of the index `_index_data` came from
-        self._keys_stat: list[int] | None = None  # the index stat the sidecar's keys were filed under
         self._prefetched = False
         self._prefetched_dirs: set[str] = set()
         self._node_files: dict[str, list[Path]] = {}
         self._files_by_params: dict[tuple[str, int], tuple[Any, list[Path]]] = {}
-        #: outputs tree → the lstat of each blob of a hit just checked (`hit`), taken by
-        #: `_materialize`
-        self._hit_stats: dict[str, dict[str, os.stat_result]] = {}
         self._pass_thread: int | None = None  # the driver's thread while it is in a pass
-        #: digests of input files hashed while the build loaded (`noop.prehash`): path →
-        #: (stat key, digest), used only while the file's stat is still that one
-        self.prehashed: dict[str, tuple[tuple[int, ...], str]] = {}
-        # input file → digest, of those the stale no-op stamp recorded and showed unchanged
-        # (`noop.vouch`): their stat is the one the stat cache had their digest under
-        self.vouched_digests: dict[str, str] = {}
-        self.prehashed_files = 0
-        self.prehashed_bytes = 0
         self.planning = False  # plan never downloads a source
-        #: node id → [key, outputs tree, build/ folders] of the last build, per its stale
-        #: no-op stamp (`noop.vouch`): a node whose key is that one is a hit whose blobs and
-        #: build/ folders need no check (the stamp shows them as that build found them)
-        self.vouched: Mapping[str, Any] | None = None
-        self.vouched_n = 0  # the hits taken so (`mopt build --json`'s io.vouched)
-        self.vouched_ids: set[str] = set()
         #: the runner `prestart` started, until `build` takes it
         self._early_runner: SpawnRunner | None = None
-        self.index_dir = self.store.root / "index"
-        if not read_only:
-            self.index_dir.mkdir(exist_ok=True)
         self.remote = _remote_for(self.project, self.store, offline)
         if offline:  # libraries that honour these never touch the network
             os.environ["HF_HUB_OFFLINE"] = "1"
             os.environ["TRANSFORMERS_OFFLINE"] = "1"
+        self.log_path = buildlog.log_path(
+            str(self.store.root), buildlog.ident_of(str(self.recipe.path), selectors, offline)
+        )
+        self.ident = buildlog.ident_of(str(self.recipe.path), selectors, offline)
+        #: the last build's log (None: none, or unreadable): its keys are plan's "why"
+        self.log: buildlog.Log | None = None
+        got = buildlog.load(self.log_path, self.ident, str(self.store.root), stats=use_log)
+        if not isinstance(got, str):
+            self.log = got
+        #: why the log's word is not taken for hits ("" when it is)
+        self.log_miss = "--no-log" if not use_log else got if isinstance(got, str) else ""
+        #: node id → what the log records of it, for the nodes this build took from it
+        self._from_log: dict[str, list[Any]] = {}
+        #: node id → the stat of its entry file after this build touched it (gc's last use)
+        self._touched: dict[str, Any] = {}
+        #: what the user should know but that failed nothing (a lock file not written)
+        self.warnings: list[str] = []
 
     # ------------------------------------------------------------------ key parts
 
@@ -636,105 +590,40 @@ class Engine:
             rel = rels[p] = _relative(str(p), str(self.recipe.project_dir))
         return rel
 
-    # ------------------------------------------------------------------ index of last builds
+    # ------------------------------------------------------------------ the last build
 
-    def _index_file(self) -> Path:
-        return self.index_dir / (hash_bytes(str(self.recipe.path).encode())[:32] + ".json")
-
-    def _index(self) -> dict[str, Any]:
-        """address → {key, parts} of its last build: what `plan` diffs against."""
-        if self._index_data is None:
-            try:
-                with open(self._index_file(), "rb") as fh:
-                    st = os.fstat(fh.fileno())  # the stat of the bytes read
-                    self._index_data = json.loads(fh.read())
-                self._index_stat = _stat_list(st)
-            except (OSError, ValueError):
-                self._index_data = {}
-                self._index_stat = None
-            if not isinstance(self._index_data, dict):
-                self._index_data = {}
-            if self._index_keys is None or self._index_keys_stale or self._keys_stat != self._index_stat:
-                self._index_keys = {
-                    a: rec.get("key") for a, rec in self._index_data.items() if isinstance(rec, dict)
-                }
-                self._index_keys_stale = True
-        return self._index_data
-
-    def _last_keys(self) -> dict[str, Any]:
-        """address → key of the index (`_index`), from its sidecar `<index>.keys` while that
-        names the index file's current stat: a build whose keys are all the recorded ones
-        then never parses the index (~5 MB of JSON at 10,000 nodes, with every key's parts).
-        The sidecar is an accelerator: missing, damaged, of another version or filed under
-        another stat, the index itself is read (and the sidecar rewritten at `flush_index`)."""
-        if self._index_keys is None:
-            index = self._index_file()
-            try:
-                with open(f"{index}.keys", "rb") as fh:
-                    raw = fh.read()
-                payload = raw[8:]
-                if raw[:4] != _KEYS_MAGIC or zlib.crc32(payload) != int.from_bytes(raw[4:8], "little"):
-                    raise ValueError("not a keys file of this version")
-                doc = marshal.loads(payload)
-                if doc["stat"] != _stat_list(os.lstat(index)):
-                    raise ValueError("filed under another stat of the index")
-                if not isinstance(doc["keys"], dict):
-                    raise ValueError("unexpected layout")
-                self._index_keys, self._keys_stat = doc["keys"], doc["stat"]
-            except (OSError, ValueError, EOFError, TypeError, KeyError):
-                self._index()  # sets _index_keys from the index itself
-                if self._index_keys is None:  # the index was read before (plan)
-                    self._index_keys = {
-                        a: rec.get("key") for a, rec in self._index().items() if isinstance(rec, dict)
-                    }
-                    self._index_keys_stale = True
-        return self._index_keys
-
-    def last_parts(self, address: str) -> dict[str, Any] | None:
-        rec = self._index().get(address)
-        return rec.get("parts") if isinstance(rec, dict) else None
-
-    def record(self, node: Node, key: str, parts: dict[str, Any]) -> None:
-        keys = self._last_keys()
-        for address in node.addresses:
-            if keys.get(address) != key:
-                self._index()[address] = {"key": key, "parts": parts}
-                keys[address] = key
-                self._index_dirty = True
-
-    def flush_index(self) -> None:
-        """Write the index of last builds (one file per recipe, replaced atomically)."""
-        if self.read_only or not (self._index_dirty or self._index_keys_stale):
-            return
-        from mopt.noop import replace_durably
-
-        index = self._index_file()
+    def last_parts(self, node_id: str) -> dict[str, Any] | None:
+        """The key parts of `node_id`'s last build (what `plan` diffs against): its key per
+        the build log, else per mopt.lock, and the parts its action entry recorded."""
+        rec = self.log.nodes.get(node_id) if self.log is not None else None
+        key = rec[0] if rec is not None else self._locked_keys().get(node_id)
+        if not isinstance(key, str):
+            return None
         try:
-            if self._index_dirty and self._index_data is not None:
-                _unlink_keys(index)  # first: a crash after the index leaves no sidecar that names it
-                self._index_stat = _write_index(str(self.store.guard(index)), canonical_json(self._index_data))
-            # the keys are filed under the stat of the index they came from (or were written
-            # to), and only while the index still has it: another build's index is not named
-            if self._index_keys is not None and self._index_stat is not None and self._index_stat == _stat_list(
-                os.lstat(index)
-            ):
-                payload = marshal.dumps({"stat": self._index_stat, "keys": self._index_keys}, 4)
-                replace_durably(
-                    str(self.store.guard(f"{index}.keys")),
-                    _KEYS_MAGIC + zlib.crc32(payload).to_bytes(4, "little") + payload,
-                )
-        except (OSError, ValueError) as exc:  # it only feeds plan's "why": a build must not fail on it
-            logging.getLogger("mopt").warning("could not write %s: %s", index, exc)
-        self._index_dirty = False
-        self._index_keys_stale = False
+            entry = self.store.ac_entry(key, check_blobs=False)
+        except ValueError:  # not a key (a damaged lock file)
+            return None
+        parts = entry.meta.get("parts") if entry is not None else None
+        return parts if isinstance(parts, dict) else None
+
+    def _locked_keys(self) -> dict[str, Any]:
+        keys = self.__dict__.get("_lock_keys")
+        if keys is None:
+            try:
+                keys = read_lock(self.recipe.path).get("artifacts", {})
+            except LockFileError:
+                keys = {}
+            self._lock_keys = keys if isinstance(keys, dict) else {}
+        return self._lock_keys
 
     # ------------------------------------------------------------------ plan
 
-    def plan(self, ids: list[str]) -> dict[str, dict[str, Any]]:
-        """Per node: up to date / new / why it will run, without running anything."""
+    def plan(self, ids: list[str], materialize: set[str] | None = None) -> dict[str, dict[str, Any]]:
+        """Per node: up to date / new / why it will run, without running anything. A node of
+        `materialize` (default: all) whose build/ folder does not hold its artifact (another
+        recipe's target of the same name laid out there, a hand edit) says so."""
         self.planning = True
-        if self.vouched is None:  # else at the first hit not vouched for (`hit`)
-            self._prefetch()
+        want = set(ids) if materialize is None else materialize
         nodes = self.graph.nodes
         self._prefetch_dirs([f for i in ids for f in self.node_files(nodes[i])])
         outputs: dict[str, str | None] = {}
@@ -775,21 +664,18 @@ class Engine:
                 outputs[i] = None
                 result[i] = {"state": "unavailable", "summary": exc.message, "reasons": [exc.render()]}
                 continue
-            tree = None
-            if self.vouched is not None:
-                # the stamp's word: this key, its blobs unchanged, its entry's file as read then
-                v = self.vouched.get(i)
-                if v is not None and v[0] == key and self.store.recorded_holds(key, v[3]) and v[3][1].get(
-                    "outputs_tree"
-                ) == v[1]:
-                    tree = v[1]
-                    self.vouched_n += 1
-            if tree is None:
+            rec = self._logged(node, key)
+            if rec is not None:
+                tree: str | None = rec[1]["outputs_tree"]
+            else:
                 entry = self.hit(key, fetch=False)
                 tree = None if entry is None else entry.outputs_tree
             if tree is not None:
                 outputs[i] = tree
                 result[i] = {"state": "up-to-date", "summary": "up to date", "key": key}
+                if i in want and not self._laid_out(node, tree, rec):
+                    where = ", ".join(str(self.address_path(a)) for a in node.addresses)
+                    result[i]["summary"] = f"up to date; {where} holds other bytes: mopt build lays it out again"
                 continue
             outputs[i] = None
             why = self.unmet(node)
@@ -886,15 +772,12 @@ class Engine:
                                    reporter=reporter or Reporter(), materialize=self._want, jobs=jobs)
             result: dict[str, NodeState] = ex_cls().build(session, settings=settings) or session.states()
             self.store.state.flush()
-            self.flush_index()
             return result
         from mopt.procs import gpu_slots
 
         reporter = reporter or Reporter()
         jobs = jobs or usable_cpus()
         self.store.cleanup_tmp()
-        if self.vouched is None:  # else at the first hit not vouched for (`hit`)
-            self._prefetch()
         self._hash_input_files(ids)
         states = {i: NodeState(self.graph.nodes[i]) for i in ids}
         pending = deque(ids)
@@ -943,13 +826,7 @@ class Engine:
                         if st.key is None:
                             st.missing = missing
                             st.parts, st.key = self.keyed(node, built_inputs(node, outputs), missing)
-                            entry = self._vouched_hit(st) if self.vouched is not None else None
-                            if entry is not None:
-                                self._finish_hit(st, entry, outputs, vouched=True)
-                                reporter.done(st)
-                                progressed = True
-                                continue
-                            entry = self.hit(st.key)
+                            entry = self.hit(st.key, node=node)
                             if entry is not None:
                                 self._finish_hit(st, entry, outputs)
                                 reporter.done(st)
@@ -1007,9 +884,282 @@ class Engine:
             if runner is not None:
                 runner.shutdown()
             self.store.state.flush()
-            self.flush_index()
             reporter.stop()
         return states
+
+    def run(
+        self,
+        ids: list[str],
+        *,
+        wanted: list[str],
+        jobs: int | None = None,
+        keep_going: bool = False,
+        reporter: Reporter | None = None,
+        frozen: bool = False,
+        lock: bool = True,
+    ) -> dict[str, NodeState]:
+        """`mopt build`: check --frozen, build `ids` (laying out `wanted` under build/), then
+        update mopt.lock (unless `frozen` or not `lock`) and write the build log."""
+        # the action runner's zygotes import torch & co. while the sources are resolved
+        self.prestart(ids, jobs)
+        try:
+            lock_now = current_lock(self, ids)
+            if frozen and (diffs := frozen_diff(self.recipe.path, lock_now)):
+                raise MoptError(
+                    "--frozen: " + "; ".join(diffs),
+                    file=str(lock_path(self.recipe.path)),
+                    hint="rebuild without --frozen to update the lock file",
+                )
+        except BaseException:
+            self.stop_prestarted()
+            raise
+        try:
+            states = self.build(ids, jobs=jobs, keep_going=keep_going, reporter=reporter, materialize=set(wanted))
+            # off again (the first action run turned it on): the lock and the log are made of
+            # ~100,000 objects at 10,000 nodes that all stay alive
+            import gc
+
+            gc.disable()
+            artifacts = {i: st.key for i, st in states.items() if st.status in ("built", "cached") and st.key}
+            if not frozen and lock:
+                try:
+                    write_lock(self.recipe.path, lock_now, artifacts, store=self.store)
+                except LockFileError as exc:
+                    self.warnings.append(str(exc))
+            elif lock_path(self.recipe.path).exists():
+                self.store.add_root(lock_path(self.recipe.path))
+            self.write_log(states)
+        finally:
+            self.store.close()
+        return states
+
+    def write_log(self, states: dict[str, NodeState]) -> None:
+        """Record this build in its log (`mopt.buildlog`): what it read and what each node it
+        built or found stands on. Never fails the build: a log not written costs the next
+        build its fast path only."""
+        if self.read_only:
+            return
+        try:
+            self._write_log(states)
+        except (OSError, ValueError) as exc:
+            buildlog.forget(self.log_path)
+            logging.getLogger("mopt").warning("mopt: the build log %s was not written: %s", self.log_path, exc)
+
+    def _write_log(self, states: dict[str, NodeState]) -> None:
+        from mopt import tomlfile
+        from mopt.digest import hash_bytes, mode_of
+
+        w = buildlog.Writer()
+        old = self.log
+        # the modules' digests, where the log's word is taken: as the last build read them
+        known = {p: k for k, p in enumerate(old.paths)} if old is not None and not self.log_miss else {}
+        off = [] if all(st.status in ("built", "cached") for st in states.values()) else ["the build did not succeed"]
+        if self.fast_path_off(states):
+            off.append(self.fast_path_off(states))
+
+        def watch(path: str, st: Any = None, digest: Any = None, taken: int | None = None) -> None:
+            if w.file(path, st, digest, touchable=True, taken=taken) is None:
+                off.append(f"{path} changed while the build read it")
+
+        # the head: recipe files and settings as they were read, the lock file as it is now
+        head = [str(p) for p in self.recipe.files]
+        if self.project.config_file is not None:
+            head.append(str(self.project.config_file))
+        for name in dict.fromkeys(head):
+            read = tomlfile.reads.get(name)
+            if read is None:  # read twice with two stats, or not read through tomlfile
+                off.append(f"{name} changed while the build read it")
+                continue
+            st, data, at = read
+            watch(name, file_stat(st), (hash_bytes(data), mode_of(st.st_mode)), at)
+        absent = []
+        lock = str(lock_path(self.recipe.path))
+        try:
+            with open(lock, "rb") as fh:
+                lst = os.fstat(fh.fileno())
+                watch(lock, file_stat(lst), (hash_bytes(fh.read()), mode_of(lst.st_mode)))
+        except FileNotFoundError:
+            absent.append(lock)
+        # a mopt.toml appearing nearer the recipe would change the settings
+        for d in [self.recipe.path.parent, *self.recipe.path.parent.parents]:
+            if self.project.config_file is not None and d == self.project.config_file.parent:
+                break
+            absent.append(str(d / "mopt.toml"))
+        # the code that ran (a module changed since this process loaded it: its new bytes
+        # are not what ran), the folders a plugin would be installed into
+        import mopt
+
+        for mod in buildlog.loaded_modules():
+            try:
+                mst = os.stat(mod)
+            except OSError:
+                continue
+            if mst.st_ctime_ns >= mopt.STARTED_NS:
+                off.append(f"{mod} changed while the build ran")
+                continue
+            k = known.get(mod)
+            fs = file_stat(mst)
+            if old is not None and k is not None and old.stats[k] == fs and k not in old.racy and k in old.digests:
+                watch(mod, fs, old.digests[k])  # as the last build read it
+                continue
+            try:
+                with open(mod, "rb") as fh:
+                    mst = os.fstat(fh.fileno())
+                    data = fh.read()
+            except OSError:
+                continue
+            watch(mod, file_stat(mst), (hash_bytes(data), mode_of(mst.st_mode)))
+        folders = buildlog.path_dirs()
+        # the inputs: declared files and folders (every file and folder in them: a folder's
+        # own stat changes when an entry directly in it comes or goes), the model sources
+        inputs = list(self._source_files)
+        for path, _digest, _info in self._sources.values():
+            folders.extend(f for f, _sub, _files in os.walk(path, followlinks=True))
+        for declared in self._file_digests:
+            if not declared.is_dir():
+                inputs.append(str(declared))
+                continue
+            for folder, _sub, names in os.walk(declared):
+                folders.append(folder)
+                inputs.extend(os.path.join(folder, n) for n in names)
+        self._prefetch_dirs(inputs)
+        for name in sorted(set(inputs)):
+            try:
+                ist = os.stat(name)
+            except OSError:
+                off.append(f"{name} is gone")
+                continue
+            d = self.store.state.lookup(os.path.abspath(name), ist)
+            watch(name, file_stat(ist), None if d is None else (d, mode_of(ist.st_mode)))
+        for folder in sorted(set(folders)):
+            try:
+                fst = os.stat(folder)
+                names = "\0".join(sorted(os.listdir(folder)))
+            except OSError:
+                continue
+            watch(folder, file_stat(fst), (hash_bytes(names.encode("utf-8", "surrogateescape")), 0))
+        # per node: its entry file and blobs, then its build/ files and folders
+        env_names: list[str] = []
+        for i, st in states.items():
+            kind = self.kind(st.node.kind)
+            env_values = getattr(kind, "env_values", None)
+            if callable(env_values):
+                env_names.extend(env_values(st.node.target.params))
+            if st.status not in ("built", "cached") or st.entry is None or st.key is None:
+                rec = old.nodes.get(i) if old is not None else None
+                if rec is not None:  # the last good build of it: plan's "why", a hit once more
+                    w.nodes[i] = [rec[0], rec[1], _carry(w, old, rec[2]), [], []]  # type: ignore[arg-type]
+                continue
+            rec = self._from_log.get(i)
+            if rec is not None and old is not None:
+                store_files = _carry(w, old, rec[2])
+                if i in self._touched and store_files:  # its entry file: a new stat, the same bytes
+                    w.stats[store_files[0]] = self._touched[i]
+                fields = rec[1]
+            else:
+                store_files = self._store_files(w, st.key, st.entry)
+                fields = st.entry.model_dump(mode="json")
+                fields["meta"] = {k: v for k, v in fields["meta"].items() if k != "parts"}
+            if store_files is None:
+                continue
+            bases: list[str] = []
+            build_files: list[int] = []
+            if i in self._want:
+                bases = [self.address_str(a) for a in st.node.addresses]
+                if rec is not None and old is not None and rec[4] == bases:
+                    build_files = _carry(w, old, rec[3]) or []
+                else:
+                    build_files = self._build_files(w, st.entry.outputs_tree, bases) or []
+                if not build_files:
+                    bases = []
+            w.nodes[i] = [st.key, fields, store_files, build_files, bases]
+        selected = self.selected(states)
+        w.save(
+            self.log_path,
+            ident=self.ident,
+            store=str(self.store.root),
+            env=buildlog.environment(env_names),
+            env_names=sorted(set(env_names)),
+            absent=absent,
+            noop="; ".join(off),
+            result={
+                "recipe": str(self.recipe.path),
+                "ids": list(states),
+                # what `mopt build --json` lists of each node on a no-op
+                "nodes": [
+                    [st.node.kind, st.key, st.entry.outputs_tree, round(st.entry.duration_s, 3)]
+                    if st.entry is not None else None
+                    for st in states.values()
+                ],
+                "selected": selected,
+                "build_dir": str(self.build_dir),
+            },
+        )
+
+    def _store_files(self, w: buildlog.Writer, key: str, entry: ActionEntry) -> list[int] | None:
+        """Record the entry file and blobs of a node this build built or checked in the store."""
+        from mopt.digest import MODE_FILE
+
+        seen = self.store.entry_files.get(key)
+        if seen is None:
+            return None
+        out = [w.file(self.store.ac_str(key), seen[0], (seen[1], MODE_FILE), touchable=True)]
+        digests = [entry.outputs_tree, *(e.digest for e in self.store.tree_entries(entry.outputs_tree, present=True))]
+        if entry.log:
+            digests.append(entry.log)
+        for d in digests:
+            path = self.store.blob_str(d)
+            known = self.store.verified.get(path)
+            out.append(w.file(path, None if known is None else file_stat(known), (d, MODE_FILE)))
+        return None if None in out else out  # type: ignore[return-value]
+
+    def _build_files(self, w: buildlog.Writer, tree: str, bases: list[str]) -> list[int] | None:
+        """Record the build/ folders `bases` laid out from `tree`: every file and folder."""
+        from mopt.digest import hash_bytes
+
+        entries = self.store.tree_entries(tree, present=True)
+        children: dict[str, set[str]] = {"": set()}
+        for e in entries:
+            parts = e.path.split("/")
+            for k in range(len(parts)):
+                children.setdefault("/".join(parts[:k]), set()).add(parts[k])
+        out: list[int | None] = []
+        for base in bases:
+            for e in entries:
+                out.append(w.file(f"{base}/{e.path}", None, (e.digest, e.mode)))
+            for rel, names in children.items():
+                listing = hash_bytes("\0".join(sorted(names)).encode("utf-8", "surrogateescape"))
+                out.append(w.file(f"{base}/{rel}" if rel else base, None, (listing, 0)))
+        return None if None in out else out  # type: ignore[return-value]
+
+    def selected(self, states: dict[str, NodeState]) -> list[str]:
+        """One line per built node whose result names a `winner` (a select-like kind)."""
+        lines = []
+        for st in states.values():
+            res = (st.entry.meta.get("result") or {}) if st.entry is not None else {}
+            if st.status in ("built", "cached") and res.get("winner"):
+                lines.append(
+                    f"selected {st.node.section.id}: {res['winner']} ({res.get('objective', 'objective')}; "
+                    f"{res.get('eligible', '?')} of {res.get('variants', '?')} variants passed) → "
+                    f"{self.address_path(st.node.id)}"
+                )
+        return lines
+
+    def fast_path_off(self, states: dict[str, NodeState]) -> str:
+        """Which kinds of this build turn the no-op off (their fingerprint may read machine
+        state), as one line; "" when none does."""
+        off: dict[str, str] = {}
+        for st in states.values():
+            if not self.kind(st.node.kind).static_fingerprint:
+                off.setdefault(st.node.kind, self.registry.plugin_of("targets", st.node.kind).name)
+        if not off:
+            return ""
+        names = ", ".join(f"{k!r} (plugin {p!r})" for k, p in sorted(off.items()))
+        return (
+            f"{'kind' if len(off) == 1 else 'kinds'} {names} may read machine state in fingerprint() "
+            "(static_fingerprint = False); a kind whose fingerprint is package versions says "
+            "fingerprint_packages = (...)"
+        )
 
     @contextmanager
     def _pass(self) -> Any:
@@ -1095,19 +1245,10 @@ class Engine:
 
     def _hash_input_files(self, ids: list[str]) -> None:
         """Digest every declared input file up front, several at a time: after a `touch`
-        of many large files, rehashing them is the whole cost of a no-op."""
+        of many large files, rehashing them is the whole cost of a build."""
         paths: set[Path] = set()
         for i in ids:
-            node = self.graph.nodes[i]
-            paths.update(self.node_files(node))
-        vouched = self.vouched_digests
-        if vouched:
-            for p in paths:
-                d = vouched.get(str(p))
-                if d is not None and p not in self._file_digests:
-                    self._file_digests[p] = d
-                    self.store.state.hits += 1
-            paths = {p for p in paths if p not in self._file_digests}
+            paths.update(self.node_files(self.graph.nodes[i]))
         self._prefetch_dirs(paths)
         import stat as stat_
 
@@ -1120,16 +1261,11 @@ class Engine:
                     st = os.stat(p)
                 except OSError:
                     continue  # file_digest says what is wrong with it
-                pre = self.prehashed.pop(str(p), None)
-                if pre is not None and (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) == pre[0]:
-                    self._file_digests[p] = pre[1]
-                    self.prehashed_files += 1
-                    self.prehashed_bytes += st.st_size
-                    self.store.state.record(str(p), st, pre[1])  # the next build finds it by stat
-                    continue
                 if stat_.S_ISREG(st.st_mode):
-                    # an unchanged file is a stat-cache row (prefetched above): no thread
-                    known = self.store.state.lookup(_abspath(p), st)
+                    # an unchanged file is in the log or a stat-cache row (prefetched above)
+                    known = None if self.log is None or self.log_miss else self.log.digest_of(str(p), file_stat(st))
+                    if known is None:
+                        known = self.store.state.lookup(_abspath(p), st)
                     if known is not None:
                         self._file_digests[p] = known
                         self.store.state.hits += 1
@@ -1174,24 +1310,29 @@ class Engine:
             if not self.planning:
                 self.store.state.prefetch(self.build_dir)
 
-    def hit(self, key: str, *, fetch: bool = True) -> ActionEntry | None:
+    def hit(self, key: str, *, node: Node | None = None, fetch: bool = True) -> ActionEntry | None:
         """The cache entry for `key` if it and every blob it names are intact.
 
-        Blobs are checked through the stat cache, so an untouched blob costs a stat; one
-        whose stat changed is rehashed, and a blob whose bytes no longer match its digest
-        is removed and the entry treated as a miss (the action reruns). On a local miss the
-        remote cache (if any) is asked: with `fetch`, its blobs are downloaded, re-hashed
-        and recorded locally; without, only the entry is read (plan: no bytes).
+        Two ways: the build log records `node` under this key and its entry file and blobs
+        are as it recorded them (`_logged`); else the store's entry, whose blobs are checked
+        through the stat cache (an untouched blob costs a stat; one whose stat changed is
+        rehashed, and one whose bytes no longer match its digest is removed: a miss, the
+        action reruns). On a local miss the remote cache (if any) is asked: with `fetch`, its
+        blobs are downloaded, re-hashed and recorded locally; without, only the entry is read
+        (plan: no bytes).
         """
-        if self.vouched is not None and not self._prefetched:
-            self._prefetch()  # not done up front: hits vouched for need no stat records
-        quick = self.store.quick_hit(key)  # the common case, in fewer steps (same answer)
-        if quick is not None:
+        rec = self._logged(node, key) if node is not None else None
+        if rec is not None:
+            entry = _entry_from_row(rec[1])
             if not self.read_only:
-                # each blob's lstat, just found intact: materializing the hit compares its
-                # hard-linked build/ files with these instead of taking them again
-                self._hit_stats[quick[0].outputs_tree] = quick[1]
-            return quick[0]
+                self.store.use(key)
+                touched = self.store.touch_if_due(key, self.log.stat_now(rec[2][0]))  # type: ignore[union-attr]
+                if touched is not None:
+                    self._touched[node.id] = touched  # type: ignore[union-attr]
+            self._from_log[node.id] = rec  # type: ignore[union-attr]
+            return entry
+        if not self._prefetched:
+            self._prefetch()
         entry = self.store.ac_entry(key, check_blobs=False)
         if entry is None:
             if self.remote is None:
@@ -1205,8 +1346,7 @@ class Engine:
         # The manifest first: its own bytes are checked (tree_entries hashes them once per
         # process, `intact` by stat after that), and a damaged one is removed, so the rerun
         # stores it afresh instead of failing on it for good.
-        tree_st = self.store.intact_stat(entry.outputs_tree, repair=repair)
-        if tree_st is None:
+        if self.store.intact_stat(entry.outputs_tree, repair=repair) is None:
             return None
         try:
             members = [e.digest for e in self.store.tree_entries(entry.outputs_tree, present=True)]
@@ -1217,18 +1357,28 @@ class Engine:
             return None
         if entry.log:
             members.append(entry.log)
-        stats = {entry.outputs_tree: tree_st}
         with nullcontext() if self._in_pass() else self.store.state.batch():
             for d in members:
-                st = self.store.intact_stat(d, repair=repair)
-                if st is None:
+                if self.store.intact_stat(d, repair=repair) is None:
                     return None
-                stats[d] = st
-        if not self.read_only:
-            # each blob's lstat, just found intact: materializing the hit compares its
-            # hard-linked build/ files with these instead of taking them again
-            self._hit_stats[entry.outputs_tree] = stats
         return entry
+
+    def _logged(self, node: Node, key: str) -> list[Any] | None:
+        """The build log's record of `node` if its last build built or found it under `key`
+        and its entry file and blobs are as that build recorded them, else None."""
+        log = self.log
+        if log is None or self.log_miss:
+            return None
+        rec = log.node(node.id, key)
+        return rec if rec is not None and log.node_holds(rec, build=False) else None
+
+    def _laid_out(self, node: Node, tree: str, rec: list[Any] | None) -> bool:
+        """Whether every build/ folder of `node` holds the tree `tree`: as the log recorded
+        them (`rec`), else checked file by file (read-only)."""
+        bases = [self.address_str(a) for a in node.addresses]
+        if rec is not None and rec[4] == bases and self.log is not None and self.log.first_change(rec[3]) is None:
+            return True
+        return all(self.store.holds(tree, b) for b in bases)
 
     def _cache_dir(self, kind: str) -> Path:
         d = self.store.root / "cache" / kind
@@ -1242,44 +1392,19 @@ class Engine:
             res = {r: max(n, res.get(r, 0)) for r, n in slots.items()}
         return {r: n for r, n in res.items() if n > 0}
 
-    def _vouched_entry(self, node_id: str, key: str, parts: Any) -> ActionEntry | None:
-        """The entry of `key` if the stale stamp vouches for it (`vouched`): the last build
-        had this node under this key and outputs tree, every blob of it is unchanged since
-        (the stamp's stats), and its entry's file is the one that build read (its stat:
-        `Store.recorded_entry`, said "in use"). Else None: `hit` decides."""
-        assert self.vouched is not None
-        v = self.vouched.get(node_id)
-        if v is None or v[0] != key:
-            return None
-        e = self.store.recorded_entry(key, v[3], parts)
-        return e if e is not None and e.outputs_tree == v[1] else None
-
-    def _vouched_hit(self, st: NodeState) -> ActionEntry | None:
-        """`_vouched_entry` for a build: also materialized to the same build/ folders as
-        then (every file and folder of them unchanged since, per the stamp), or not at all
-        if it is not to be now: `hit` + `_materialize` would find exactly that."""
-        assert self.vouched is not None and st.key is not None
-        node = st.node
-        v = self.vouched.get(node.id)
-        if v is None or v[0] != st.key:
-            return None
-        bases = [self.address_str(a) for a in node.addresses] if node.id in self._want else []
-        if list(v[2]) != bases:
-            return None
-        return self._vouched_entry(node.id, st.key, st.parts)
-
-    def _finish_hit(self, st: NodeState, entry: ActionEntry, outputs: dict[str, str], vouched: bool = False) -> None:
+    def _finish_hit(self, st: NodeState, entry: ActionEntry, outputs: dict[str, str]) -> None:
         st.status = "cached"
         st.entry = entry
         self._meta[entry.outputs_tree] = dict(entry.meta.get("result") or {})
         outputs[st.node.id] = entry.outputs_tree
-        if vouched:  # its build/ folders hold it, as the stamp shows (`_vouched_hit`)
-            self.vouched_n += 1
-            self.vouched_ids.add(st.node.id)
+        rec = self._from_log.get(st.node.id)
+        if rec is not None and st.node.id in self._want:
+            bases = [self.address_str(a) for a in st.node.addresses]
+            if rec[4] != bases or self.log is None or self.log.first_change(rec[3]) is not None:
+                self._from_log[st.node.id] = rec[:3] + [[], []]  # laid out again below: recorded anew
+                self._materialize(st.node, entry.outputs_tree, blobs_checked=True)
         else:
             self._materialize(st.node, entry.outputs_tree, blobs_checked=True)
-        assert st.key is not None and st.parts is not None
-        self.record(st.node, st.key, st.parts)
 
     def address_path(self, address: str) -> Path:
         """build/<model>/<section>/<target> of `address` in this recipe."""
@@ -1307,7 +1432,6 @@ class Engine:
         return s
 
     def _materialize(self, node: Node, tree: str, *, blobs_checked: bool = False) -> None:
-        stats = self._hit_stats.pop(tree, None) if blobs_checked else None
         if node.id not in getattr(self, "_want", {node.id}):
             return
         with nullcontext() if self._in_pass() else self.store.in_use():
@@ -1315,9 +1439,7 @@ class Engine:
                 # materialize checks every file by stat (or by inode for large, linked ones)
                 # and rebuilds the folder if one was edited or removed: a repair of this
                 # target's folder only, never of the blob another target's file shares
-                self.store.materialize(
-                    tree, self.address_str(address), blobs_checked=blobs_checked, blob_stats=stats
-                )
+                self.store.materialize(tree, self.address_str(address), blobs_checked=blobs_checked)
 
     def _execute(self, st: NodeState, reporter: Reporter) -> NodeState:
         """Run one action under its lock (another process may have built it meanwhile).
@@ -1415,7 +1537,6 @@ class Engine:
                 st.status = "built"
                 st.duration = duration
                 self._materialize(node, tree)
-                self.record(node, key, st.parts)
             except BaseException as exc:  # a failing action must not take the build down
                 st.duration = time.time() - t0
                 if isinstance(exc, KeyboardInterrupt | SystemExit):
@@ -1489,21 +1610,14 @@ class Engine:
         return msg
 
 
-#: set by `mopt build`, which turns the garbage collector off while it keys the graph and
-#: takes hits (see cli_build): the first action the engine runs turns it back on
-gc_paused = False
-
-
 def _resume_gc() -> None:
-    """The collector on again, what is alive now out of its sight (`gc.freeze`: the recipe,
-    the graph, the keyed nodes and their entries, alive until the process ends): else each
-    full collection after it walks those ~1M objects again, ~0.3 s each at 10,000 nodes,
-    and a build that runs one action then pays seconds for the stamp's bookkeeping."""
-    global gc_paused
-    if gc_paused:
-        import gc
+    """The collector on again if `mopt build` turned it off while it keyed the graph and took
+    hits (cli_build), with what is alive now out of its sight (`gc.freeze`: the recipe, the
+    graph, the keyed nodes and their entries, alive until the process ends): else each full
+    collection after it walks those ~1M objects again, ~0.3 s each at 10,000 nodes."""
+    import gc
 
-        gc_paused = False
+    if not gc.isenabled():
         gc.freeze()
         gc.enable()
 
@@ -1525,6 +1639,21 @@ class Reporter:
 
 def _set_last(st: NodeState, line: str) -> None:
     st.last_line = line[-200:]
+
+
+def _carry(w: buildlog.Writer, old: buildlog.Log, indices: list[int]) -> list[int] | None:
+    """Record again, as the old log recorded them, the files at `indices` of `old` that this
+    build found holding (a node it took from the log); None if one cannot be."""
+    out = []
+    for k in indices:
+        st = old.learnt.get(k, old.stats[k])  # a touched file found holding: its new stat
+        # a file recorded within the racy window stays so until a build checks its digest
+        racy = k in old.racy and not old.verdict.get(k)
+        i = w.file(old.paths[k], st, old.digests.get(k), touchable=k in old.touchable, taken=st[4] if racy else None)
+        if i is None:
+            return None
+        out.append(i)
+    return out
 
 
 # ---------------------------------------------------------------------- lock file
@@ -1652,7 +1781,7 @@ def write_lock(recipe_path: Path, now: LockData, artifacts: dict[str, str], stor
 def _write_lock(recipe_path: Path, now: LockData, artifacts: dict[str, str]) -> bool:
     import fcntl
 
-    from mopt.noop import replace_durably
+    from mopt.filehash import replace_durably
 
     p = lock_path(recipe_path)
     with open(p.parent / f".{LOCK_NAME}.flock", "a+") as lk:
@@ -1684,141 +1813,6 @@ def _write_lock(recipe_path: Path, now: LockData, artifacts: dict[str, str]) -> 
 __all__ = ["Engine", "NodeState", "Reporter", "action_logger", "address_path", "close_logger", "procs"]
 
 
-def noop_stamp_inputs(engine: Engine, states: dict[str, NodeState]) -> dict[str, Any] | None:
-    """What a no-op stamp must watch for this successful build (None: no fast path)."""
-    files: list[str] = [str(p) for p in engine.recipe.files]
-    if engine.project.config_file is not None:
-        files.append(str(engine.project.config_file))
-    files.append(str(engine.recipe.path.parent / LOCK_NAME))
-    # a mopt.toml appearing nearer the recipe would change the settings
-    absent = []
-    for d in [engine.recipe.path.parent, *engine.recipe.path.parent.parents]:
-        if engine.project.config_file is not None and d == engine.project.config_file.parent:
-            break
-        absent.append(str(d / "mopt.toml"))
-    dirs: list[str] = []
-    env_extra: list[str] = []
-    exist: list[str] = []  # action entries are touched on every hit (LRU): existence only
-    ac_dir, want, verified = str(engine.store.ac_dir), engine._want, engine.store.verified
-    for st in states.values():
-        kind = engine.kind(st.node.kind)
-        if not kind.static_fingerprint or st.entry is None or st.key is None:
-            return None
-        env_values = getattr(kind, "env_values", None)
-        if callable(env_values):
-            env_extra.extend(env_values(st.node.target.params))
-        exist.append(f"{ac_dir}/{st.key}.json")
-        files.append(engine.store.blob_str(st.entry.outputs_tree))
-        if st.entry.log:
-            files.append(engine.store.blob_str(st.entry.log))
-        tree = engine.store.blob_str(st.entry.outputs_tree)
-        # a vouched node's tree blob is as intact as a hit's just checked (the stamp's stats)
-        present = tree in verified or st.node.id in engine.vouched_ids
-        entries = engine.store.tree_entries(st.entry.outputs_tree, present=present)
-        files.extend(engine.store.blob_str(e.digest) for e in entries)
-        if st.node.id in want:
-            for address in st.node.addresses:
-                base = engine.address_str(address)
-                files.extend(f"{base}/{e.path}" for e in entries)
-    inputs = [*engine._source_files]
-    # A folder's own stat changes when an entry directly in it comes or goes, not when a
-    # file in it is edited or one is added further down: watch every file and folder in a
-    # declared input folder, and every folder of a model source.
-    for path, _digest, _info in engine._sources.values():
-        dirs.extend(folder for folder, _sub, _files in os.walk(path, followlinks=True))
-    for declared in engine._file_digests:
-        if not declared.is_dir():
-            inputs.append(str(declared))
-            continue
-        for folder, _sub, names in os.walk(declared):
-            dirs.append(folder)
-            inputs.extend(os.path.join(folder, n) for n in names)
-    inputs = sorted(set(inputs))
-    files.extend(inputs)
-    # what each input file held (by the stat cache, so only while its stat is the one it
-    # was hashed under): a later `touch` of it is then rehashed by the no-op itself, which
-    # holds if the bytes and the mode are unchanged (see noop.check)
-    from mopt.digest import mode_of
-
-    digests: dict[str, tuple[str, int]] = {}
-    engine._prefetch_dirs(inputs)
-    for name in inputs:
-        try:
-            now = os.stat(name)
-        except OSError:
-            continue
-        d = engine.store.state.lookup(os.path.abspath(name), now)
-        if d is not None:
-            digests[name] = (d, mode_of(now.st_mode))
-    # The recipe files and mopt.toml: filed under the stat they had when read, with the
-    # digest of the bytes read (a touch with the same bytes is then rehashed, not a miss;
-    # an edit made while this build ran is seen). mopt.lock, just written: the same.
-    from mopt import tomlfile
-    from mopt.digest import hash_bytes
-    from mopt.noop import RACY_NS
-
-    known: dict[str, os.stat_result] = dict(engine.store.verified)
-    unsure: list[str] = []
-    for name in files[: len(engine.recipe.files) + (engine.project.config_file is not None)]:
-        if name not in tomlfile.reads:
-            continue  # not read through tomlfile: filed under its stat now, no digest
-        read = tomlfile.reads[name]
-        if read is None:  # read twice, seen changed between: the stamp is not written
-            unsure.append(name)
-            continue
-        read_st, data, at = read
-        if at - read_st.st_ctime_ns < RACY_NS:  # it may have changed again unseen since
-            unsure.append(name)
-            continue
-        known[name] = read_st
-        digests[name] = (hash_bytes(data), mode_of(read_st.st_mode))
-    lock = str(engine.recipe.path.parent / LOCK_NAME)
-    try:
-        with open(lock, "rb") as fh:
-            lock_st = os.fstat(fh.fileno())
-            lock_bytes = fh.read()
-        if _stat_id(os.stat(lock)) == _stat_id(lock_st):
-            known[lock] = lock_st
-            digests[lock] = (hash_bytes(lock_bytes), mode_of(lock_st.st_mode))
-    except OSError:
-        pass  # none (--no-lock): it must not appear (the stamp lists it absent)
-    # per node, what a later full path may take unchecked (`noop.vouch`): its key, tree,
-    # build/ folders and its entry as read (the stat of its file then)
-    vouch_nodes = {}
-    old = engine.vouched or {}
-    for i, st in states.items():
-        assert st.key is not None and st.entry is not None
-        if i in engine.vouched_ids and st.key not in engine.store.touched:
-            record = old[i][3]  # its file found with that stat by this build
-        else:
-            record = engine.store.entry_record(st.key)
-            if record is None and st.status == "built":  # stored by this build: read back
-                record = engine.store.entry_record_of(st.key, st.entry)
-            if record is None:
-                continue
-        bases = [engine.address_str(a) for a in st.node.addresses] if i in want else []
-        vouch_nodes[i] = [st.key, st.entry.outputs_tree, bases, record]
-    return {
-        "head": files[: len(engine.recipe.files) + (engine.project.config_file is not None) + 1],
-        "vouch": {"nodes": vouch_nodes, "build_dir": str(engine.build_dir)},
-        "files": files,
-        "exist": exist,
-        "absent": absent,
-        "dirs": dirs,
-        "env_extra": env_extra,
-        "inputs": inputs,
-        "digests": digests,
-        "state_db": engine.store.state.db_path,
-        "known": known,
-        "unsure": unsure,
-        "config": None if engine.project.config_file is None else str(engine.project.config_file),
-    }
-
-
-def _stat_id(st: os.stat_result) -> tuple[int, ...]:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
 def _remote_for(project: Any, store: Store, offline: bool) -> Any:
     """The remote cache of `[remote]`, or None."""
     settings = project.config.remote
@@ -1846,176 +1840,12 @@ def _remote_for(project: Any, store: Store, offline: bool) -> Any:
         ) from None
 
 
-def plan_status(session: Any, ids: list[str]) -> dict[str, dict[str, Any]]:
+def plan_status(
+    session: Any, ids: list[str], *, wanted: list[str] | None = None, selectors: Any = (), use_log: bool = True
+) -> dict[str, dict[str, Any]]:
     """`mopt plan`'s status column (read-only: a plan never changes the store)."""
-    engine = Engine(session, read_only=True)
+    engine = Engine(session, read_only=True, selectors=selectors, use_log=use_log)
     try:
-        _plan_vouched(engine)
-        return engine.plan(ids)
+        return engine.plan(ids, None if wanted is None else set(wanted))
     finally:
         engine.store.close()
-
-
-def _plan_vouched(engine: Engine) -> None:
-    """Give `engine` what the stale no-op stamp of this recipe's last build vouches for
-    (`noop.vouch`), if this process checked one (`mopt plan` asks for its plan file first):
-    plan checks no build/ file, so only the store's blobs must be unchanged."""
-    from mopt import noop
-
-    seen = noop.last_seen
-    if seen is None or seen["stamp"].get("result", {}).get("recipe") != str(engine.recipe.path):
-        return
-    v = noop.vouch(
-        seen["path"], seen["ident"], store_dir=str(engine.store.root), build_dir=str(engine.build_dir), plan=True
-    )
-    if v is not None:
-        engine.vouched = v["nodes"]
-        engine.vouched_digests = vouched_input_digests(v)
-
-
-def vouched_input_digests(vouched: dict[str, Any]) -> dict[str, str]:
-    """Of `noop.vouch`'s answer: path → digest of each input file the stale stamp recorded
-    a digest of and showed unchanged (its stat now is the one the stamp was written under,
-    when the stat cache had that digest under it), for `Engine.vouched_digests`."""
-    stamp, changed = vouched["stamp"], vouched["changed"]
-    inputs = set(stamp.get("inputs", ()))
-    return {p: d for p, (d, _mode) in stamp.get("digests", {}).items() if p in inputs and p not in changed}
-
-
-def vouched_stamp_updates(
-    engine: Engine, states: dict[str, NodeState], vouched: dict[str, Any]
-) -> dict[str, tuple[list[int], Any]] | None:
-    """When every node of this build was vouched for by its stale stamp (`noop.vouch`) and
-    nothing but the recipe, settings or lock files changed (their new stat and digest:
-    path → (stat, (digest, mode) or None)), what `noop.write` would record differs from
-    that stamp only in those files and the result (`noop.patch`). None when anything else
-    may differ (the full write then runs): another node, a changed module or input, the
-    environment, a folder, a file gone, a racy read."""
-    stamp = vouched["stamp"]
-    if vouched["others"] or engine.vouched_n != len(states) or list(states) != stamp["result"]["ids"]:
-        return None
-    head = [str(p) for p in engine.recipe.files]
-    if engine.project.config_file is not None:
-        head.append(str(engine.project.config_file))
-    head.append(str(engine.recipe.path.parent / LOCK_NAME))
-    if [p for p, _st in stamp.get("head", [])] != list(dict.fromkeys(head)):
-        return None
-    changed: dict[str, Any] = vouched["changed"]
-    if any(p not in head for p in changed):
-        return None
-    # the modules this process loaded: all of them watched by the stamp already
-    mods = set()
-    for m in list(sys.modules.values()):
-        f = getattr(m, "__file__", None)
-        if f and not f.startswith(sys.base_prefix + os.sep):
-            mods.add(os.path.abspath(f))
-    from mopt.noop import indices
-
-    if len(indices(stamp["groups"], sorted(mods))) != len(mods):
-        return None
-    from mopt import tomlfile
-    from mopt.digest import mode_of
-    from mopt.noop import RACY_NS
-
-    # each head file's stat and digest as `noop_stamp_inputs` files them (the recipe and
-    # settings as read; mopt.lock as it is now, after this build wrote it or not)
-    now = time.time_ns()
-    recorded = dict((p, want) for p, want in stamp["head"])
-    digests = stamp.get("digests", {})
-    updates: dict[str, tuple[list[int], Any]] = {}
-    for name in recorded:
-        digest: Any = None
-        if name == head[-1]:
-            try:
-                with open(name, "rb") as fh:
-                    st = os.fstat(fh.fileno())
-                    data = fh.read()
-                if _stat_id(os.stat(name)) != _stat_id(st):
-                    return None  # replaced meanwhile (the full write files it with no digest)
-            except FileNotFoundError:
-                if recorded[name] is None:
-                    continue  # none, as then (--no-lock)
-                return None
-            except OSError:
-                return None
-            digest = (hash_bytes(data), mode_of(st.st_mode))
-        elif name in tomlfile.reads:
-            read = tomlfile.reads[name]
-            if read is None:
-                return None  # seen changed while read: the full write writes no stamp
-            st, data, at = read
-            if at - st.st_ctime_ns < RACY_NS:
-                return None
-            digest = (hash_bytes(data), mode_of(st.st_mode))
-        else:
-            return None  # not read through tomlfile: left to the full write
-        if now - st.st_ctime_ns < RACY_NS:
-            return None
-        stat_now = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
-        if stat_now == recorded[name] and tuple(digests.get(name, ())) == digest:
-            continue
-        if name not in changed and stat_now != recorded[name]:
-            return None  # changed after the stamp was checked: left to the full write
-        updates[name] = (stat_now, digest)
-    if set(changed) - set(updates):
-        return None  # a changed file not recorded anew (gone, or not read)
-    return updates
-
-
-def noop_paths(stamp: dict[str, Any]) -> list[str]:
-    from mopt.noop import _paths
-
-    return _paths(stamp["groups"])
-
-
-def vouched_nodes_now(engine: Engine, vouched: dict[str, Any]) -> dict[str, Any] | None:
-    """For `noop.patch(nodes=...)`: the stale stamp's vouch nodes with the entry record of
-    each node whose entry file this build touched (gc's "last used": a new stat, which the
-    old record would not match next time), a node dropped if its entry is not known so
-    (then the full path checks it next time); None if no entry was touched (the vouch file
-    stands as it is)."""
-    touched = engine.store.touched
-    if not touched:
-        return None
-    nodes: dict[str, Any] = {}
-    for i, v in vouched["nodes"].items():
-        if v[0] in touched:
-            record = engine.store.entry_record(v[0])
-            if record is None:
-                continue
-            v = [v[0], v[1], v[2], record]
-        nodes[i] = v
-    return nodes
-
-
-def vouched_expect(engine: Engine, vouched: dict[str, Any]) -> dict[str, Any]:
-    """For `noop.write(expect=...)` after a build where some nodes were vouched for: each
-    blob and build/ file of the stale stamp that it showed unchanged and this build did
-    not check again, with the stat it showed (the one it was last found intact under).
-    Only ever stricter than a stat taken now: a file changed since is a miss next time.
-    The build/ files of nodes not vouched for are left out (they may be rebuilt)."""
-    from mopt.noop import _recorded
-
-    stamp = vouched["stamp"]
-    paths = noop_paths(stamp)
-    stats = _recorded(stamp["stats"]) or []
-    if len(stats) != len(paths):
-        return {}
-    cas = os.path.join(os.path.abspath(engine.store.root), "cas") + os.sep
-    built = str(engine.build_dir).rstrip(os.sep) + os.sep
-    others = {
-        engine.address_str(a) for i, node in engine.graph.nodes.items() if i not in engine.vouched_ids for a in node.addresses
-    }
-    changed, verified = vouched["changed"], engine.store.verified
-    n = len(built)
-
-    def base(p: str) -> str:  # the build/<model>/<section>/<target> folder of a build/ file
-        return built + "/".join(p[n:].split("/", 3)[:3])
-
-    return {
-        p: rec
-        for p, rec in zip(paths, stats)
-        if (p.startswith(cas) or (p.startswith(built) and base(p) not in others))
-        and p not in changed
-        and p not in verified
-    }

@@ -149,12 +149,8 @@ def _collector_paused(command: Any) -> Any:
     def run(*args: Any, **kwargs: Any) -> Any:
         from mopt.gcpause import paused_gc
 
-        try:
-            with paused_gc():
-                return command(*args, **kwargs)
-        finally:
-            if "mopt.build" in sys.modules:
-                setattr(sys.modules["mopt.build"], "gc_paused", False)  # noqa: B010
+        with paused_gc():
+            return command(*args, **kwargs)
 
     return run
 
@@ -173,6 +169,7 @@ def register(app: click.Group) -> None:
     @click.option("--no-check", is_flag=True, help="skip `mopt check` before building")
     @click.option("--quiet", "-q", is_flag=True, help="do not list cached actions")
     @click.option("--no-lock", is_flag=True, help="do not write mopt.lock (e.g. a read-only recipe folder)")
+    @click.option("--no-log", is_flag=True, help="do not trust the build log: check every hit in the store")
     @json_opt
     @_collector_paused
     def build(
@@ -185,208 +182,48 @@ def register(app: click.Group) -> None:
         no_check: bool,
         quiet: bool,
         no_lock: bool,
+        no_log: bool,
         as_json: bool,
     ) -> None:
         """Build the selected targets of RECIPE: cache hits are reused, misses run.
 
         SELECTORS are model.hardware:target, globs allowed ('*.h200', '*:onnx')."""
-        import gc
-
-        from mopt import noop
+        from mopt import buildlog
 
         t0 = time.time()
-        store_dir = noop.find_store_dir(str(recipe)) if recipe.exists() else None
-        stamp = noop.stamp_path(store_dir, str(recipe), list(selectors), offline) if store_dir else None
-        ident = noop.ident_of(str(recipe), list(selectors), offline)
-        prehashing = None
-        if stamp is not None:
-            # (`python -m mopt` asked already, before click was imported: `noop.fast_main`)
-            done = noop.consult(stamp, ident)
-            if done is not None:  # nothing it depends on changed: no plugins, no keys
-                noop.report(done, time.time() - t0, as_json, quiet)
+        use_log = not no_log and not os.environ.get("MOPT_NO_LOG")
+        miss = "--no-log"
+        if use_log:  # (`python -m mopt` asked already, before click was imported)
+            log, miss = buildlog.noop(str(recipe), selectors, offline) if recipe.exists() else (None, "")
+            if log is not None:  # nothing it depends on changed: no plugins, no keys
+                buildlog.report(log, time.time() - t0, as_json, quiet)
                 return
-            prehashing = noop.prehashing  # the changed input files, being digested
-        from mopt import build as build_mod
-        from mopt import procs
-        from mopt.build import (
-            Engine,
-            LockFileError,
-            current_lock,
-            frozen_diff,
-            noop_stamp_inputs,
-            vouched_expect,
-            vouched_nodes_now,
-            vouched_stamp_updates,
-            write_lock,
-        )
-
-        build_mod.gc_paused = not gc.isenabled()
+        from mopt.build import Engine
 
         s = Session(recipe, writes_store=True)
-        if prehashing is not None:
-            prehashing.join()
         wanted = s.graph.match(list(selectors))
         ids = s.graph.closure(wanted)
         if not no_check:
             _run_check(s, ids)
-        engine = Engine(s, offline=offline)
-        if prehashing is not None:
-            engine.prehashed = dict(prehashing.results)
-        vouched = None
-        if stamp is not None:
-            # the stale stamp's word for the nodes whose key is the one it recorded: their
-            # blobs and build/ folders are unchanged since that build found them intact
-            vouched = noop.vouch(stamp, ident, store_dir=str(engine.store.root), build_dir=str(engine.build_dir))
-            if vouched is not None:
-                engine.vouched = vouched["nodes"]
-                engine.vouched_digests = build_mod.vouched_input_digests(vouched)
-        # the action runner's zygotes import torch & co. while the sources are resolved
-        engine.prestart(ids, jobs)
-        try:
-            lock_now = current_lock(engine, ids)
-            if frozen:
-                diffs = frozen_diff(s.recipe.path, lock_now)
-                if diffs:
-                    raise MoptError(
-                        "--frozen: " + "; ".join(diffs),
-                        file=str(s.recipe.path.parent / "mopt.lock"),
-                        hint="rebuild without --frozen to update the lock file",
-                    )
-        except BaseException:
-            engine.stop_prestarted()
-            raise
-        reporter: Any
+        engine = Engine(s, offline=offline, selectors=selectors, use_log=use_log)
         if as_json or not sys.stderr.isatty() or os.environ.get("CI"):
-            reporter = LineReporter(sys.stderr, quiet=quiet or as_json)
+            reporter: Any = LineReporter(sys.stderr, quiet=quiet or as_json)
         else:
             reporter = LiveReporter()
         # a service manager's stop (SIGTERM) or a closed terminal (SIGHUP) stops the actions
         # like Ctrl-C does, instead of leaving them running
+        from mopt import procs
+
         for sig in (signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, procs.raise_terminated)
         try:
-            states = engine.build(
-                ids, jobs=jobs, keep_going=keep_going, reporter=reporter, materialize=set(wanted)
-            )
+            states = engine.run(ids, wanted=wanted, jobs=jobs, keep_going=keep_going, reporter=reporter,
+                                frozen=frozen, lock=not no_lock)
         except KeyboardInterrupt as exc:
-            from mopt import runner
-
-            signum = exc.signum if isinstance(exc, procs.Terminated) else int(signal.SIGINT)
-            runner.kill_all()
-            procs.kill_all()
-            what = {int(signal.SIGTERM): "terminated (SIGTERM)", int(signal.SIGHUP): "hung up (SIGHUP)"}
-            err.print(f"{what.get(signum, 'interrupted')}: running actions stopped; nothing partial was stored")
-            sys.stderr.flush()
-            os._exit(128 + signum)  # worker threads may be inside a library call; outputs are in tmp only
-        finally:
-            engine.store.close()
-        # off again (the first action run turned it on): the lock, stamp and plan files are
-        # made of ~100,000 objects at 10,000 nodes that all stay alive; on at the end
-        gc.disable()
-        artifacts = {
-            st.node.id: st.key for st in states.values() if st.status in ("built", "cached") and st.key
-        }
-        if not frozen and not no_lock:
-            try:
-                write_lock(s.recipe.path, lock_now, artifacts, store=engine.store)
-            except LockFileError as exc:
-                err.print(f"warning: {exc}")
-        elif (s.recipe.path.parent / "mopt.lock").exists():
-            engine.store.add_root(s.recipe.path.parent / "mopt.lock")
-        counts: dict[str, int] = {}
-        for st in states.values():
-            counts[st.status] = counts.get(st.status, 0) + 1
-        failed = [st for st in states.values() if st.status in ("failed", "unbuildable", "blocked")]
-        selected = _selected(states, engine.build_dir, s.recipe)
-        no_fast_path = _fast_path_off(engine, states)
-        if no_fast_path and not failed and not as_json:
-            err.print(f"note: {no_fast_path}")
-        if stamp is not None:
-            from mopt import planstamp
-
-            planstamp.forget(stamp)  # removed first: a crash below leaves no plan file behind
-            nodes = [dict(st.as_json(), status="cached") for st in states.values()]
-            token = planstamp.new_token()
-            result = {
-                "recipe": str(s.recipe.path),
-                "n": len(states),
-                "build_dir": str(engine.build_dir),
-                "nodes": nodes,
-                "selected": selected,
-                "plan_token": token,
-            }
-            # every node vouched for, only the recipe/settings/lock changed: the stamp is the
-            # old one with their new stats (what the full write below would record)
-            updates = None if failed or vouched is None else vouched_stamp_updates(engine, states, vouched)
-            watch = None
-            patched = updates is not None and noop.patch(
-                stamp, vouched["stamp"], updates, result, nodes=vouched_nodes_now(engine, vouched)  # type: ignore[arg-type,index]
-            )
-            if not patched:  # else the patched stamp stands
-                if failed:
-                    noop.invalidate(stamp)
-                elif (watch := noop_stamp_inputs(engine, states)) is None and no_fast_path:
-                    noop.skip(stamp, no_fast_path)
-                elif watch is None:
-                    noop.invalidate(stamp)
-                else:
-                    expect = None
-                    if vouched is not None and engine.vouched_n:
-                        # the files of vouched nodes, filed under the stat the stamp showed them at
-                        expect = vouched_expect(engine, vouched)
-                    noop.write(stamp, **watch, ident=ident, result=result, expect=expect)
-            if os.path.exists(stamp):  # `mopt plan` of these selectors, answered from it
-                keys = {i: st.key for i, st in states.items() if st.key}
-                planstamp.write(stamp, token, s, engine, ids, keys)
-        if as_json:
-            _print_json(
-                {
-                    "recipe": str(s.recipe.path),
-                    "seconds": round(time.time() - t0, 3),
-                    "counts": counts,
-                    "io": {
-                        "hashed_files": engine.store.state.hashed_files + engine.prehashed_files,
-                        "hashed_bytes": engine.store.state.hashed_bytes + engine.prehashed_bytes,
-                        # of those, hashed while the build loaded (after a no-op miss)
-                        "prehashed_files": engine.prehashed_files,
-                        # hits the stale no-op stamp vouched for (blobs, build/ not checked again)
-                        "vouched": engine.vouched_n,
-                        "stat_hits": engine.store.state.hits,
-                        # why the no-op fast path was not taken
-                        "noop_miss": noop.last_miss if stamp is not None else "no store folder",
-                    },
-                    "build_dir": str(engine.build_dir),
-                    "nodes": [st.as_json() for st in states.values()],
-                }
-            )
-        else:
-            for st in failed:
-                if st.status == "failed":
-                    err.print(f"FAILED {st.node.id}: {st.reason}")
-                    if st.log_path:
-                        tail = Path(st.log_path).read_text(errors="replace").splitlines()[-15:]
-                        for line in tail:
-                            err.print(f"  | {line}")
-                        err.print(f"  full log: {st.log_path}")
-            summary = ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
-            err.print(f"{len(states)} action(s): {summary} in {time.time() - t0:.2f}s")
-            built_dirs = {engine.build_dir / s.graph.nodes[i].model.name for i in ids}
-            reports = sorted(
-                p
-                for d in built_dirs
-                if d.exists()
-                for pat in ("**/report.html", "**/selection.html")
-                for p in d.glob(pat)
-            )
-            for line in selected:
-                err.print(line)
-            if reports:
-                err.print("reports:")
-                for r in reports[:20]:
-                    err.print(f"  {r}")
-            err.print(f"artifacts under {engine.build_dir}")
-        if failed:
-            raise BuildFailed("")
+            _interrupted(exc)
+        for w in engine.warnings:
+            err.print(f"warning: {w}")
+        _report_build(engine, states, time.time() - t0, as_json, miss)
 
     @app.command(context_settings=CONTEXT)
     @recipe_arg
@@ -569,39 +406,75 @@ def register(app: click.Group) -> None:
         )
 
 
-def _selected(states: dict[str, Any], build_dir: Path, recipe: Any = None) -> list[str]:
-    """One line per built node whose result names a `winner` (a select-like kind)."""
-    from mopt.build import address_path
+def _interrupted(exc: KeyboardInterrupt) -> None:
+    """Stop every action and exit 128 + the signal: outputs are in the store's tmp/ only."""
+    from mopt import procs, runner
+    from mopt.cli import err
 
-    lines = []
+    signum = exc.signum if isinstance(exc, procs.Terminated) else int(signal.SIGINT)
+    runner.kill_all()
+    procs.kill_all()
+    what = {int(signal.SIGTERM): "terminated (SIGTERM)", int(signal.SIGHUP): "hung up (SIGHUP)"}
+    err.print(f"{what.get(signum, 'interrupted')}: running actions stopped; nothing partial was stored")
+    sys.stderr.flush()
+    os._exit(128 + signum)  # worker threads may be inside a library call
+
+
+def _report_build(engine: Any, states: dict[str, Any], seconds: float, as_json: bool, miss: str) -> None:
+    """What `mopt build` prints after a build that was not a no-op; BuildFailed if one failed."""
+    from mopt.cli import _print_json, err
+
+    counts: dict[str, int] = {}
     for st in states.values():
-        res = (st.entry.meta.get("result") or {}) if st.entry is not None else {}
-        if st.status in ("built", "cached") and res.get("winner"):
-            lines.append(
-                f"selected {st.node.section.id}: {res['winner']} ({res.get('objective', 'objective')}; "
-                f"{res.get('eligible', '?')} of {res.get('variants', '?')} variants passed) → "
-                f"{address_path(build_dir, st.node.id, recipe)}"
-            )
-    return lines
-
-
-def _fast_path_off(engine: Any, states: dict[str, Any]) -> str:
-    """Which kinds of this build turn the no-op fast path off (their fingerprint may read
-    machine state), as one line; "" when none does."""
-    off: dict[str, str] = {}
-    for st in states.values():
-        kind = engine.kind(st.node.kind)
-        if not kind.static_fingerprint:
-            off.setdefault(st.node.kind, engine.registry.plugin_of("targets", st.node.kind).name)
-    if not off:
-        return ""
-    names = ", ".join(f"{k!r} (plugin {p!r})" for k, p in sorted(off.items()))
-    return (
-        f"no-op fast path off: {'kind' if len(off) == 1 else 'kinds'} {names} may read machine state in "
-        "fingerprint() "
-        "(static_fingerprint = False); a kind whose fingerprint is package versions says "
-        "fingerprint_packages = (...)"
-    )
+        counts[st.status] = counts.get(st.status, 0) + 1
+    failed = [st for st in states.values() if st.status in ("failed", "unbuildable", "blocked")]
+    if as_json:
+        state = engine.store.state
+        _print_json(
+            {
+                "recipe": str(engine.recipe.path),
+                "seconds": round(seconds, 3),
+                "counts": counts,
+                "io": {
+                    "hashed_files": state.hashed_files,
+                    "hashed_bytes": state.hashed_bytes,
+                    "stat_hits": state.hits,
+                    # hits the build log vouched for (entry and blobs not read again)
+                    "logged": len(engine._from_log),
+                    # why this build was not a no-op, and why the log was not used
+                    "noop_miss": miss,
+                    "log_miss": engine.log_miss,
+                },
+                "build_dir": str(engine.build_dir),
+                "nodes": [st.as_json() for st in states.values()],
+            }
+        )
+    else:
+        off = engine.fast_path_off(states)
+        if off and not failed:
+            err.print(f"note: no-op fast path off: {off}")
+        for st in failed:
+            if st.status == "failed":
+                err.print(f"FAILED {st.node.id}: {st.reason}")
+                if st.log_path:
+                    for line in Path(st.log_path).read_text(errors="replace").splitlines()[-15:]:
+                        err.print(f"  | {line}")
+                    err.print(f"  full log: {st.log_path}")
+        summary = ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
+        err.print(f"{len(states)} action(s): {summary} in {seconds:.2f}s")
+        built_dirs = {engine.build_dir / st.node.model.name for st in states.values()}
+        reports = sorted(
+            p for d in built_dirs if d.exists() for pat in ("**/report.html", "**/selection.html") for p in d.glob(pat)
+        )
+        for line in engine.selected(states):
+            err.print(line)
+        if reports:
+            err.print("reports:")
+            for r in reports[:20]:
+                err.print(f"  {r}")
+        err.print(f"artifacts under {engine.build_dir}")
+    if failed:
+        raise BuildFailed("")
 
 
 #: folders under a project never holding its lock files (skipped by name below the root only)

@@ -380,7 +380,6 @@ class BuildSession:
         st.entry = entry
         self._outputs[node.id] = entry.outputs_tree
         self._meta[node.id] = dict(entry.meta.get("result") or {})
-        self._engine.record(node, st.key, st.parts)
         self.done(node.id, status, st.reason)
         return True
 

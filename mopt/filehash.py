@@ -1,5 +1,6 @@
-"""BLAKE3 of bytes and of files, and a file's tree mode: the part of `mopt.digest` the
-no-op path needs (it rehashes touched files before json, re or dataclasses are loaded)."""
+"""Files as mopt sees them: BLAKE3 of bytes and of files, a file's tree mode, its stat
+(`FileStat`) and the one racy-window rule, and durable replacement. The part of mopt the
+no-op path needs (it runs before json, re or dataclasses are loaded)."""
 
 from __future__ import annotations
 
@@ -63,3 +64,52 @@ def hash_file(path: StrPath, *, threads: bool = True, size: int | None = None) -
 def mode_of(st_mode: int) -> int:
     """The tree mode of a file: 0o755 if its owner may execute it, else 0o644."""
     return MODE_EXEC if st_mode & stat.S_IXUSR else MODE_FILE
+
+
+#: what identifies a file's bytes without reading them: (device, inode, size, mtime_ns,
+#: ctime_ns). ctime is in it because tar and mv can restore an old mtime on new bytes; the
+#: kernel always sets ctime itself.
+FileStat = tuple[int, int, int, int, int]
+
+#: A file whose last change (ctime) is this close to the moment its stat was taken may change
+#: again within the same timestamp tick without its stat changing ("racily clean", as git
+#: calls it): its stat alone does not vouch for its bytes, its digest must be checked.
+RACY_NS = 200_000_000
+
+
+def file_stat(st: os.stat_result) -> FileStat:
+    """The `FileStat` of an `os.stat` result."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def is_racy(fs: FileStat, taken_ns: int) -> bool:
+    """Whether the stat `fs`, taken at `taken_ns` (time.time_ns()), may hide a later change."""
+    return taken_ns - fs[4] < RACY_NS
+
+
+def replace_durably(path: str, data: bytes, mode: int = 0o644) -> None:
+    """Put `data` at `path` through a temp file that is fsynced before the rename, and fsync
+    the folder after it: a power cut leaves the old file or the new one, never an empty one
+    (ext4/xfs may otherwise commit the rename before the data)."""
+    import tempfile
+
+    folder = os.path.dirname(path) or "."
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fchmod(fh.fileno(), mode)
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)

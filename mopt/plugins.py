@@ -509,7 +509,7 @@ class PluginIndex:
         by_key[self.key] = entry
         if len(by_key) > 8:  # one per disable list and installation: keep the newest few
             by_key = dict(list(by_key.items())[-8:])
-        from mopt.noop import replace_durably
+        from mopt.filehash import replace_durably
 
         data = json.dumps({"version": INDEX_VERSION, "by_key": by_key}, separators=(",", ":")).encode()
         with contextlib.suppress(OSError):  # only a cache: the next full load tries again

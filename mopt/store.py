@@ -32,7 +32,6 @@ import ctypes
 import errno
 import fcntl
 import logging
-import marshal
 import os
 import re
 import shutil
@@ -67,7 +66,8 @@ from mopt.digest import (
     tree_manifest_bytes,
 )
 from mopt.errors import MoptError
-from mopt.statcache import StatCache, stat_matches
+from mopt.filehash import FileStat, file_stat
+from mopt.statcache import StatCache
 
 log = logging.getLogger(__name__)
 
@@ -91,24 +91,10 @@ _GC_LOCK = "_gc"  # not a valid action key, so it cannot collide with one
 #: rebuilt, see `Store.intact`).
 HARDLINK_MIN_BYTES = 16 * 1024 * 1024
 #: a hit touches its entry (gc's "last used") only when the entry's mtime is older than
-#: this: a touch changes the entry's stat, so touching on every hit would make every build
-#: re-read every entry (see `_MEMO`); gc's least-recently-used order is kept to this grain
+#: this: a touch changes the entry's stat, which the build log then checks by its digest;
+#: gc's least-recently-used order is kept to this grain
 TOUCH_AFTER_S = 600.0
-#: the action-entry memo (see `Store.ac_entry`): `_MEMO_MAGIC`, the BLAKE3 hex digest of the
-#: rest and a newline, then the memo marshalled (stdlib; ~3x faster to load than its JSON,
-#: which took ~0.3 s of an all-hit build at 10,000 nodes)
-_MEMO = "ac-memo.bin"
-_MEMO_MAGIC = b"mopt ac-memo 2\n"
-_MEMO_VERSION = 2
-_MEMO_MARSHAL = 4
-#: the memo's earlier names (JSON), removed when a new one is written
-_OLD_MEMOS = ("ac-memo.json",)
-#: an entry whose ctime is this recent is not memoized: a rewrite within the same timestamp
-#: tick could leave its stat unchanged (the stat cache's racy window)
-_MEMO_RACY_NS = 100_000_000
-#: leftovers in tmp/ (and .mopt-tmp-* beside build/ folders) whose writer no longer holds
-#: their flock are removed once this old: the grace covers the moment between creating a
-#: temp file and locking it
+#: temp files younger than this are left alone by cleanup (their writer may not have locked them yet)
 TMP_GRACE_S = 60.0
 
 
@@ -305,23 +291,16 @@ class Store:
         self._cas_prefix = f"{self.cas_dir}/"
         self._ac_prefix = f"{self.ac_dir}/"
         self._trees: dict[str, list[TreeEntry]] = {}  # manifests are immutable: parse once
-        # the memo: key → [stat key of ac/<key>.json, entry as JSON]; tree digest → rows
-        self._memo: dict[str, list[Any]] | None = None
-        self._memo_trees: dict[str, list[list[Any]]] = {}
-        self._memo_dirty = False
         #: folders besides the store that may be written or deleted (build/), see guard_path
         self.write_roots: list[Path] = [self.root]
         # their real paths, resolved once: a link that appears later on the way to one makes
         # paths under it resolve elsewhere, so they are refused (it fails closed)
         self._real_roots: list[str] = [os.path.realpath(self.root)]
-        #: folders under a real root seen to be plain folders, not links (`_plain_folders_to`)
-        self._plain_dirs: set[str] = set()
-        #: path → lstat of each blob found intact (`intact_stat`) and each build/ file found
-        #: to hold its blob (`_holds_flat`) by this Store: what the no-op stamp files them
-        #: under (a stat taken when it was checked, not after: a change since is a miss)
+        #: path → lstat of each blob found intact (`intact_stat`) by this Store: what the build
+        #: log records them under (a stat taken when it was checked: a change since is a miss)
         self.verified: dict[str, os.stat_result] = {}
-        # the keys whose entry file this process touched (`_touch`): their stat changed
-        self.touched: set[str] = set()
+        #: key → (stat, digest) of the entry file this Store read, wrote or touched
+        self.entry_files: dict[str, tuple[FileStat, str]] = {}
         self._use_fds: dict[int, int | None] = {}  # shard → descriptor of locks/entries-<NN>.lock
         self._used: set[str] = set()
         self._use_lock = threading.Lock()
@@ -343,7 +322,6 @@ class Store:
 
     def close(self) -> None:
         """Flush and close the stat cache and the entry memo; release the locks on used entries."""
-        self.flush_memo()
         if self._state is not None:
             self._state.close()
         with self._use_lock:
@@ -461,178 +439,10 @@ class Store:
         self.verified[path] = st
         return st
 
-    def quick_hit(self, key: str) -> tuple[ActionEntry, dict[str, os.stat_result]] | None:
-        """`ac_entry(key, check_blobs=False)` and the check of every blob it names
-        (`quick_intact`) in their common case only, for a cache hit's hot path: the entry's
-        file has the stat the memo files it under, touched if its last use is old (as `ac_entry`),
-        the memo knows its tree's rows, and every blob is as the stat cache filed it. Then
-        (entry, digest → blob lstat), the entry said "in use" (`use`) as `ac_entry` does;
-        else None, and the caller takes the full path (`ac_entry`, `intact_stat`), which
-        reads, touches, rehashes or removes what needs it. Where it answers, it answers what
-        the full path would."""
-        e = self.quick_entry(key)
-        if e is None:
-            return None
-        rows = self.known_tree(e.outputs_tree)
-        if rows is None:
-            return None
-        digests = [e.outputs_tree, *(r.digest for r in rows)]
-        if e.log:
-            digests.append(e.log)
-        found = self.quick_intact(digests)
-        return None if found is None else (e, found)
-
-    def entry_record(self, key: str) -> list[Any] | None:
-        """[stat key of ac/<key>.json, its entry as JSON but `meta.parts`] while the file has
-        the stat the memo files that entry under (its bytes hold that entry), for the no-op
-        stamp's record of a node (`noop.vouch`); None if the memo does not know it so."""
-        if self._memo is None or _KEY_FULL(key) is None:
-            return None
-        row = self._memo.get(key)
-        try:
-            st = os.lstat(f"{self._ac_prefix}{key}.json")
-            sk, fields = row  # type: ignore[misc]
-            if sk != [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns] or fields.get("key") != key:
-                return None
-            meta = dict(fields.get("meta") or {})
-        except (OSError, TypeError, ValueError, AttributeError):
-            return None
-        meta.pop("parts", None)
-        return [list(sk), dict(fields, meta=meta)]
-
-    def entry_record_of(self, key: str, e: ActionEntry) -> list[Any] | None:
-        """`entry_record` of an entry this process holds (`e`, e.g. one it just stored) that
-        the memo does not know: ac/<key>.json read through one descriptor, its stat the stat
-        of the bytes read, kept only if they are `e`'s and that stat is not within the
-        memo's racy window (a rewrite in the same tick could keep it)."""
-        if self.read_only or _KEY_FULL(key) is None:
-            return None
-        try:
-            fd = os.open(f"{self._ac_prefix}{key}.json", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            with open(fd, "rb") as fh:
-                st = os.fstat(fh.fileno())
-                data = fh.read()
-            if not stat.S_ISREG(st.st_mode) or time.time_ns() - st.st_ctime_ns < _MEMO_RACY_NS:
-                return None
-            import json
-
-            fields = json.loads(data)
-        except (OSError, ValueError):
-            return None
-        if not isinstance(fields, dict) or fields != e.model_dump(mode="json"):
-            return None
-        meta = dict(fields.get("meta") or {})
-        meta.pop("parts", None)
-        return [[st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns], dict(fields, meta=meta)]
-
-    def recorded_holds(self, key: str, record: list[Any]) -> bool:
-        """Whether ac/<key>.json still has the stat of `record` (`entry_record`): the entry
-        it recorded is there (`recorded_entry` without building the entry: a read-only
-        caller that needs only its outputs tree, `mopt plan`)."""
-        if not self.read_only:
-            return False  # a build says it "in use" and may touch it: `recorded_entry`
-        try:
-            st = os.lstat(f"{self._ac_prefix}{key}.json")
-            return _same_file(record[0], st) and record[1]["key"] == key
-        except (OSError, TypeError, IndexError, KeyError):
-            return False
-
-    def recorded_entry(self, key: str, record: list[Any], parts: Any) -> ActionEntry | None:
-        """The entry of `key` per `record` (`entry_record`, taken by an earlier build) while
-        ac/<key>.json still has the stat recorded (the same bytes: entries are replaced only
-        by a rename, an edit changes the ctime), said "in use" and touched if due (its new
-        stat filed in the memo: `touched`), as `ac_entry` gives it; its `meta.parts` are
-        `parts`, the parts the caller keyed to `key` (the parts recorded with an entry are
-        those its key is the digest of). Else None (the caller takes `quick_entry` / the
-        full path)."""
-        try:
-            st = os.lstat(f"{self._ac_prefix}{key}.json")
-            sk, fields = record
-            if not _same_file(sk, st) or fields["key"] != key:
-                return None
-            e = _entry_from_row(dict(fields, meta={"parts": parts, **fields["meta"]}))
-        except (OSError, TypeError, ValueError, IndexError, KeyError, AttributeError):
-            return None
-        if not self.read_only:
-            self.use(key)
-            # touched as the full path would (gc's "last used"); its blobs need no check
-            # (the caller's stamp vouches for them), its new stat is in the memo
-            if time.time() - st.st_mtime > TOUCH_AFTER_S and not self._touch(key, f"{self._ac_prefix}{key}.json", st, e):
-                return None
-        return e
-
-    def quick_entry(self, key: str) -> ActionEntry | None:
-        """The first half of `quick_hit`: `ac_entry(key, check_blobs=False)` in its common
-        case only (the entry's file has the stat the memo files it under; touched if due),
-        the entry said "in use" (`use`); else None (the caller takes the full path). Its
-        blobs are not looked at: the caller checks them (`quick_hit`), or knows them
-        unchanged since they were last found intact (the no-op stamp: `Engine.vouched`)."""
-        if _KEY_FULL(key) is None:
-            return None
-        path = f"{self._ac_prefix}{key}.json"
-        try:
-            st = os.lstat(path)
-        except OSError:
-            return None
-        memo = self._memo if self._memo is not None else self._memo_rows()
-        row = memo.get(key)
-        if row is None:
-            return None
-        try:
-            sk, fields = row
-            if not _same_file(sk, st):
-                return None
-            e = _entry_from_row(fields)
-        except (TypeError, ValueError, IndexError, AttributeError):
-            return None
-        if e.key != key:
-            return None
-        if not self.read_only:
-            self.use(key)  # before the blobs are looked at, as `ac_entry` does
-            # touched (gc's "last used") before the caller checks the blobs, as `ac_entry`
-            if time.time() - st.st_mtime > TOUCH_AFTER_S and not self._touch(key, path, st, e):
-                return None
-        return e
-
-    def quick_intact(self, digests: Iterable[str]) -> dict[str, os.stat_result] | None:
-        """`intact_stat` of each of `digests` (a hit's blobs) in its common case only: every
-        blob a read-only regular file whose lstat the stat cache's rows in memory (see
-        `StatCache.vouches`) file under that digest. Then digest → lstat, each filed in
-        `verified` as `intact_stat` does; else None, having changed nothing but `verified`
-        (the caller takes `intact_stat` blob by blob, which rehashes, repairs or removes).
-        The same answer as `intact_stat` where it answers: one lstat and one row compare
-        per blob, without the layers (a cache hit at 10,000 nodes checks 30,000 blobs)."""
-        state = self.state
-        pending, prefetched = state.rows()  # `StatCache.vouches`, inline
-        prefix = self._cas_prefix
-        found: dict[str, os.stat_result] = {}
-        for d in digests:
-            if _DIGEST_FULL(d) is None:
-                return None
-            path = f"{prefix}{d[:2]}/{d}"
-            try:
-                st = os.lstat(path)
-            except OSError:
-                return None
-            if st.st_mode & 0o222 or not stat.S_ISREG(st.st_mode):
-                return None
-            row = pending.get(path) or prefetched.get(path)
-            if row is None or row[1] != d or not stat_matches(row[0], st):
-                return None
-            found[d] = st
-        verified = self.verified
-        for d, st in found.items():
-            verified[f"{prefix}{d[:2]}/{d}"] = st
-        with state._lock:
-            state.hits += len(found)
-        return found
-
     def _remove_blob(self, digest: str) -> None:
         path = self.guard(self.blob_str(digest))
         self.verified.pop(path, None)
         self._trees.pop(digest, None)
-        if self._memo_trees.pop(digest, None) is not None:
-            self._memo_dirty = not self.read_only
         with suppress(FileNotFoundError):
             if os.path.isdir(path) and not os.path.islink(path):
                 _rmtree_ro(path)
@@ -724,22 +534,10 @@ class Store:
             return False
         return True
 
-    def known_tree(self, tree_digest: str) -> list[TreeEntry] | None:
-        """The entries of tree `tree_digest` if this process parsed its manifest already or
-        the memo has its rows, without looking at the blob (it may be gone: check it); None
-        otherwise. The list is shared: do not change it."""
-        known = self._trees.get(tree_digest)
-        if known is None and tree_digest in self._memo_trees:
-            try:  # rows parsed from bytes that hashed to `tree_digest` (the memo is checksummed)
-                known = self._trees[tree_digest] = [TreeEntry(*r) for r in self._memo_trees[tree_digest]]
-            except TypeError:
-                known = None
-        return known
-
     def tree_entries(self, tree_digest: str, *, present: bool = False) -> list[TreeEntry]:
         """The entries of the stored tree `tree_digest` (`present`: the caller has just
         found its blob intact)."""
-        known = self.known_tree(tree_digest)
+        known = self._trees.get(tree_digest)
         if known is not None and (present or self.has(tree_digest)):
             return list(known)
         try:
@@ -753,9 +551,6 @@ class Store:
         except TreeError as e:
             raise StoreError(f"blob {tree_digest} in {self.root} is not a tree manifest: {e}") from e
         self._trees[tree_digest] = entries
-        if not self.read_only:
-            self._memo_trees[tree_digest] = [[e.path, e.mode, e.size, e.digest] for e in entries]
-            self._memo_dirty = True
         return list(entries)
 
     def put_log(self, path: StrPath) -> str:
@@ -780,8 +575,15 @@ class Store:
         if os.path.isdir(final) and not os.path.islink(final):
             _rmtree_ro(self.guard(final))  # a malformed entry (a folder) cannot be replaced by rename
         self.use(key)
-        self._write_atomic(final, canonical_json(e.model_dump(mode="json")), what=f"the action entry {key}")
+        data = canonical_json(e.model_dump(mode="json"))
+        self._write_atomic(final, data, what=f"the action entry {key}")
+        with suppress(OSError):
+            self.entry_files[key] = (file_stat(os.lstat(final)), hash_bytes(data))
         return e
+
+    def ac_str(self, key: str) -> str:
+        """Where the entry of `key` lives (whether or not it is there)."""
+        return f"{self._ac_prefix}{check_key(key)}.json"
 
     def ac_entry(self, key: str, *, check_blobs: bool = True) -> ActionEntry | None:
         """The entry for `key`, or None on a miss (absent, unreadable, or blobs missing).
@@ -797,156 +599,63 @@ class Store:
             # Say "in use" before reading, so a gc deciding now keeps the entry and its
             # blobs for as long as this build runs (see `use`).
             self.use(key)
-        e = self._memo_entry(key, st)
-        if e is None:
-            try:
+        try:
+            if not stat.S_ISREG(st.st_mode):
+                raise ValueError("not a regular file")
+            # through one descriptor, so the stat recorded is the stat of the bytes read (the
+            # name may be replaced meanwhile); a fifo put in its place does not block
+            with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as fh:
+                st = os.fstat(fh.fileno())
                 if not stat.S_ISREG(st.st_mode):
                     raise ValueError("not a regular file")
-                # through one descriptor, so the stat the memo files it under is the stat
-                # of the bytes read (the name may be replaced meanwhile)
-                with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as fh:
-                    st = os.fstat(fh.fileno())
-                    data = fh.read()
-                e = ActionEntry.model_validate_json(data)
-                if e.key != key:
-                    raise ValueError(f"it is the entry of {e.key!r}")
-            except FileNotFoundError:
-                return None
-            except (OSError, ValueError) as err:  # ValidationError is a ValueError
-                why = " ".join(str(err).split())[:200]
-                if self.read_only:
-                    log.warning("action cache entry %s is malformed, treating it as a miss: %s", path, why)
-                else:
-                    log.warning("action cache entry %s is malformed; removing it (a miss): %s", path, why)
-                    with suppress(OSError):
-                        _rmtree_ro(self.guard(path))
-                return None
-            self._memo_put(key, st, e)
+                data = fh.read()
+            e = ActionEntry.model_validate_json(data)
+            if e.key != key:
+                raise ValueError(f"it is the entry of {e.key!r}")
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as err:  # ValidationError is a ValueError
+            why = " ".join(str(err).split())[:200]
+            if self.read_only:
+                log.warning("action cache entry %s is malformed, treating it as a miss: %s", path, why)
+            else:
+                log.warning("action cache entry %s is malformed; removing it (a miss): %s", path, why)
+                with suppress(OSError):
+                    _rmtree_ro(self.guard(path))
+            return None
+        self.entry_files[key] = (file_stat(st), hash_bytes(data))
         # Touch the entry before checking its blobs (as Bazel does), so that a gc running
         # now sees it as recently used
-        if not self.read_only and time.time() - st.st_mtime > TOUCH_AFTER_S and not self._touch(key, path, st, e):
-            return None
+        self.touch_if_due(key, file_stat(st))
         if check_blobs and self._missing_blobs(e):
             return None
         return e
 
-    def _touch(self, key: str, path: str, st: os.stat_result, e: ActionEntry) -> bool:
-        """Touch the entry file `path` of `e` (its stat `st`: gc's "last used"), and file it
-        in the memo under its new stat, or the next build would read every entry again
-        after each touch; its key joins `touched`. False if the file is gone."""
+    def touch_if_due(self, key: str, fs: FileStat | None) -> FileStat | None:
+        """Touch the entry file of `key` (its stat `fs`: gc's "last used") if its last touch is
+        older than TOUCH_AFTER_S; its new stat, or None if it was not touched (not due, gone,
+        another user's entry in a shared store)."""
+        if self.read_only or fs is None or time.time_ns() - fs[3] <= TOUCH_AFTER_S * 1e9:
+            return None
+        path = f"{self._ac_prefix}{check_key(key)}.json"
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return False
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError:
-            return True  # unreadable now: still a hit, just not touched
-        try:
-            now = os.fstat(fd)
-            if (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):
-                os.utime(fd)
-                self._memo_put(key, os.fstat(fd), e, touched=True)
-                self.touched.add(key)
-        except PermissionError:
-            pass  # another user's entry in a shared store: still a hit, just not touched
-        finally:
-            os.close(fd)
-        return True
-
-    # -- the entry memo -------------------------------------------------------------------
-    #
-    # ac/<key>.json parsed, filed under the file's stat (device, inode, size, mtime, ctime,
-    # as the stat cache files digests): an entry is only ever replaced by a rename (a new
-    # inode) and an edit changes its ctime, so a matching stat means the same bytes. The
-    # memo is one file read once per process, protected by a digest of its bytes; anything
-    # wrong with it (missing, another version, damaged) reads as empty, and a row whose stat
-    # does not match is read from the entry's file again. It never decides a hit alone: the
-    # entry's file must still be there with that stat, and every blob is checked as before.
-
-    def _memo_rows(self) -> dict[str, list[Any]]:
-        if self._memo is None:
-            self._memo = {}
-            try:
-                with open(self.root / _MEMO, "rb") as fh:
-                    raw = fh.read()
-                n = len(_MEMO_MAGIC)
-                if raw[:n] != _MEMO_MAGIC or raw[n + 64 : n + 65] != b"\n":
-                    raise ValueError("not a memo of this version")
-                body = raw[n + 65 :]
-                if raw[n : n + 64].decode("ascii", "replace") != hash_bytes(body):
-                    raise ValueError("its digest does not match its bytes")
-                try:
-                    doc = marshal.loads(body)
-                except (EOFError, TypeError) as err:
-                    raise ValueError(f"not marshalled data: {err}") from None
-                if not isinstance(doc, dict) or doc.get("version") != _MEMO_VERSION:
-                    raise ValueError("another version")
-                entries, trees = doc["entries"], doc["trees"]
-                if not (isinstance(entries, dict) and isinstance(trees, dict)):
-                    raise ValueError("unexpected layout")
-                self._memo, self._memo_trees = entries, trees
-            except FileNotFoundError:
-                pass
-            except (OSError, ValueError, KeyError, AttributeError) as err:
-                log.debug("entry memo %s not used: %s", self.root / _MEMO, err)
-                self._memo_dirty = not self.read_only  # replaced by a good one on close
-        return self._memo
-
-    def _memo_entry(self, key: str, st: os.stat_result) -> ActionEntry | None:
-        row = self._memo_rows().get(key)
-        if row is None:
             return None
         try:
-            if row[0] == [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]:
-                e = _entry_from_row(row[1])
-                if e.key == key:
-                    return e
-        except (TypeError, IndexError, AttributeError):
-            pass
-        return None
-
-    def _memo_put(self, key: str, st: os.stat_result, e: ActionEntry, *, touched: bool = False) -> None:
-        """File `e` under `st`. Not when its ctime is too recent (a rewrite in the same
-        tick could keep the stat), unless this process just set it (`touched`: a touch of
-        the inode whose bytes `e` holds; entries are only replaced by a rename)."""
-        if self.read_only:
-            return
-        rows = self._memo_rows()
-        if not touched and time.time_ns() - st.st_ctime_ns < _MEMO_RACY_NS:
-            if rows.pop(key, None) is not None:
-                self._memo_dirty = True
-            return
-        rows[key] = [[st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns], e.model_dump(mode="json")]
-        self._memo_dirty = True
-
-    def flush_memo(self) -> None:
-        """Write the entry memo if this process learnt rows (replaced whole; a cache, so a
-        concurrent writer's rows may be lost, never mixed in)."""
-        if not self._memo_dirty or self.read_only or self._memo is None:
-            return
-        self._memo_dirty = False
-        used = {row[1].get("outputs_tree") for row in self._memo.values() if isinstance(row[1], dict)}
-        trees = {d: rows for d, rows in self._memo_trees.items() if d in used}
-        try:
-            body = marshal.dumps({"version": _MEMO_VERSION, "entries": self._memo, "trees": trees}, _MEMO_MARSHAL)
-        except ValueError as err:  # a value marshal cannot hold (rows come from JSON: none)
-            log.debug("could not write the entry memo: %s", err)
-            return
-        try:
-            with self._temp_file("memo-") as (fd, tmp):
-                _write_all(fd, _MEMO_MAGIC + hash_bytes(body).encode() + b"\n" + body)
-                os.fchmod(fd, 0o644)
-                os.fsync(fd)  # as every file renamed into the store (a crash leaves old or new)
-                os.replace(tmp, self.guard(self.root / _MEMO))
-            for old in _OLD_MEMOS:
-                _unlink_quiet(self.guard(self.root / old))
-        except OSError as err:  # a cache: the next build reads the entries' files
-            log.debug("could not write the entry memo: %s", err)
-
-    def drop_memo(self) -> None:
-        """Forget the memo (gc removed entries: their rows would only cost space)."""
-        self._memo, self._memo_trees, self._memo_dirty = {}, {}, False
-        for name in (_MEMO, *_OLD_MEMOS):
-            _unlink_quiet(self.guard(self.root / name))
+            now = os.fstat(fd)
+            if (now.st_dev, now.st_ino) != (fs[0], fs[1]):
+                return None
+            os.utime(fd)
+            new = file_stat(os.fstat(fd))
+            seen = self.entry_files.get(key)
+            if seen is not None:
+                self.entry_files[key] = (new, seen[1])
+            return new
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
 
     def use(self, key: str) -> None:
         """Hold a shared lock on entry `key` until `close`: gc leaves it and its blobs alone.
@@ -1111,7 +820,6 @@ class Store:
         dest: StrPath,
         *,
         blobs_checked: bool = False,
-        blob_stats: Mapping[str, os.stat_result] | None = None,
     ) -> MaterializeMethod:
         """Make `dest` a read-only copy of the stored tree; return how files were placed.
 
@@ -1119,13 +827,8 @@ class Store:
         half-built. Files are reflinked, else hard-linked (not executables: a link shares
         the blob's 0o444 mode), else copied. Returns the least efficient method any file
         needed, or "unchanged" when `dest` already held exactly this tree. `blobs_checked`:
-        the caller has just found every blob of the tree intact (a cache hit); `blob_stats`:
-        the lstat of each blob it found intact (`intact_stat`), taken just now.
+        the caller has just found every blob of the tree intact (a cache hit).
         """
-        if blobs_checked:
-            d = os.fspath(dest)
-            if self._holds_filed(tree_digest, d, blob_stats) or self._holds_flat(tree_digest, d, blob_stats):
-                return "unchanged"
         target = Path(self._guard_dest(dest))
         entries = self.tree_entries(tree_digest, present=blobs_checked)
         missing = [] if blobs_checked else sorted({e.digest for e in entries if not self.has(e.digest)})
@@ -1360,8 +1063,6 @@ class Store:
                 self._remove_blob(digest)
             for path, _size in drop_logs:
                 _unlink_quiet(self.guard(path))
-            if drop_entries or drop_blobs:
-                self.drop_memo()
             self.state.prune()
 
         removed_bytes = (
@@ -1505,170 +1206,12 @@ class Store:
         finally:
             os.close(fd)  # closing the descriptor releases the lock
 
-    def _holds_filed(self, tree_digest: str, dest: str, blob_stats: Mapping[str, os.stat_result] | None) -> bool:
-        """`_holds_flat`'s filed path alone, in fewer steps (a hit's hot path): `dest`'s stat
-        filed under the tree (its names are the tree's), every folder above it plain, and
-        each file a read-only regular file of the tree's size that is the blob just found
-        intact (its inode, at the blob's stat: `blob_stats`) or a copy whose stat the stat
-        cache's rows in memory file under the blob's digest. False on anything else,
-        having changed nothing: `_holds_flat` then decides (lists, rehashes), and the
-        general path repairs."""
-        entries = self._trees.get(tree_digest)
-        if entries is None or len(self.write_roots) < 2 or dest[:1] != "/":
-            return False
-        vouches = self.state.vouches
+    def holds(self, tree_digest: str, dest: StrPath) -> bool:
+        """Whether the folder `dest` holds exactly the stored tree `tree_digest` (read-only)."""
         try:
-            dst = os.lstat(dest)
-        except OSError:
+            return self._holds_tree(Path(dest), self.tree_entries(tree_digest))
+        except StoreError:
             return False
-        if not stat.S_ISDIR(dst.st_mode) or not vouches(dest, dst, tree_digest):
-            return False
-        if dest.rpartition("/")[0] not in self._plain_dirs and not self._plain_folders_to(dest):
-            return False
-        prefix = dest + "/"
-        checked = []
-        copies = 0
-        for e in entries:
-            path = prefix + e.path
-            try:
-                st = os.lstat(path)
-            except OSError:
-                return False
-            if (
-                not stat.S_ISREG(st.st_mode)
-                or st.st_size != e.size
-                or stat.S_IMODE(st.st_mode) != (0o555 if e.mode == MODE_EXEC else 0o444)
-            ):
-                return False
-            b = blob_stats.get(e.digest) if blob_stats else None
-            if b is not None and b.st_ino == st.st_ino and b.st_dev == st.st_dev:
-                # the blob's inode, whose stat was just found intact: it must still be that
-                if (b.st_size, b.st_mtime_ns, b.st_ctime_ns) != (st.st_size, st.st_mtime_ns, st.st_ctime_ns):
-                    return False
-            elif vouches(path, st, e.digest):
-                copies += 1
-            else:
-                return False
-            checked.append((path, st))
-        verified = self.verified
-        for path, st in checked:
-            verified[path] = st
-        if copies:
-            with self.state._lock:
-                self.state.hits += copies  # as `digest_of` counts them
-        return True
-
-    def _holds_flat(self, tree_digest: str, dest: str, blob_stats: Mapping[str, os.stat_result] | None) -> bool:
-        """`_holds_tree` for a tree of files only (no sub-folders) whose blobs were just
-        found intact, in fewer system calls. False whenever anything differs or is not that
-        simple: the caller then takes the general path, which repairs the folder (or
-        refuses one outside the allowed roots).
-
-        Every file is still stat-checked against its blob (by inode, or its bytes through
-        the stat cache). What is saved is the listing: the folder's own stat is filed in the
-        stat cache under the tree's digest once it was listed and found to hold exactly the
-        tree's names; a name added, removed or renamed in it changes the folder's mtime
-        and ctime, so while its stat is the filed one the names are those, and only each
-        file is stat-checked. When it is listed, one open of `dest` that does not follow a
-        link gives its real path (the guard of `guard_path`), its listing and its stat. On
-        the filed path nothing is written, so the guard is not needed there."""
-        entries = self._trees.get(tree_digest)
-        if entries is None or len(self.write_roots) < 2 or not os.path.isabs(dest):
-            return False
-        try:
-            dst = os.lstat(dest)
-        except OSError:
-            return False
-        if not stat.S_ISDIR(dst.st_mode):
-            return False
-        prefix = dest.rstrip("/") + "/"
-        found: list[tuple[TreeEntry, os.stat_result]] = []
-        listed = self.state.lookup(dest, dst) != tree_digest or not self._plain_folders_to(dest)
-        if not listed:  # the names are the tree's: stat each
-            for e in entries:
-                try:
-                    found.append((e, os.lstat(prefix + e.path)))
-                except OSError:
-                    return False
-        else:
-            try:
-                fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            except OSError:  # replaced meanwhile by a link or a file, unreadable
-                return False
-            try:
-                dst = os.fstat(fd)  # before the listing: a change after it changes this stat
-                # dest is no link (O_NOFOLLOW): this is its parent's real path and its name
-                real = os.readlink(f"/proc/self/fd/{fd}")
-                if not any(real != r and real.startswith(r.rstrip("/") + "/") for r in self._real_roots):
-                    return False
-                with os.scandir(fd) as it:
-                    names = [(d.name, d.stat(follow_symlinks=False)) for d in it]
-            except OSError:
-                return False
-            finally:
-                os.close(fd)
-            if len(names) != len(entries):
-                return False
-            want = {e.path: e for e in entries}
-            for name, st in names:
-                got = want.get(name)
-                if got is None:
-                    return False  # another name (a nested tree's entries contain a "/")
-                found.append((got, st))
-        for e, st in found:
-            if (
-                not stat.S_ISREG(st.st_mode)
-                or st.st_size != e.size
-                or stat.S_IMODE(st.st_mode) != _ro_mode(e.mode)
-            ):
-                return False  # a sub-folder, a link, or an edited or replaced file
-        for e, st in found:
-            b = blob_stats.get(e.digest) if blob_stats else None
-            if b is None:
-                try:
-                    b = os.stat(self.blob_str(e.digest))
-                except OSError:
-                    return False
-                if (b.st_dev, b.st_ino) == (st.st_dev, st.st_ino):
-                    continue  # a hard link to the blob is the blob
-            elif (b.st_dev, b.st_ino) == (st.st_dev, st.st_ino):
-                # the blob's inode, whose stat was just found intact: it must still be that
-                if (b.st_size, b.st_mtime_ns, b.st_ctime_ns) == (st.st_size, st.st_mtime_ns, st.st_ctime_ns):
-                    continue
-                return False
-            if self.state.digest_of(prefix + e.path, st) != e.digest:
-                return False
-        if listed:
-            self.state.record(dest, dst, tree_digest)
-        for e, st in found:
-            self.verified[prefix + e.path] = st
-        return True
-
-    def _plain_folders_to(self, dest: str) -> bool:
-        """Whether every folder from an allowed root (a real path) down to `dest`'s parent is
-        a folder, not a link: then `dest` (itself no link) resolves inside that root, as
-        `guard_path` requires. Each folder is looked at once per Store (a build): the five
-        targets of a section share theirs."""
-        parent = os.path.dirname(dest)
-        if parent in self._plain_dirs:
-            return True
-        for r in self._real_roots:
-            if parent == r or parent.startswith(r.rstrip("/") + "/"):
-                todo = []
-                d = parent
-                while d != r and d not in self._plain_dirs:
-                    todo.append(d)
-                    d = os.path.dirname(d)
-                for d in todo:
-                    try:
-                        if not stat.S_ISDIR(os.lstat(d).st_mode):
-                            return False
-                    except OSError:
-                        return False
-                self._plain_dirs.update(todo)
-                self._plain_dirs.add(parent)
-                return True
-        return False
 
     def _holds_tree(self, target: Path, entries: list[TreeEntry]) -> bool:
         """Whether `target` holds exactly `entries`, read-only, checked by stat where possible."""
@@ -1742,24 +1285,11 @@ class Store:
 _ENTRY_FIELDS = frozenset(ActionEntry.model_fields)
 
 
-def _same_file(sk: list[int], st: os.stat_result) -> bool:
-    """Whether `st` is the stat a memo row or entry record files (`sk`: device, inode, size,
-    mtime, ctime): the same bytes, since entries are replaced only by a rename."""
-    return (
-        sk[1] == st.st_ino
-        and sk[4] == st.st_ctime_ns
-        and sk[3] == st.st_mtime_ns
-        and sk[2] == st.st_size
-        and sk[0] == st.st_dev
-    )
-
-
 def _entry_from_row(row: dict[str, Any]) -> ActionEntry:
-    """`ActionEntry.model_construct(**row)` for a memo row (the `model_dump` of a validated
-    entry, in a checksummed file): a row with exactly the entry's fields is set as the
-    instance's fields directly, as model_construct ends up doing (its loop over each
-    field's aliases and defaults cost ~4x more, once per hit); any other row goes through
-    model_construct."""
+    """`ActionEntry.model_construct(**row)` for a row that is the `model_dump` of a validated
+    entry (the build log's): a row with exactly the entry's fields is set as the instance's
+    fields directly, as model_construct ends up doing (its loop over each field's aliases and
+    defaults cost ~4x more, once per hit); any other row goes through model_construct."""
     if not isinstance(row, dict) or row.keys() != _ENTRY_FIELDS:
         return ActionEntry.model_construct(**row)
     e = ActionEntry.__new__(ActionEntry)
