@@ -408,36 +408,17 @@ def test_default_jobs_follow_the_cpus_this_process_may_use() -> None:
     assert usable_cpus() == len(os.sched_getaffinity(0))
 
 
-def test_the_index_keys_sidecar_is_used_only_for_the_index_it_names(toy: Path) -> None:
-    """A build whose keys are the recorded ones reads the index's keys from its sidecar
-    (`<index>.keys`), filed under the index file's stat. An index changed behind it (here:
-    a key edited) or a damaged sidecar is not trusted: the build compares with the index
-    itself and records the real key again."""
-    first = build(toy)
-    (index,) = (toy / ".mopt" / "index").glob("*.json")
-    sidecar = Path(f"{index}.keys")
-    assert sidecar.is_file()
-    key = {n["id"]: n["key"] for n in first["nodes"]}["toy.gpu:toy-engine"]
-    doc = json.loads(index.read_text())
-    assert doc["toy.gpu:toy-engine"]["key"] == key
-    doc["toy.gpu:toy-engine"]["key"] = "0" * 64  # as if another build recorded another key
-    index.write_text(json.dumps(doc))
-    assert build(toy, "toy.gpu:toy-engine")["counts"] == {"cached": 3}
-    assert json.loads(index.read_text())["toy.gpu:toy-engine"]["key"] == key  # recorded again
-    doc = json.loads(index.read_text())
-    doc["toy.gpu:toy-engine"]["key"] = "1" * 64
-    index.write_text(json.dumps(doc))
-    raw = bytearray(sidecar.read_bytes())
-    raw[-3] ^= 1  # damaged
-    sidecar.write_bytes(bytes(raw))
-    assert build(toy, "toy.gpu:toy-engine")["counts"] == {"cached": 3}
-    assert json.loads(index.read_text())["toy.gpu:toy-engine"]["key"] == key
-    # plan's "why" still diffs against the parts the index recorded
+def test_plan_says_why_against_the_last_build_of_the_node(toy: Path) -> None:
+    """plan diffs a node's key parts with those of its last build: its key per the build log
+    of these selectors, else per mopt.lock (another selection's build), and the parts that
+    key's action entry recorded."""
+    build(toy)
     with open(toy / "r.toml", "a") as fh:
         fh.write("[toy.gpu.toy-engine]\nmax_batch_size = 64\n")
-    plan = json.loads(run_mopt("plan", "r.toml", "--json", cwd=toy).stdout)
-    status = {n["id"]: n["status"]["summary"] for n in plan["nodes"]}
-    assert status["toy.gpu:toy-engine"] == "param max_batch_size: 32 → 64"
+    for args in ((), ("toy.gpu:toy-engine",)):  # the second: no build of these selectors yet
+        plan = json.loads(run_mopt("plan", "r.toml", *args, "--json", cwd=toy).stdout)
+        status = {n["id"]: n["status"]["summary"] for n in plan["nodes"]}
+        assert status["toy.gpu:toy-engine"] == "param max_batch_size: 32 → 64"
 
 
 def test_a_failure_whose_log_cannot_be_written_is_still_a_clean_failure(tmp_path: Path) -> None:

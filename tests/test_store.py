@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import multiprocessing
 import os
@@ -13,13 +12,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from mopt.digest import canonical_json, hash_bytes, hash_file, hash_tree
+from mopt.filehash import file_stat
 from mopt.statcache import RACY_WINDOW_S
 from mopt.store import ActionEntry, BlobMissingError, Store, StoreError
 
@@ -167,79 +166,40 @@ def test_action_entry_round_trips_and_a_hit_touches_it(tmp_path: Path) -> None:
     assert store.ac_get("other") is None
 
 
-def _settled(*paths: Path) -> None:
-    """Wait until `paths` are out of the memo's racy window (their ctime 100 ms old)."""
-    while any(time.time_ns() - p.stat().st_ctime_ns < 150_000_000 for p in paths):
-        time.sleep(0.05)
-
-
-@contextlib.contextmanager
-def no_entry_file_opened() -> Iterator[None]:
-    """Fail on any open of a file under `ac/` (the memo must answer) while the block runs."""
-    import builtins
-
-    real_open, real_os_open = builtins.open, os.open
-
-    def guard(opener: Any) -> Any:
-        def opened(f: Any, *a: Any, **kw: Any) -> Any:
-            assert "/ac/" not in str(f), f"read {f} although the memo has it"
-            return opener(f, *a, **kw)
-
-        return opened
-
-    builtins.open, os.open = guard(real_open), guard(real_os_open)  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        builtins.open, os.open = real_open, real_os_open
-
-
-def test_the_entry_memo_answers_only_for_an_unchanged_entry_file(tmp_path: Path) -> None:
+def test_an_entry_read_or_written_is_recorded_with_its_files_stat_and_digest(tmp_path: Path) -> None:
+    """What the build log files an entry under: the stat of the bytes read (or written) and
+    their digest; a touch keeps the digest and records the new stat."""
     root = tmp_path / "store"
     with Store(root) as store:
-        tree = build(store, tmp_path, "k1", {"a.txt": b"a"})
-        build(store, tmp_path, "k2", {"b.txt": b"b"})
+        build(store, tmp_path, "k1", {"a.txt": b"a"})
+        entry = root / "ac" / "k1.json"
+        assert store.entry_files["k1"] == (file_stat(entry.stat()), hash_bytes(entry.read_bytes()))
+    with Store(root) as store:
+        assert store.ac_entry("k1") is not None
+        assert store.entry_files["k1"] == (file_stat(entry.stat()), hash_bytes(entry.read_bytes()))
+        age(entry, 3600)
+        touched = store.touch_if_due("k1", file_stat(entry.stat()))
+        assert touched == file_stat(entry.stat()) and store.entry_files["k1"][0] == touched
+        assert store.touch_if_due("k1", touched) is None  # just used: not due
+
+
+@pytest.mark.parametrize("what", ["fifo", "folder", "link"])
+def test_an_entry_that_is_not_a_regular_file_is_a_miss_and_never_blocks(tmp_path: Path, what: str) -> None:
+    root = tmp_path / "store"
+    with Store(root) as store:
+        build(store, tmp_path, "k1", {"a.txt": b"a"})
     entry = root / "ac" / "k1.json"
-    _settled(entry, root / "ac" / "k2.json")
-    with Store(root) as store:  # reads the files, writes the memo on close
-        assert store.ac_get("k1")["outputs_tree"] == tree  # type: ignore[index]
-        assert store.ac_get("k2") is not None
-        assert [e.path for e in store.tree_entries(tree)] == ["a.txt"]
-    memo = root / "ac-memo.bin"
-    assert memo.exists()
-    with Store(root) as store:  # answered from the memo: no entry file opened
-        with no_entry_file_opened():
-            assert store.ac_get("k1")["outputs_tree"] == tree  # type: ignore[index]
-            from_memo = store.ac_entry("k2")
-        assert store.tree_entries(tree)[0].path == "a.txt"
-    # the entry the memo gives is the entry its file holds, field for field
-    from_file = ActionEntry.model_validate_json((root / "ac" / "k2.json").read_bytes())
-    assert from_memo == from_file and from_memo is not None
-    assert from_memo.model_fields_set == from_file.model_fields_set
-    assert from_memo.model_dump() == from_file.model_dump()
-    # the entry replaced (a new file: new inode and stat): the memo's row is not used
-    (tmp_path / "o").mkdir()
-    with Store(root) as store:
-        other = build(store, tmp_path / "o", "k1", {"c.txt": b"c"})
-    with Store(root) as store:
-        assert store.ac_get("k1")["outputs_tree"] == other  # type: ignore[index]
-    # a damaged memo is ignored (and replaced), never trusted
-    raw = bytearray(memo.read_bytes())
-    raw[-10] ^= 1
-    memo.write_bytes(bytes(raw))
-    with Store(root) as store:
-        assert store.ac_get("k2") is not None
-        assert store.ac_get("k1")["outputs_tree"] == other  # type: ignore[index]
-    magic, digest, body = memo.read_bytes().split(b"\n", 2)
-    assert magic == b"mopt ac-memo 2" and digest.decode() == hash_bytes(body)
-    # an entry whose blob went is a miss even though the memo knows the entry
-    with Store(root) as store:
-        (root / "cas" / other[:2] / other).unlink()
-        assert store.ac_get("k1") is None
-    # gc drops the memo with the entries it removes
-    with Store(root) as store:
-        store.gc(older_than_s=0, min_blob_age_s=0)
-    assert not memo.exists()
+    os.chmod(entry, 0o644)
+    entry.unlink()
+    if what == "fifo":
+        os.mkfifo(entry)
+    elif what == "folder":
+        entry.mkdir()
+    else:
+        (tmp_path / "elsewhere.json").write_text("{}")
+        entry.symlink_to(tmp_path / "elsewhere.json")
+    with Store(root, read_only=True) as store:
+        assert store.ac_entry("k1") is None
 
 
 def test_a_hit_touches_an_entry_only_when_its_last_use_is_old(tmp_path: Path) -> None:
@@ -256,9 +216,6 @@ def test_a_hit_touches_an_entry_only_when_its_last_use_is_old(tmp_path: Path) ->
     with Store(root) as store:
         assert store.ac_get("k1") is not None
     assert time.time() - entry_path.stat().st_mtime < 60
-    # the touch filed the entry in the memo under its new stat: not read again next time
-    with Store(root) as store, no_entry_file_opened():
-        assert store.ac_get("k1") is not None
 
 
 def test_hit_with_missing_blob_is_a_miss(tmp_path: Path) -> None:
@@ -371,10 +328,10 @@ def test_materialize_again_is_unchanged_and_reads_no_bytes(tmp_path: Path) -> No
     assert (dest / "w.bin").stat().st_ino == inode
 
 
-def test_a_hit_folder_filed_by_its_stat_is_still_checked_file_by_file(tmp_path: Path) -> None:
-    """A cache hit's folder (blobs just checked) is listed once, then filed by its own stat:
-    later checks stat each file but do not list it. A file added, edited or replaced, or the
-    folder swapped for a link, is still found and repaired (or refused)."""
+def test_a_hit_folder_is_checked_file_by_file_and_repaired(tmp_path: Path) -> None:
+    """A cache hit's folder (blobs just checked) that holds the tree is left as it is; a file
+    added, edited or replaced is found and the folder repaired; the folder swapped for a link
+    is refused."""
     from mopt.store import OutsideError
 
     store = Store(tmp_path / "store")
@@ -386,45 +343,30 @@ def test_a_hit_folder_filed_by_its_stat_is_still_checked_file_by_file(tmp_path: 
     dest = build / "m" / "cpu" / "t"
 
     def again() -> str:
-        store.tree_entries(tree)
-        stats = {e.digest: os.lstat(store.blob_str(e.digest)) for e in store.tree_entries(tree)}
-        method = store.materialize(tree, str(dest), blobs_checked=True, blob_stats=stats)
-        store.state.flush()
+        method = store.materialize(tree, str(dest), blobs_checked=True)
         assert hash_tree(dest)[0] == tree
         return method
 
     assert again() != "unchanged"
-    time.sleep(RACY_WINDOW_S * 1.5)
-    assert again() == "unchanged"  # listed: its stat is filed now
-    assert store.state.lookup(str(dest), os.lstat(dest)) == tree
-    read = store.state.hashed_bytes
-    assert again() == "unchanged"  # by its filed stat
-    assert store.state.hashed_bytes == read
-    from tests.storecheck import check_store
-
-    assert check_store(tmp_path / "store") == []  # the checker checks the folder's row too
-
-    dest.chmod(0o755)  # a file added: the folder's stat changes, so it is listed again
+    assert again() == "unchanged"
+    assert store.holds(tree, dest)
+    dest.chmod(0o755)  # a file added
     (dest / "extra.txt").write_bytes(b"mine")
+    assert not store.holds(tree, dest)
     assert again() != "unchanged"
     assert sorted(p.name for p in dest.iterdir()) == ["a.txt", "w.bin"]
-    time.sleep(RACY_WINDOW_S * 1.5)
-    assert again() == "unchanged"
-    assert store.state.lookup(str(dest), os.lstat(dest)) == tree
-
-    (dest / "a.txt").chmod(0o644)  # a file edited in place: the folder's stat stays
+    (dest / "a.txt").chmod(0o644)  # a file edited in place
     (dest / "a.txt").write_bytes(b"two")
-    assert store.state.lookup(str(dest), os.lstat(dest)) == tree
     assert again() != "unchanged"
     assert (dest / "a.txt").read_bytes() == b"one"
-
-    time.sleep(RACY_WINDOW_S * 1.5)
-    assert again() == "unchanged"
     victim = tmp_path / "victim"
     shutil.move(str(dest.parent), victim)  # the folder moved out, a link in its place
     dest.parent.symlink_to(victim)
     store = Store(tmp_path / "store")  # the next build
     store.allow(build)
+    (victim / "t").chmod(0o755)
+    (victim / "t" / "a.txt").chmod(0o644)
+    (victim / "t" / "a.txt").write_bytes(b"three")  # so that it must be written
     with pytest.raises(OutsideError):
         again()
     assert sorted(p.name for p in (victim / "t").iterdir()) == ["a.txt", "w.bin"]
@@ -788,78 +730,6 @@ def test_the_path_guard_resolves_folders_as_realpath_does(tmp_path: Path) -> Non
     for p in ["root/build/m/cpu/t", "root/build/m/absent/t"]:  # through the link: outside
         with pytest.raises(OutsideError):
             guard_path(tmp_path / p, roots)
-
-
-def test_quick_hit_answers_as_the_full_path_or_leaves_it_to_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`Store.quick_hit` (a hit's common case) answers only where the entry is the memo's and
-    every blob is as the stat cache filed it, with what `ac_entry` and `intact_stat` would
-    say (an entry due a touch is touched); a writable, edited or missing blob or a replaced
-    entry is left to the full path (None), which repairs or removes."""
-    root = tmp_path / "store"
-    with Store(root) as store:
-        tree = build(store, tmp_path, "k1", {"a.txt": b"a"})
-    blobs = all_blobs(Store(root))
-    _settled(root / "ac" / "k1.json", *blobs)
-    with Store(root) as store:  # the full path: learns the blobs' stats and files the memo
-        e = store.ac_entry("k1")
-        assert e is not None and store.quick_hit("k1") is None  # its tree's rows are not known yet
-        for p in blobs:
-            assert store.intact(p.name)
-
-    def quick(read_only: bool = False) -> Any:
-        store = Store(root, read_only=read_only)
-        store.state.prefetch(store.cas_dir)
-        return store, store.quick_hit("k1")
-
-    store, q = quick()
-    assert q is not None
-    entry, stats = q
-    assert entry == ActionEntry.model_validate_json((root / "ac" / "k1.json").read_bytes())
-    assert set(stats) == {p.name for p in blobs} and {entry.outputs_tree, entry.log} <= set(stats)
-    for p in blobs:
-        assert stats[p.name] == os.lstat(p) and store.verified[str(p)] == os.lstat(p)
-    assert store._used == {"k1"}  # said "in use", as ac_entry does
-    store.close()
-    store, q = quick(read_only=True)
-    assert q is not None and store._used == set()  # read-only (plan): no lock
-    store.close()
-
-    member = store.tree_entries(tree)[0].digest
-    blob = Path(store.blob_str(member))
-    blob.chmod(0o644)  # writable, same bytes: the full path makes it read-only again
-    store, q = quick()
-    assert q is None and store.intact(member) and stat.S_IMODE(blob.stat().st_mode) == 0o444
-    store.close()
-    _settled(blob)
-    with Store(root) as store:
-        assert store.intact(member)  # the stat cache learns its new stat
-    store, q = quick()
-    assert q is not None
-    store.close()
-
-    # last used an hour ago (the clock moved on, the entry's stat did not): the quick hit
-    # touches it itself (gc's "last used"), as `ac_entry` would, and files its new stat
-    real = time.time
-    monkeypatch.setattr(time, "time", lambda: real() + 3600)
-    before = (root / "ac" / "k1.json").stat().st_mtime_ns
-    store, q = quick()
-    assert q is not None and store.touched == {"k1"} and store._used == {"k1"}
-    assert (root / "ac" / "k1.json").stat().st_mtime_ns != before
-    store.close()
-    store, q = quick(read_only=True)  # read-only (plan): never touches
-    assert q is not None and store.touched == set()
-    store.close()
-    monkeypatch.setattr(time, "time", real)
-    store, q = quick()  # the memo has the touched stat: the quick path, no touch due now
-    assert q is not None and store.touched == set()
-    store.close()
-
-    blob.chmod(0o644)
-    blob.write_bytes(b"b")  # damaged: never a hit
-    blob.chmod(0o444)
-    store, q = quick()
-    assert q is None and not store.intact(member) and not blob.exists()
-    store.close()
 
 
 def test_use_locks_are_taken_at_the_end_of_a_deferred_run_only_under_the_gc_lock(tmp_path: Path) -> None:
