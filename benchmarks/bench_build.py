@@ -5,8 +5,10 @@ stage reading an S-MiB weight file. Phases: full build, no-op, `mopt plan`, all 
 the recipe touched (new mtime, same bytes), `plan_edited` / `edited` (a comment appended to
 the recipe: `plan` and `build` read it, build the graph and key every action again, every
 key found in the cache: the full path), `plan_one_edited` / `one_edited` (one node's
-argv changed in the recipe: that node is built, every other key hits), touch of every
-weight file without a content change, one input changed. Prints a table and the ratios.
+argv changed in the recipe: that node is built, every other key hits), `again` (the same
+command at once after each `one_edited`: the build typed twice, whose second must be the
+no-op), touch of every weight file without a content change, one input changed. Prints a
+table and the ratios.
 
     python benchmarks/bench_build.py                 # 200, 2,000 and 10,000 nodes, peers at 200 and 2,000
     python benchmarks/bench_build.py --no-peers      # mopt only
@@ -73,6 +75,11 @@ def built(data: dict) -> int:
     return data["counts"].get("built", 0)
 
 
+def was_noop(data: dict) -> int:
+    """1 if the build was the no-op (answered from its build log), else 0."""
+    return int(bool(data["io"].get("noop")))
+
+
 def bench_mopt(root: Path, m: int, reps: int, full_phases: bool, fresh: bool = True) -> dict[str, list]:
     recipe = write_recipe(root, m)
     if fresh:
@@ -80,9 +87,10 @@ def bench_mopt(root: Path, m: int, reps: int, full_phases: bool, fresh: bool = T
             shutil.rmtree(d, ignore_errors=True)
     res: dict[str, list] = {}
 
-    def run(phase: str) -> None:
+    def run(phase: str) -> dict:
         dt, data = mopt(recipe)
         res.setdefault(phase, []).append((dt, built(data), data["io"]["hashed_bytes"]))
+        return data
 
     if fresh or not (recipe.parent / ".mopt").is_dir():
         run("full")
@@ -110,12 +118,9 @@ def bench_mopt(root: Path, m: int, reps: int, full_phases: bool, fresh: bool = T
             fh.write(f"\n[{model_name(m, i)}.cpu.bench]\nargv = {argv}\n")
         res.setdefault("plan_one_edited", []).append((mopt_plan(recipe), 0, 0))
         run("one_edited")
+        data = run("again")  # at once: the build typed twice
+        res.setdefault("again_noop", []).append((0.0, was_noop(data), 0))
     if full_phases:
-        # settled first (not reported): a build that has just rebuilt a node writes no
-        # stamp when its last outputs and mopt.lock are within the racy window (0.2 s), so
-        # the next build takes the full path once; `touched` measures the touch itself
-        time.sleep(0.3)
-        run("settle")
         weights = sorted(glob.glob(str(root / "weights" / "*.bin")))
         for w in weights:
             os.utime(w)
@@ -210,7 +215,7 @@ def main() -> None:
             tools = "snakemake" if name == "xlarge" else "dvc snakemake"
             res.update(bench_peers(m, s, a.r, noop_only=not full, tools=tools))
         phases = ["full", "noop", "plan", "all_cached", "plan_edited", "edited", "plan_one_edited", "one_edited",
-                  "touched", "incremental", "after_change"]
+                  "again", "touched", "incremental", "after_change"]
         load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
         print(f"\n(load average after this case: {load} on {os.cpu_count()} CPUs: read the ratios, not the seconds)")
         print(f"\n## M={m} models × 5 stages = {m * 5} targets, weights {s} MiB each")
@@ -221,6 +226,9 @@ def main() -> None:
             cells = [fmt(ph.get(p) or (ph.get("full_commit") if p == "full" else None)) for p in phases]
             print(f"| {tool} | " + " | ".join(cells) + " |")
         mo = res["mopt"]
+        if "again_noop" in mo:
+            hits = sum(x[1] for x in mo["again_noop"])
+            print(f"mopt again (the build typed twice): the no-op in {hits} of {len(mo['again_noop'])} runs")
         noop = min(x[0] for x in mo["noop"])
         read = max(x[2] for x in mo["noop"])
         print(f"mopt no-op: {noop:.3f} s, artifact bytes hashed during no-op: {read}")

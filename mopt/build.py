@@ -952,7 +952,7 @@ class Engine:
         w = buildlog.Writer()
         old = self.log
         # the modules' digests, where the log's word is taken: as the last build read them
-        known = {p: k for k, p in enumerate(old.paths)} if old is not None and not self.log_miss else {}
+        known = old.index if old is not None and not self.log_miss else {}
         off = [] if all(st.status in ("built", "cached") for st in states.values()) else ["the build did not succeed"]
         if self.fast_path_off(states):
             off.append(self.fast_path_off(states))

@@ -36,9 +36,10 @@ import os
 import sys
 import time
 import zlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mopt.filehash import FileStat, is_racy, replace_durably
+if TYPE_CHECKING:  # blake3 and functools are loaded only where a file is hashed or a log written
+    from mopt.filehash import FileStat
 
 VERSION = 1
 MAGIC = b"mopt build log 1\n"
@@ -46,6 +47,8 @@ MAGIC = b"mopt build log 1\n"
 #: names are recorded besides); HOME and XDG_CACHE_HOME say where Hugging Face's cache is
 ENV_PREFIXES = ("MOPT_", "HF_", "TRANSFORMERS_", "CUDA_", "NVIDIA_")
 ENV_NAMES = ("HOME", "XDG_CACHE_HOME")
+#: see `mopt.filehash.RACY_NS` (not imported from there: that loads blake3)
+RACY_NS = 200_000_000
 #: the switch itself changes nothing a build makes
 ENV_IGNORED = ("MOPT_NO_LOG",)
 
@@ -101,6 +104,19 @@ def stores_of(recipe: str) -> list[tuple[str, str | None]]:
 
 
 # --------------------------------------------------------------------------- reading
+
+
+def _cached(method: Any) -> Any:
+    """`functools.cached_property`, without loading functools on the no-op's path."""
+    name = method.__name__
+
+    def get(self: Any) -> Any:
+        got = self.__dict__.get(name)
+        if got is None:
+            got = self.__dict__[name] = method(self)
+        return got
+
+    return property(get, doc=method.__doc__)
 
 
 def read(path: str, *, keep: bool = False) -> dict[str, Any] | str:
@@ -192,21 +208,21 @@ class Log:
         #: [files, bytes] hashed to decide
         self.hashed = [0, 0]
 
-    @property
+    @_cached
     def stats(self) -> list[FileStat]:
-        got = self.__dict__.get("_stats")
-        if got is None:
-            got = self._stats = marshal.loads(self.doc["stats"])
-            if not isinstance(got, list) or len(got) != len(self.paths):
-                raise ValueError("paths and stats differ in length")
+        got: list[FileStat] = marshal.loads(self.doc["stats"])
+        if not isinstance(got, list) or len(got) != len(self.paths):
+            raise ValueError("paths and stats differ in length")
         return got
 
-    @property
+    @_cached
     def digests(self) -> dict[int, tuple[str, int]]:
-        got = self.__dict__.get("_digests")
-        if got is None:
-            got = self._digests = marshal.loads(self.doc["digests"])
+        got: dict[int, tuple[str, int]] = marshal.loads(self.doc["digests"])
         return got
+
+    @_cached
+    def index(self) -> dict[str, int]:
+        return {p: i for i, p in enumerate(self.paths)}
 
     # -- one file
 
@@ -274,10 +290,7 @@ class Log:
         """The recorded digest of the file `path` if its stat `now` is the one recorded (or
         learnt) and not within the racy window: what the stat cache would answer, for a file
         the last build read (an input the no-op found touched but holding, among them)."""
-        index = self.__dict__.get("_index")
-        if index is None:
-            index = self._index = {p: i for i, p in enumerate(self.paths)}
-        i = index.get(path)
+        i = self.index.get(path)
         if i is None or i not in self.digests or self.learnt.get(i, self.stats[i]) != now:
             return None
         if i in self.racy and not self.verdict.get(i):
@@ -293,15 +306,13 @@ class Log:
 
     # -- nodes
 
-    @property
+    @_cached
     def nodes(self) -> dict[str, list[Any]]:
         """node id → [key, entry fields, store file indices, build/ file indices, build/
         folders]: kept marshalled apart from the rest, which is all a no-op reads."""
-        got = self.__dict__.get("_nodes")
-        if got is None:
-            got = self._nodes = marshal.loads(self.doc["nodes"])
-            if not isinstance(got, dict):
-                raise ValueError("unexpected layout")
+        got: dict[str, list[Any]] = marshal.loads(self.doc["nodes"])
+        if not isinstance(got, dict):
+            raise ValueError("unexpected layout")
         return got
 
     def node(self, node_id: str, key: str) -> list[Any] | None:
@@ -348,6 +359,8 @@ class Log:
     def learn(self) -> None:
         """Record the files found holding under a new stat (or racy no more), so the next build
         does not hash them again; a log that cannot be written is only slower next time."""
+        from mopt.filehash import is_racy
+
         now = time.time_ns()
         settled = {i for i in self.racy if self.verdict.get(i) and not is_racy(self.stats[i], now)}
         fresh = {i: st for i, st in self.learnt.items() if not is_racy(st, now)}
@@ -488,7 +501,7 @@ class Writer:
                 return None
             taken = None
         assert st is not None
-        racy = is_racy(st, self.now if taken is None else taken)
+        racy = (self.now if taken is None else taken) - st[4] < RACY_NS
         if "\0" in path or (racy and digest is None) or (touchable and digest is None):
             return None
         i = self.index[path] = len(self.paths)
@@ -522,6 +535,8 @@ class Writer:
 
 def _save(path: str, doc: dict[str, Any]) -> None:
     payload = marshal.dumps(doc, 4)
+    from mopt.filehash import replace_durably
+
     replace_durably(path, MAGIC + zlib.crc32(payload).to_bytes(4, "little") + payload)
 
 

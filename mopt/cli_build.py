@@ -263,9 +263,13 @@ def register(app: click.Group) -> None:
         if entry is None:
             raise MoptError(f"{node_id} is not built", hint=f"run: mopt build {recipe} '{node_id}'")
         files = engine.store.tree_entries(entry.outputs_tree)
+        path = engine.address_path(node_id)
         data: dict[str, Any] = {
             "id": node_id,
-            "path": str(engine.address_path(node_id)),
+            "path": str(path),
+            # whether build/ holds these bytes (another recipe's target of the same name may
+            # have been laid out there since)
+            "laid_out": engine.store.holds(entry.outputs_tree, path),
             "key": entry.key,
             "outputs_tree": entry.outputs_tree,
             "files": [
@@ -287,6 +291,8 @@ def register(app: click.Group) -> None:
             _print_json(data)
             return
         out.print(f"{node_id}  ({data['path']})")
+        if not data["laid_out"]:
+            out.print(f"  note: {data['path']} does not hold these bytes (run: mopt build {recipe} '{node_id}')")
         out.print(f"  key {entry.key}\n  tree {entry.outputs_tree}")
         for f in data["files"]:
             out.print(f"  {human(f['size']):>10}  {f['digest'][:16]}  {f['path']}")

@@ -13,13 +13,13 @@ rather than calling mopt, so a bug in mopt's own checks cannot hide itself:
 * ``state.db`` is an SQLite database (the stat cache) that must pass ``PRAGMA
   integrity_check``, and a row whose recorded stat still matches its file must name the
   file's real digest (else the cache would vouch for damaged bytes);
-* ``ac-memo.bin`` (optional, an accelerator): the line ``mopt ac-memo 2``, a line with the
-  BLAKE3 hex of the rest, then a ``marshal`` (stdlib) dump of ``{"version": 2, "entries":
-  {key: [stat, entry]}, "trees": {digest: rows}}``; if the digest matches (else mopt ignores
-  it), every entry row whose recorded stat ``[dev, ino, size,
-  mtime_ns, ctime_ns]`` still matches ``ac/<key>.json`` must equal that file's JSON, and
-  every tree row must be the manifest of that tree (else the memo would vouch for another
-  entry or manifest than the store holds).
+* ``log/*.log`` (the build logs, optional): the line ``mopt build log 1``, the CRC-32 of the
+  rest (4 bytes, little-endian), then a ``marshal`` (stdlib) dump of a dict with ``paths``
+  (NUL-joined), ``stats`` (marshalled list of ``(dev, ino, size, mtime_ns, ctime_ns)``),
+  ``digests`` (marshalled ``{index: (digest, mode)}``) and ``racy`` (indices); if the CRC
+  matches (else mopt ignores it), every recorded file whose stat is still the recorded one and
+  that is not racy must hold the recorded digest: its bytes (a file) or the NUL-joined sorted
+  names in it (a folder) (else the log would vouch for other bytes than the disk holds).
 
 Use it as ``check_store(store_dir, build_dir=None) -> list[str]`` (empty: all good), or as a
 script: ``python tests/storecheck.py STORE [BUILD_DIR]`` (exit 1 and one line per problem).
@@ -194,50 +194,47 @@ def check_store(store_dir: str | os.PathLike[str], build_dir: str | os.PathLike[
     if db.exists():
         _check_db(c, db)
 
-    memo = store / "ac-memo.bin"
-    if memo.exists():
-        _check_memo(c, store, memo)
-
-    for idx in sorted((store / "index").glob("*.json")) if (store / "index").is_dir() else []:
-        try:
-            json.loads(idx.read_bytes())
-        except (ValueError, OSError) as err:
-            c.say(f"{idx}: index file is not valid JSON: {err}")
+    for log in sorted((store / "log").glob("*.log")) if (store / "log").is_dir() else []:
+        _check_log(c, log)
 
     if build_dir is not None and Path(build_dir).is_dir():
         _check_build(c, Path(build_dir), trees)
     return c.problems
 
 
-def _check_memo(c: _Checker, store: Path, memo: Path) -> None:
-    magic, _, rest = memo.read_bytes().partition(b"\n")
-    head, _, body = rest.partition(b"\n")
-    if magic != b"mopt ac-memo 2" or head.decode("ascii", "replace") != blake3.blake3(body).hexdigest():
-        return  # mopt ignores (and replaces) a memo whose digest does not match
+def _check_log(c: _Checker, log: Path) -> None:
+    import zlib
+
+    magic = b"mopt build log 1\n"
+    try:
+        data = log.read_bytes()
+    except OSError:
+        return
+    body = data[len(magic) + 4 :]
+    if not data.startswith(magic) or zlib.crc32(body) != int.from_bytes(data[len(magic) : len(magic) + 4], "little"):
+        return  # mopt ignores (and replaces) a log whose CRC does not match
     try:
         doc = marshal.loads(body)
-        entries, trees = doc["entries"], doc["trees"]
-    except (ValueError, EOFError, KeyError, TypeError) as err:
-        c.say(f"{memo}: digest matches but it is not the memo's marshal data: {err}")
+        paths = doc["paths"].split("\0") if doc["paths"] else []
+        stats, digests, racy = marshal.loads(doc["stats"]), marshal.loads(doc["digests"]), set(doc["racy"])
+    except (ValueError, EOFError, KeyError, TypeError, AttributeError) as err:
+        c.say(f"{log}: CRC matches but it is not a build log's marshal data: {err}")
         return
-    for key, (st_key, entry) in entries.items():
-        p = store / "ac" / f"{key}.json"
-        try:
-            st = p.lstat()
-        except OSError:
-            continue  # gone: the row is never used
-        if [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns] != st_key:
+    for i, path in enumerate(paths):
+        if i in racy or i not in digests:
             continue
         try:
-            on_disk = json.loads(p.read_bytes())
-        except ValueError:
-            on_disk = None
-        if on_disk != entry:
-            c.say(f"{memo}: the row of {key} matches the stat of {p} but not its content")
-    for digest, rows in trees.items():
-        want = _canonical({"entries": rows})
-        if blake3.blake3(want).hexdigest() != digest:
-            c.say(f"{memo}: tree row {digest} is not the manifest of that tree")
+            st = os.stat(path)
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) != tuple(stats[i]):
+            continue  # changed since: mopt checks it again
+        if stat.S_ISDIR(st.st_mode):
+            got = blake3.blake3("\0".join(sorted(os.listdir(path))).encode("utf-8", "surrogateescape")).hexdigest()
+        else:
+            got = _hash_file(Path(path))
+        if got != digests[i][0]:
+            c.say(f"{log}: {path} has the recorded stat but not the recorded digest")
 
 
 def _check_db(c: _Checker, db: Path) -> None:
@@ -269,16 +266,6 @@ def _check_db(c: _Checker, db: Path) -> None:
             )
             if same and stat.S_ISREG(st.st_mode) and _hash_file(Path(path)) != digest:
                 c.say(f"{db}: stat cache row for {path} matches its stat but not its bytes")
-            elif same and stat.S_ISDIR(st.st_mode) and (db.parent / "cas" / digest[:2] / digest).exists():
-                # a materialized folder filed under its tree (Store._holds_flat): while its
-                # stat is that one, it must hold exactly the tree's names, each a file (the
-                # row is only used when the tree's blob was just found intact: once gc took
-                # the blob, the row is harmless)
-                rows = c.manifest(digest, f"stat cache row for folder {path}")
-                names = sorted(p.name for p in Path(path).iterdir())
-                files = all(p.is_file() and not p.is_symlink() for p in Path(path).iterdir())
-                if rows is not None and (names != [r[0] for r in rows] or not files):
-                    c.say(f"{db}: stat cache row for folder {path} matches its stat but not the names of tree {digest}")
     except sqlite3.DatabaseError as err:
         c.say(f"{db}: {err}")
     finally:

@@ -324,6 +324,8 @@ def test_two_recipes_in_one_folder_never_show_each_others_bytes(proj: Path) -> N
     stale = plan(proj)
     assert "holds other bytes" in stale and "up to date" in stale
     assert "holds other bytes" in plan(proj, "--no-log")
+    shown = run_mopt("show", "r.toml", "m1.cpu:a", cwd=proj)
+    assert shown.returncode == 0 and "does not hold these bytes" in shown.stdout
     again = build(proj)
     assert not again["io"].get("noop") and again["counts"] == {"cached": 4}
     assert (proj / "build/m1/cpu/a/a").read_text() == "hello m1\n"
@@ -331,7 +333,7 @@ def test_two_recipes_in_one_folder_never_show_each_others_bytes(proj: Path) -> N
     shown = run_mopt("show", "r.toml", "m1.cpu:a", "--json", cwd=proj)
     assert shown.returncode == 0, shown.stderr
     (f,) = json.loads(shown.stdout)["files"]
-    assert f["digest"] == hash_file(proj / "build/m1/cpu/a/a")
+    assert f["digest"] == hash_file(proj / "build/m1/cpu/a/a") and json.loads(shown.stdout)["laid_out"]
 
 
 def test_a_touched_input_settled_by_the_noop_is_not_hashed_again_after_an_edit(proj: Path) -> None:

@@ -97,9 +97,9 @@ def test_a_build_typed_twice_is_a_noop_the_second_time(proj: Path) -> None:
     assert second["counts"] == {"cached": 4}
     assert {n["id"] for n in second["nodes"]} == {"m1.cpu:a", "m1.cpu:b", "m2.cpu:a", "m2.cpu:b"}
     assert second["nodes"] == [dict(n, status="cached") for n in first["nodes"]]
-    time.sleep(0.25)  # past the racy window: what the third checks by digest is learnt
+    time.sleep(0.25)  # past the racy window: what is still checked by digest is learnt now
     third = build(proj)
-    assert fast(third) and third["io"]["hashed_files"] > 0, third["io"]
+    assert fast(third), third["io"]
     fourth = build(proj)
     assert fast(fourth) and fourth["io"]["hashed_files"] == 0, fourth["io"]
 
