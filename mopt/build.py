@@ -1495,7 +1495,7 @@ class Engine:
                 res = stack.enter_context(self.runner.exec(spawn, on_line=lambda line: _set_last(st, line),
                                                            lock_fd=lock_fd))
                 log_path = res.log
-                changed = watch.changes(watched, self.store.state.file_digest)
+                changed = watch.changes(watched)
                 if changed:
                     raise InputChanged(self._input_damage(node.kind, changed, in_dir, names))
                 if not res.ok:

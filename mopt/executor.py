@@ -548,7 +548,7 @@ def _run(spec: RemoteSpawn, store: Store, registry: Any, remote: Any, *, executo
                 ),
                 registry,
             )
-            changed = watch.changes(watched, store.state.file_digest)
+            changed = watch.changes(watched)
             if changed:
                 removed = sum(
                     store.discard_blob(d) for _p, d in changed if d is not None and not store.verify(d)

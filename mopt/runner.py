@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from mopt.api import Artifact, BuildContext, HardwareProfile, Missing
+from mopt.filehash import hash_file
 
 #: values of `[executor] sandbox`
 SANDBOX_MODES = ("auto", "bwrap", "none")
@@ -1054,8 +1055,10 @@ class InputWatch:
     def take(cls, roots: list[Path], digests: dict[str, str]) -> InputWatch:
         return cls(_stat_tree(roots), digests)
 
-    def changes(self, roots: list[Path], rehash: Callable[[str], str]) -> list[tuple[str, str | None]]:
-        """(file, its blob digest or None) for every file that changed, appeared or went."""
+    def changes(self, roots: list[Path]) -> list[tuple[str, str | None]]:
+        """(file, its blob digest or None) for every file that changed, appeared or went.
+        Not rehashed through the stat cache: it wants a stat that holds still while hashing,
+        and siblings linking and unlinking the same blob keep moving its ctime."""
         now = _stat_tree(roots)
         bad: list[tuple[str, str | None]] = []
         for path in sorted(set(self.stats) | set(now)):
@@ -1065,7 +1068,7 @@ class InputWatch:
             digest = self.digests.get(path)
             if old is not None and new is not None and old[:3] == new[:3] and digest is not None:
                 try:
-                    if rehash(path) == digest:
+                    if hash_file(path) == digest:
                         continue  # only the ctime moved (a new link to the blob): same bytes
                 except OSError:
                     pass

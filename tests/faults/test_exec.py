@@ -273,6 +273,55 @@ how = "write-project"
     p.check()
 
 
+def _fan_out(p: Proj, round_: int, extra: str = "") -> None:
+    """`up` writes 50 MB (hard-linked into each consumer's inputs, being over the store's
+    copy threshold), read by 16 consumers (each its own action); `round_` gives it new bytes (a new key, new blob)."""
+    up = f"head -c 50000000 /dev/zero > {{out}}/w; echo {round_} >> {{out}}/w"
+    cons = "".join(
+        f'\n[toy.cpu.c{i}]\nkind = "command"\ninput = "up"\n'
+        f'argv = ["sh", "-c", "echo c{i} > {{out}}/n; wc -c < {{in}}/w >> {{out}}/n"]\n'
+        for i in range(16)
+    )
+    names = ["up", *(f"c{i}" for i in range(16)), *(["evil"] if extra else [])]
+    p.recipe(f'targets = {json.dumps(names)}\n\n[toy.cpu.up]\nkind = "command"\n'
+             f"argv = {json.dumps(['sh', '-c', up])}\n{cons}{extra}")
+
+
+def test_sixteen_parallel_consumers_of_one_blob_pass_the_input_check(proj: Proj) -> None:
+    # Siblings hard-link the same blob into their inputs and unlink it when they end: each
+    # link or unlink moves the shared inode's ctime, while the others' checks rehash it.
+    # The race is timing-bound (2 cores: 0 to 12 of 16 consumers failed per build), so
+    # several builds, each from new bytes.
+    for round_ in range(5):
+        _fan_out(proj, round_)
+        code, data, err = proj.build_json("-k", "-j", "16")
+        failed = [(n["id"], n.get("reason")) for n in data["nodes"] if n["status"] == "failed"]
+        assert code == 0 and not failed, (round_, failed, err)
+        for i in range(16):
+            assert (proj.dir / "build" / "toy" / "cpu" / f"c{i}" / "n").read_text().split() == [f"c{i}", "50000002"]
+    proj.check()
+
+
+def test_a_consumer_that_rewrites_a_shared_input_in_place_is_caught(tmp_path: Path) -> None:
+    # same size, mtime put back: only the ctime tells, and then the bytes
+    p = Proj(tmp_path, "none")
+    tamper = ("touch -r {in}/w {out}/t && chmod u+w {in}/w && printf X | dd of={in}/w conv=notrunc"
+              " 2>/dev/null && chmod a-w {in}/w && touch -r {out}/t {in}/w")
+    _fan_out(p, 0, f'\n[toy.cpu.evil]\nkind = "command"\ninput = "up"\nargv = {json.dumps(["sh", "-c", tamper])}\n')
+    code, data, err = p.build_json("-k", "-j", "16", "toy.cpu:up", "toy.cpu:evil")
+    assert code == 1, err
+    reason = node(data, "toy.cpu:evil")["reason"]
+    assert "kind 'command' changed its input toy.cpu:up: w" in reason
+    assert "1 damaged blob(s) removed" in reason
+    # the blob is gone: the next build runs `up` again and every consumer reads its bytes
+    _fan_out(p, 0)
+    code, data, err = p.build_json("-j", "16")
+    assert code == 0, err
+    assert node(data, "toy.cpu:up")["status"] == "built"
+    assert (p.dir / "build" / "toy" / "cpu" / "c0" / "n").read_text().split() == ["c0", "50000002"]
+    p.check()
+
+
 @pytest.mark.skipif(not HAS_BWRAP, reason="no usable bwrap")
 def test_a_kind_without_network_cannot_connect(tmp_path: Path) -> None:
     p = Proj(tmp_path, "bwrap")
