@@ -288,7 +288,8 @@ def register(app: click.Group) -> None:
         }
         if not frozen and not no_lock:
             try:
-                write_lock(s.recipe.path, lock_now, artifacts, store=engine.store)
+                # taken again: it now holds the digests of the declared sources the build read
+                write_lock(s.recipe.path, current_lock(engine, ids), artifacts, store=engine.store)
             except LockFileError as exc:
                 err.print(f"warning: {exc}")
         elif (s.recipe.path.parent / "mopt.lock").exists():
