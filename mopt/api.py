@@ -453,8 +453,20 @@ class Source:
         """A short human description (`hf:Qwen/Qwen3-Embedding-0.6B@abc123`)."""
         return f"{self.name}:{getattr(params, self.name, '')}"
 
+    def identity(self, params: Any, ctx: SourceContext) -> Any:
+        """None (the default): the folder's bytes are the source's identity, so every plan
+        resolves and hashes it. A source whose bytes follow from its declaration returns
+        instead a JSON value naming everything they depend on (a generator's version, the
+        library versions it writes with, an installed package's version): action keys then
+        use a digest of that value, and `plan`, `explain` and keying never resolve, make or
+        hash the folder. It must be cheap (no heavy import, no download); SourceError if the
+        declaration cannot be met. The folder's digest is recorded in mopt.lock the first
+        time an action reads it and checked on every later read."""
+        return None
+
     def lock_info(self, params: Any, path: Path) -> dict[str, Any]:
-        """What the lock file records besides the folder's digest (e.g. a resolved revision)."""
+        """What the lock file records besides the folder's digest (e.g. a resolved revision);
+        not asked of a source with an `identity` (the lock file records that instead)."""
         return {}
 
 

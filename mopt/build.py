@@ -25,7 +25,7 @@ from typing import Any
 
 from mopt import buildlog, procs
 from mopt.api import Artifact, Missing, SourceContext, SourceError, TargetKind
-from mopt.digest import hash_bytes
+from mopt.digest import canonical_json, hash_bytes
 from mopt.errors import MoptError
 from mopt.filehash import file_stat
 from mopt.graph import Node
@@ -218,6 +218,16 @@ class SourceUnavailable(MoptError):
     planning): `plan` shows it as a status, `build` fails with it."""
 
 
+class SourceMismatch(MoptError):
+    """A declared source's folder does not hold the bytes mopt.lock recorded for the same
+    declaration (a generator that is not deterministic, files edited in place)."""
+
+
+#: the prefix of a source's key part taken from its declaration (`Source.identity`), never
+#: a content digest (64 hex digits)
+DECLARED = "declared:"
+
+
 class Engine:
     """Keys, plans and builds the nodes of a session's graph."""
 
@@ -298,68 +308,127 @@ class Engine:
             self._fingerprints[kind] = dict(self.kind(kind).fingerprint())
         return self._fingerprints[kind]
 
+    def source_key(self, model_name: str) -> str:
+        """The model source's part of action keys: `declared:<BLAKE3 of its declared identity>`
+        for a source whose bytes follow from its declaration (`Source.identity`: nothing is
+        resolved, made or hashed), else the content digest of its folder."""
+        declared = self._declared(model_name)
+        return declared[0] if declared is not None else self.source(model_name)[1]
+
     def source(self, model_name: str) -> tuple[Path, str, dict[str, Any]]:
-        """(folder, content digest, lock info) of a model's source checkpoint."""
+        """(folder, content digest, lock info) of a model's source checkpoint, made or
+        fetched if need be; a declared source's digest must be the one mopt.lock recorded
+        for the same declaration (SourceMismatch)."""
+        if model_name in self._sources:
+            return self._sources[model_name]
+        # actions materialize declared sources from the executor's threads: one at a time
+        with self.__dict__.setdefault("_source_lock", threading.Lock()):
+            if model_name in self._source_errors:
+                raise self._source_errors[model_name]
+            if model_name not in self._sources:
+                self._sources[model_name] = self._materialize_source(model_name)
+        return self._sources[model_name]
+
+    def _materialize_source(self, model_name: str) -> tuple[Path, str, dict[str, Any]]:
+        declared = self._declared(model_name)
+        model, src, ctx = self._source_resolver(model_name)
+        try:
+            path = Path(src.resolve(model.source_params, ctx))
+        except SourceError as exc:
+            raise self._source_failed(model, SourceUnavailable, " ".join(str(exc).split())) from None
+        except (OSError, ValueError) as exc:  # e.g. a NUL in a path, a loop of links
+            raise self._source_failed(model, MoptError, f"cannot resolve the source: {' '.join(str(exc).split())}") from None
+        try:
+            digest = self._source_digest(path)
+        except MoptError as exc:
+            raise self._source_failed(model, MoptError, exc.message, exc.hint) from None
+        except OSError as exc:
+            raise self._source_failed(model, MoptError, f"cannot read the source {path}: {exc}") from None
+        what = src.describe(model.source_params)
+        if declared is None:
+            return path, digest, {"source": what, **src.lock_info(model.source_params, path)}
+        recorded = self._recorded_digest(model_name, declared[0])
+        if recorded is not None and recorded != digest:
+            raise self._source_failed(
+                model,
+                SourceMismatch,
+                f"its folder {path} hashes to {digest[:12]}, but {LOCK_NAME} recorded {recorded[:12]} for "
+                "this same declaration (a generator that is not deterministic, or files changed since)",
+                f"delete that folder to have it made again, or reinstall the package; to accept the new "
+                f"files, delete sources.{model_name} of {self.recipe.path.name} in {lock_path(self.recipe.path)}",
+            )
+        return path, digest, {"source": what, "identity": declared[0], "declared": declared[1], "digest": digest}
+
+    def _declared(self, model_name: str) -> tuple[str, Any] | None:
+        """(key part, identity) of a source that declares its identity, else None."""
+        memo: dict[str, tuple[str, Any] | None] = self.__dict__.setdefault("_declared_ids", {})
+        if model_name in memo:
+            return memo[model_name]
         if model_name in self._source_errors:
             raise self._source_errors[model_name]
-        if model_name not in self._sources:
-            model = self.recipe.models[model_name]
-            if model.spec.source is None:
-                raise MoptError(
-                    "model has no `source`, and a target of it reads the checkpoint",
-                    file=model.where.file,
-                    table=model.where.table,
-                    key="source",
-                    hint='add e.g. source = { path = "models/x" }',
-                )
-            src = self.registry.sources[model.source_kind]()
-            fam = self.registry.families.get(model.spec.family)
-            ctx = SourceContext(
-                project_dir=model.base_dir,
-                cache_dir=self.store.root / "sources",
-                offline=self.offline or self.planning,
-                family=fam() if fam else None,
-                model_name=model_name,
-                families=dict(self.registry.families),
-                task=model.spec.task,
+        model, src, ctx = self._source_resolver(model_name)
+        try:
+            value = src.identity(model.source_params, ctx)
+            found = None
+            if value is not None:
+                found = DECLARED + hash_bytes(canonical_json({"source": model.source_kind, "identity": value})), value
+        except SourceError as exc:
+            raise self._source_failed(model, SourceUnavailable, " ".join(str(exc).split())) from None
+        except (TypeError, ValueError) as exc:  # not JSON
+            raise self._source_failed(
+                model, MoptError, f"source {model.source_kind!r} declared an identity that is not JSON data: {exc}"
+            ) from None
+        memo[model_name] = found
+        return found
+
+    def _source_resolver(self, model_name: str) -> tuple[Any, Any, SourceContext]:
+        """(model, its source resolver, the context it gets)."""
+        model = self.recipe.models[model_name]
+        if model.spec.source is None:
+            raise MoptError(
+                "model has no `source`, and a target of it reads the checkpoint",
+                file=model.where.file,
+                table=model.where.table,
+                key="source",
+                hint='add e.g. source = { path = "models/x" }',
             )
-            try:
-                path = src.resolve(model.source_params, ctx)
-            except SourceError as exc:
-                err: MoptError = SourceUnavailable(
-                    " ".join(str(exc).split()), file=model.where.file, table=model.where.table, key="source"
-                )
-                self._source_errors[model_name] = err
-                raise err from None
-            except (OSError, ValueError) as exc:  # e.g. a NUL in a path, a loop of links
-                err = MoptError(
-                    f"cannot resolve the source: {' '.join(str(exc).split())}",
-                    file=model.where.file,
-                    table=model.where.table,
-                    key="source",
-                )
-                self._source_errors[model_name] = err
-                raise err from None
-            try:
-                digest = self._source_digest(Path(path))
-            except MoptError as exc:
-                err = MoptError(
-                    exc.message, file=model.where.file, table=model.where.table, key="source", hint=exc.hint
-                )
-                self._source_errors[model_name] = err
-                raise err from None
-            except OSError as exc:
-                err = MoptError(
-                    f"cannot read the source {path}: {exc}",
-                    file=model.where.file,
-                    table=model.where.table,
-                    key="source",
-                )
-                self._source_errors[model_name] = err
-                raise err from None
-            info = {"source": src.describe(model.source_params), **src.lock_info(model.source_params, path)}
-            self._sources[model_name] = (path, digest, info)
-        return self._sources[model_name]
+        fam = self.registry.families.get(model.spec.family)
+        ctx = SourceContext(
+            project_dir=model.base_dir,
+            cache_dir=self.store.root / "sources",
+            offline=self.offline or self.planning,
+            family=fam() if fam else None,
+            model_name=model_name,
+            families=dict(self.registry.families),
+            task=model.spec.task,
+        )
+        return model, self.registry.sources[model.source_kind](), ctx
+
+    def _source_failed(self, model: Any, cls: type[MoptError], message: str, hint: str | None = None) -> MoptError:
+        """The error of a source that cannot be had, remembered (a later ask fails alike)."""
+        err = cls(message, file=model.where.file, table=model.where.table, key="source", hint=hint)
+        self._source_errors[model.name] = err
+        return err
+
+    def _recorded_digest(self, model_name: str, identity: str) -> str | None:
+        """The content digest mopt.lock recorded for this model's source under `identity`."""
+        with suppress(LockFileError):  # a damaged lock file records nothing (the build replaces it)
+            entry = read_lock(self.recipe.path).get("sources", {}).get(model_name)
+            if isinstance(entry, dict) and entry.get("identity") == identity and isinstance(entry.get("digest"), str):
+                return str(entry["digest"])
+        return None
+
+    def source_lock(self, model_name: str) -> dict[str, Any]:
+        """The model source's entry of mopt.lock: its folder's digest and lock info, or its
+        declared identity and (once an action has read the folder) the folder's digest."""
+        declared = self._declared(model_name)
+        if declared is None or model_name in self._sources:
+            _path, digest, info = self.source(model_name)
+            return {"digest": digest, **info}
+        model, src, _ctx = self._source_resolver(model_name)
+        entry = {"source": src.describe(model.source_params), "identity": declared[0], "declared": declared[1]}
+        recorded = self._recorded_digest(model_name, declared[0])
+        return entry if recorded is None else {**entry, "digest": recorded}
 
     def _source_digest(self, path: Path) -> str:
         """Tree digest of a source folder; symlinks (the Hugging Face cache) are followed."""
@@ -496,7 +565,7 @@ class Engine:
             member("salt", self.salt),
         ]
         if kind.uses_source:
-            parts["source"] = self.source(node.model.name)[1]
+            parts["source"] = self.source_key(node.model.name)
             members.append(member("source", parts["source"]))
         if gathers:  # a gathering kind names what it took: its output may say so
             gone = {(s, m.label) for s, ms in (missing or {}).items() for m in ms}
@@ -923,7 +992,8 @@ class Engine:
             artifacts = {i: st.key for i, st in states.items() if st.status in ("built", "cached") and st.key}
             if not frozen and lock:
                 try:
-                    write_lock(self.recipe.path, lock_now, artifacts, store=self.store)
+                    # taken again: it now holds the digests of the declared sources the build read
+                    write_lock(self.recipe.path, current_lock(self, ids), artifacts, store=self.store)
                 except LockFileError as exc:
                     self.warnings.append(str(exc))
             elif lock_path(self.recipe.path).exists():
@@ -1542,14 +1612,16 @@ class Engine:
                 if isinstance(exc, KeyboardInterrupt | SystemExit):
                     raise
                 # the log may not take it (a full disk: what failed is in st.reason all the same)
+                # mopt's own errors (a source that cannot be had) are a line for the user, not a traceback
+                clean = isinstance(exc, InputChanged | MoptError)
                 with suppress(OSError), open(log_path, "a") as fh:
-                    if isinstance(exc, InputChanged):
+                    if clean:
                         fh.write(f"mopt: FAILED: {exc}\n")
                     else:
                         fh.write("mopt: FAILED: " + "".join(traceback.format_exception_only(exc)).strip() + "\n")
                         fh.write(traceback.format_exc())
                 st.status = "failed"
-                st.reason = str(exc) if isinstance(exc, InputChanged) else f"{type(exc).__name__}: {exc}"
+                st.reason = str(exc) if clean else f"{type(exc).__name__}: {exc}"
                 st.log_path = self.store.keep_failed_log(key, log_path)
         return st
 
@@ -1671,14 +1743,14 @@ def lock_path(recipe_path: Path) -> Path:
 
 
 def current_lock(engine: Engine, ids: list[str]) -> LockData:
-    """Sources and tool versions this build uses."""
+    """Sources and tool versions this build uses (taken again after the build, it holds the
+    digests of the declared sources its actions read)."""
     data = LockData()
     for i in ids:
         node = engine.graph.nodes[i]
         kind = engine.kind(node.kind)
         if kind.uses_source and node.model.name not in data.sources:
-            _path, digest, info = engine.source(node.model.name)
-            data.sources[node.model.name] = {"digest": digest, **info}
+            data.sources[node.model.name] = engine.source_lock(node.model.name)
         fp = engine.fingerprint(node.kind)
         data.tools[node.kind] = {
             "plugin": f"{node.plugin} {node.plugin_version}",
@@ -1741,12 +1813,17 @@ def frozen_diff(recipe_path: Path, now: LockData) -> list[str]:
     diffs = []
     for name, cur in now.sources.items():
         old = locked.get("sources", {}).get(name)
+        pin = "identity" if "identity" in cur else "digest"  # a declared source: its declaration
         if old is None:
             diffs.append(f"source of model {name!r} is not in the lock file")
-        elif old.get("digest") != cur["digest"]:
-            diffs.append(
-                f"source of model {name!r} changed ({old.get('digest', '')[:12]} → {cur['digest'][:12]})"
-            )
+        elif old.get(pin) != cur[pin]:
+            was, new = old.get("declared"), cur.get("declared")
+            if isinstance(was, dict) and isinstance(new, dict):  # what of the declaration changed
+                changed = sorted(k for k in set(was) | set(new) if was.get(k) != new.get(k))
+                what = ", ".join(f"{k} {json.dumps(was.get(k))} → {json.dumps(new.get(k))}" for k in changed)
+            else:
+                what = " → ".join(str(d).removeprefix(DECLARED)[:12] for d in (old.get(pin, old.get("digest")), cur[pin]))
+            diffs.append(f"source of model {name!r} changed ({what})")
     for kind, cur in now.tools.items():
         old = locked.get("tools", {}).get(kind)
         if old is None:

@@ -1,9 +1,9 @@
 """Action keys: BLAKE3 of the canonical JSON of everything that can change an output.
 
 Parts: kind + kind version, plugin + version, resolved params, input content digests (and
-the model source's digest for kinds that read it, and declared input files), the kind's
-tool fingerprint, output-relevant platform properties, and a salt. Not paths, not times,
-not environment noise.
+the model source's digest, or its declared identity, for kinds that read it, and declared
+input files), the kind's tool fingerprint, output-relevant platform properties, and a salt.
+Not paths, not times, not environment noise.
 """
 
 from __future__ import annotations

@@ -340,6 +340,7 @@ def test_installed_fixture_plugin_is_listed_and_used(tmp_path: Path) -> None:
         "targets": ["toy-weights", "toy-export", "toy-engine", "toy-gpu-only", "toy-check", "toy-timed",
                     "toy-gather"],
         "families": ["toyfam"],
+        "sources": ["toygen"],
         "hardware": ["toy-gpu"],
     }
     hw = json.loads(run_mopt("hardware", "--json", cwd=tmp_path).stdout)["profiles"]

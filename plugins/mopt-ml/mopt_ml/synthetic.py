@@ -7,8 +7,11 @@ embeddings stored once as the real checkpoints do), a chat tokenizer with the fa
 template in tokenizer_config.json, and a generation_config.json with the eos / pad ids.
 `config` overrides select any shape, e.g. Qwen3-0.6B's (see recipes/qwen3-chat.toml).
 
-The same family, seed, config and library versions give byte-identical files, so the
-folder's digest (and every action key downstream) is stable.
+The same family, seed, config and library versions give byte-identical files. The source
+declares them as its identity (`identity`): action keys are made from the declaration, so a
+plan never generates the weights, and mopt checks the folder's digest against the one
+mopt.lock recorded whenever a build reads it. Bump GENERATOR_VERSION (or
+GENERATION_VERSION) whenever the files written for the same spec change.
 """
 
 from __future__ import annotations
@@ -48,8 +51,26 @@ class SyntheticSource(Source):
         extra = f",{sorted(params.config.items())}" if params.config else ""
         return f"synthetic:{params.synthetic}(seed={params.seed}{extra})"
 
-    def resolve(self, params: Any, ctx: SourceContext) -> Path:
-        from mopt_ml.common import spec_hash, versions
+    def identity(self, params: Any, ctx: SourceContext) -> Any:
+        """Family, seed, config, task, generator version and the versions of the libraries
+        that write the files (from package metadata: nothing is imported or generated)."""
+        from mopt_ml.common import versions
+
+        self._family(params, ctx)  # an unknown family fails here, not at the first build
+        task = getattr(ctx, "task", None) or EMBEDDING
+        spec: dict[str, Any] = {
+            "family": params.synthetic,
+            "seed": params.seed,
+            "config": params.config,
+            "generator": GENERATOR_VERSION,
+            "tools": versions("torch", "transformers", "tokenizers", "safetensors"),
+        }
+        if task != EMBEDDING:  # embedding folders keep the names they had before tasks
+            spec["task"] = task
+            spec["generation"] = GENERATION_VERSION
+        return spec
+
+    def _family(self, params: Any, ctx: SourceContext) -> Any:
         from mopt_ml.families import FAMILIES, SYNTHETIC, as_family
 
         # any registered family (a third party's too); the plugin's own when the context
@@ -63,23 +84,19 @@ class SyntheticSource(Source):
                 f"source synthetic={params.synthetic!r} of model {ctx.model_name!r}: no such "
                 f"family (registered: {', '.join(known)})"
             )
-        task = getattr(ctx, "task", None) or EMBEDDING
         try:
-            family = as_family(fam_cls, task=task, needs=SYNTHETIC)
+            return as_family(fam_cls, task=getattr(ctx, "task", None) or EMBEDDING, needs=SYNTHETIC)
         except (TypeError, ValueError) as exc:
             raise SourceError(
                 f"source synthetic={params.synthetic!r} of model {ctx.model_name!r}: {exc}"
             ) from None
-        spec: dict[str, Any] = {
-            "family": params.synthetic,
-            "seed": params.seed,
-            "config": params.config,
-            "generator": GENERATOR_VERSION,
-            "tools": versions("torch", "transformers", "tokenizers", "safetensors"),
-        }
-        if task != EMBEDDING:  # embedding folders keep the names they had before tasks
-            spec["task"] = task
-            spec["generation"] = GENERATION_VERSION
+
+    def resolve(self, params: Any, ctx: SourceContext) -> Path:
+        from mopt_ml.common import spec_hash
+
+        family = self._family(params, ctx)
+        task = getattr(ctx, "task", None) or EMBEDDING
+        spec = self.identity(params, ctx)
         final = Path(ctx.cache_dir) / f"synthetic-{params.synthetic}-{spec_hash(spec)}"
         if (final / "config.json").is_file():
             return final
@@ -103,11 +120,6 @@ class SyntheticSource(Source):
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
         return final
-
-    def lock_info(self, params: Any, path: Path) -> dict[str, Any]:
-        from mopt_ml.common import versions
-
-        return {"generator": GENERATOR_VERSION, **versions("torch", "transformers", "tokenizers")}
 
 
 def write_synthetic(

@@ -21,6 +21,8 @@ from mopt.api import (
     HardwareProfile,
     Input,
     Params,
+    Source,
+    SourceContext,
     TargetKind,
     hookimpl,
 )
@@ -212,6 +214,31 @@ class ToyFamily(Family):
     pooling = "mean"
 
 
+class ToyGen(Source):
+    """A generated checkpoint whose bytes follow from its declaration (as `synthetic`'s do);
+    MOPT_FIXTURE_TOYGEN_NOISE makes the generator not deterministic."""
+
+    name = "toygen"
+    description = "a toy checkpoint generated from a seed (fixture)"
+
+    class Params(Params):
+        toygen: str = Field(description="a label")
+        seed: int = 0
+
+    def identity(self, params: Any, ctx: SourceContext) -> Any:
+        generator = os.environ.get("MOPT_FIXTURE_TOYGEN_VERSION", "1")
+        return {"label": params.toygen, "seed": params.seed, "generator": generator}
+
+    def resolve(self, params: Any, ctx: SourceContext) -> Any:
+        out = ctx.cache_dir / f"toygen-{params.toygen}-{params.seed}"
+        if not out.is_dir():
+            out.mkdir(parents=True)
+            noise = os.urandom(8).hex() if os.environ.get("MOPT_FIXTURE_TOYGEN_NOISE") else ""
+            (out / "config.json").write_text(json.dumps({"label": params.toygen}))
+            (out / "weights.bin").write_text(f"seed={params.seed}{noise}\n" * 100)
+        return out
+
+
 TOY_GPU = HardwareProfile(
     name="toy-gpu",
     description="A toy GPU profile from the fixture plugin",
@@ -235,6 +262,12 @@ def mopt_register_targets(register: Callable[[Any], None]) -> None:
 def mopt_register_families(register: Callable[[Any], None]) -> None:
     """The toy family."""
     register(ToyFamily)
+
+
+@hookimpl
+def mopt_register_sources(register: Callable[[Any], None]) -> None:
+    """The toy generated source."""
+    register(ToyGen)
 
 
 @hookimpl
