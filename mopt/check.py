@@ -36,6 +36,7 @@ from mopt.estimate import (
     largest_fitting,
     normalize_precision,
 )
+from mopt.family import model_dims
 from mopt.graph import Graph, Node
 from mopt.recipe import Model, Recipe, Section
 
@@ -254,7 +255,7 @@ def _model_info(model: Model, recipe: Recipe, registry: Any) -> _ModelInfo:
     if cfg is None:
         return _ModelInfo(None, origin)
     try:
-        dims = ModelDims.from_config(cfg, registry.families.get(model.spec.family))
+        dims = model_dims(cfg, registry.families.get(model.spec.family))
     except ConfigError as exc:
         return _ModelInfo(cfg, f"{origin} (lacks {', '.join(exc.missing)})")
     except Exception as exc:  # a family plugin's bug must not stop the check

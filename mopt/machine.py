@@ -702,6 +702,19 @@ def check_requirement(req: str, hardware: HardwareProfile) -> str | None:
     return f"unknown requirement {req!r} (known: gpu, hardware, cuda>=N, python:<pkg>, tool:<exe>)"
 
 
+def unmet(requirements: list[str], hardware: HardwareProfile, hints: dict[str, str] | None = None) -> str | None:
+    """Why this machine cannot meet `requirements` for `hardware` (with the kind's install
+    `hints`), or None."""
+    reasons: list[str] = []
+    for req in requirements:
+        why = check_requirement(req, hardware)
+        if why and hints and req in hints:
+            why = f"{why} ({hints[req]})"
+        if why and why not in reasons:
+            reasons.append(why)
+    return "; ".join(reasons) or None
+
+
 def check_requirements(reqs: Iterable[str], hardware: HardwareProfile) -> list[str]:
     """The reasons this machine cannot meet `reqs` (empty when it can), without repeats."""
     out: list[str] = []

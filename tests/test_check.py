@@ -191,10 +191,11 @@ def test_kv_fix_values_actually_fit(registry: Any) -> None:
     proposed = est.largest["max_model_len"]
     assert proposed is not None and f"max_model_len ≤ {proposed}" in report.findings[0].fix
     from mopt.check import role_values, workload_for
-    from mopt.estimate import ModelDims, estimate
+    from mopt.estimate import estimate
+    from mopt.family import model_dims
 
     cfg = json.loads((RECIPES / "configs" / "qwen3-embedding-0.6b.json").read_text())
-    dims = ModelDims.from_config(cfg, fx.ToyQwen3)
+    dims = model_dims(cfg, fx.ToyQwen3)
     hw = registry.hardware["rtx4060-laptop"]
     params = {"max_model_len": proposed, "max_num_seqs": 4, "gpu_memory_utilization": 0.5}
     spec = workload_for(role_values(fx.ToyVllm, params), dims, hw)
@@ -371,9 +372,10 @@ def test_generation_sections_without_limits_get_vllms_defaults_and_what_fits(reg
 
 def test_fp8_kv_cache_halves_the_bytes_per_token(registry: Any) -> None:
     from mopt.check import role_values, workload_for
-    from mopt.estimate import ModelDims, estimate
+    from mopt.estimate import estimate
+    from mopt.family import model_dims
 
-    dims = ModelDims.from_config(
+    dims = model_dims(
         json.loads((RECIPES / "configs" / "qwen3-0.6b.json").read_text()), fx.ToyQwen3Chat
     )
     hw = registry.hardware["rtx4060-laptop"]
@@ -393,7 +395,8 @@ def test_kv_bytes_per_token_match_vllm_on_the_h200() -> None:
     126.51 GiB holding 1,184,464 tokens (max_num_seqs 256, max_num_batched_tokens 16384):
     126.51 GiB / 1,184,464 = 114,688 B/token (to the log's 0.01 GiB rounding), which is
     2 × 28 × 8 × 128 × 2 B (bf16), what mopt's estimator uses for the chat model too."""
-    from mopt.estimate import GIB, ModelDims, kv_bytes_per_token
+    from mopt.estimate import GIB, kv_bytes_per_token
+    from mopt.family import model_dims
 
     doc = json.loads(
         (Path(__file__).parent / "data/h200-2026-12-01/serve-check-tuned-s256-t16384/serve.json").read_text()
@@ -401,7 +404,7 @@ def test_kv_bytes_per_token_match_vllm_on_the_h200() -> None:
     log = doc["vllm_log"]
     assert (log["kv_cache_gib"], log["kv_cache_tokens"]) == (126.51, 1184464)
     measured = log["kv_cache_gib"] * GIB / log["kv_cache_tokens"]
-    chat = ModelDims.from_config(
+    chat = model_dims(
         json.loads((RECIPES / "configs" / "qwen3-0.6b.json").read_text()), fx.ToyQwen3Chat
     )
     ours = kv_bytes_per_token(chat, "bf16")
@@ -418,11 +421,12 @@ def test_generation_kv_capacity_against_vllm_on_the_h200(registry: Any) -> None:
     utilization 0.3, max_model_len 2,048, eager: 379,344 tokens. mopt check's estimate for the
     same settings (text-generation, the profile's 141 GiB) is within 1.5 % of both."""
     from mopt.check import role_values, workload_for
-    from mopt.estimate import ModelDims, estimate
+    from mopt.estimate import estimate
+    from mopt.family import model_dims
 
     doc = json.loads((Path(__file__).parent / "data/h200-gen-2026-12-01/gen-memory.json").read_text())
     rep = doc["vllm_reported"]
-    dims = ModelDims.from_config({**doc["config"], "model_type": "qwen3"}, fx.ToyQwen3Chat)
+    dims = model_dims({**doc["config"], "model_type": "qwen3"}, fx.ToyQwen3Chat)
     assert dims.param_counts().total == doc["params"] == 596_049_920
     h200 = registry.hardware["h200"]
     spec = workload_for(
