@@ -63,6 +63,7 @@ __all__ = [
     "Finding",
     "HardwareProfile",
     "Input",
+    "KvPool",
     "Missing",
     "ModelDims",
     "MoptError",
@@ -339,6 +340,10 @@ class TargetKind:
     #: server imports them once and forks the workers that run this kind from it, instead
     #: of every worker importing them; names only, never imported by mopt itself
     preload: ClassVar[tuple[str, ...]] = ()
+    #: how `mopt check` sizes its GPU memory: "engine" (batch × sequence through one
+    #: forward pass), "none", or None (a kind whose `kv_pool()` gives a pool is sized as
+    #: that pool; else "engine" when batch / sequence / token / workspace roles are marked)
+    memory_model: ClassVar[str | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -373,6 +378,12 @@ class TargetKind:
     def platform(self, hardware: HardwareProfile) -> dict[str, Any]:
         """Output-relevant properties of the platform (goes into the action key)."""
         return {}
+
+    def kv_pool(self, hardware: HardwareProfile, task: str) -> KvPool | None:
+        """How the serving runtime this kind configures keeps its KV cache on `hardware`,
+        for a model of `task`, with the runtime's own defaults (`mopt check` sizes the
+        memory with them); None for kinds without one."""
+        return None
 
     def check(self, params: Any, ctx: CheckContext) -> list[Finding]:
         """Findings for these params on `ctx.hardware` (`mopt check`); no heavy imports."""
@@ -418,6 +429,35 @@ class Finding:
     section: str = ""
     target: str = ""
     key: str | None = None
+
+
+@dataclass(frozen=True)
+class KvPool:
+    """A serving runtime's KV-cache pool as `mopt check` sizes it (`TargetKind.kv_pool`):
+    the share of memory it takes, and the runtime's defaults for what a target's params
+    (marked with `Role`) leave out. The core knows no runtime; the kind that writes a
+    runtime's config knows its defaults."""
+
+    #: "gpu": `fraction` of the GPU's memory holds the weights, activations and the cache
+    #: (vLLM's gpu_memory_utilization); "free": `fraction` of the memory the model leaves
+    #: free holds the cache (TensorRT-LLM's kv_cache_free_gpu_memory_fraction)
+    share_of: str
+    #: the share when no `Role.memory_fraction` ("gpu") / `Role.kv_cache_fraction` ("free") sets it
+    fraction: float
+    #: sequences at once when no `Role.batch_size` param sets it
+    max_seqs: int
+    #: tokens of one forward pass when no `Role.num_tokens` param sets it
+    max_tokens: int
+    #: one pass takes at least a whole sequence (no chunked prefill)
+    whole_sequence: bool = False
+    #: the runtime's names of those settings, for messages
+    seqs_key: str = "max_batch_size"
+    seq_key: str = "max_seq_len"
+    fraction_key: str = "kv_cache_fraction"
+    tokens_key: str = "max_num_tokens"
+    #: a text-generation section none of whose targets sets serving limits is sized as
+    #: this runtime would serve it with every default (the first such kind by name)
+    baseline: bool = False
 
 
 @dataclass

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -198,7 +199,7 @@ def test_kv_fix_values_actually_fit(registry: Any) -> None:
     dims = model_dims(cfg, fx.ToyQwen3)
     hw = registry.hardware["rtx4060-laptop"]
     params = {"max_model_len": proposed, "max_num_seqs": 4, "gpu_memory_utilization": 0.5}
-    spec = workload_for(role_values(fx.ToyVllm, params), dims, hw)
+    spec = workload_for(role_values(fx.ToyVllm, params), dims, hw, fx.ToyVllm().kv_pool(hw, "embedding"))
     assert spec is not None
     e = estimate(dims, spec[0], hw.memory_gb)
     assert (e.kv_tokens_available or 0) >= proposed
@@ -355,19 +356,35 @@ def test_generation_errors_carry_the_numbers_and_a_fix(registry: Any) -> None:
     assert f.fix == "set max_model_len ≤ 12508, or gpu_memory_utilization = 0.41"
 
 
-def test_generation_sections_without_limits_get_vllms_defaults_and_what_fits(registry: Any) -> None:
+def test_generation_sections_without_limits_get_a_serving_kinds_defaults_and_what_fits(registry: Any) -> None:
     report = _check("gen_defaults.toml", registry)
     f = _finding(report, "kv-cache-fit", "chat.rtx4060")
     assert f.severity == "info" and f.message == (
         "rtx4060-laptop 8 GiB: max_model_len 40,960 × max_num_seqs 256 needs 1120.00 GiB of KV cache "
         "(112 KiB/token, bf16); 5.70 GiB is left in 0.92 × 8 GiB = 7.36 GiB: fits max_num_seqs ≤ 1 at 40,960 "
-        "or max_model_len ≤ 208 at 256 (vLLM's defaults; no target of this section sets them)"
+        "or max_model_len ≤ 208 at 256 (the defaults of kind 'toy-vllm'; no target of this section sets them)"
     )
     est = {e.section: e for e in report.estimates}
     assert est["chat.h200"].largest == {"max_num_seqs": 29, "max_model_len": 40960}
     assert est["chat.h200"].estimate.workload.batch == 1024  # vLLM's default on a >= 70 GiB GPU
     cpu = est["chat.cpu"].estimate
     assert cpu.capacity is None and cpu.kv_cache == 229_376 * 40_960  # fp32 KV of one full context
+
+
+def test_without_a_serving_kinds_defaults_the_core_assumes_no_runtime(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No kind says `baseline` (mopt-serve off, the toy vLLM kind's pool not a baseline): a
+    chat section with no serving target gets the KV cache of one full context, no runtime's
+    defaults and no finding about them."""
+    pool = fx.ToyVllm.kv_pool
+    monkeypatch.setattr(fx.ToyVllm, "kv_pool", lambda self, hw, task: replace(pool(self, hw, task), baseline=False))
+    report = _check("gen_defaults.toml", fx.registry(disable=("mopt-serve",)))
+    assert [f for f in report.findings if f.code == "kv-cache-fit"] == []
+    h200 = next(e for e in report.estimates if e.section == "chat.h200")
+    assert h200.basis == (
+        "text-generation, bf16 (no serving kind gives its runtime's defaults), KV cache for 1 × 40,960 tokens "
+        "(the model's context)"
+    )
+    assert h200.estimate.workload.batch == 1 and h200.estimate.kv_cache == 114_688 * 40_960
 
 
 def test_fp8_kv_cache_halves_the_bytes_per_token(registry: Any) -> None:
@@ -382,7 +399,7 @@ def test_fp8_kv_cache_halves_the_bytes_per_token(registry: Any) -> None:
     got = {}
     for kv in ("auto", "fp8"):
         params = {"max_model_len": 32768, "max_num_seqs": 8, "kv_cache_dtype": kv}
-        spec = workload_for(role_values(fx.ToyVllm, params), dims, hw, "vllm", task="text-generation")
+        spec = workload_for(role_values(fx.ToyVllm, params), dims, hw, fx.ToyVllm().kv_pool(hw, "text-generation"))
         assert spec is not None
         got[kv] = estimate(dims, spec[0], hw.memory_gb)
     assert got["auto"].kv_per_token == 2 * 28 * 8 * 128 * 2 and got["fp8"].kv_per_token == 2 * 28 * 8 * 128
@@ -430,7 +447,7 @@ def test_generation_kv_capacity_against_vllm_on_the_h200(registry: Any) -> None:
     assert dims.param_counts().total == doc["params"] == 596_049_920
     h200 = registry.hardware["h200"]
     spec = workload_for(
-        role_values(fx.ToyVllm, {"dtype": "bfloat16"}), dims, h200, "vllm", task="text-generation"
+        role_values(fx.ToyVllm, {"dtype": "bfloat16"}), dims, h200, fx.ToyVllm().kv_pool(h200, "text-generation")
     )
     assert spec is not None
     w, _ = spec
@@ -451,7 +468,7 @@ def test_generation_kv_capacity_against_vllm_on_the_h200(registry: Any) -> None:
         "gpu_memory_utilization": 0.3,
         "max_model_len": 2048,
     }
-    spec = workload_for(role_values(fx.ToyVllm, params), dims, h200, "vllm", task="text-generation")
+    spec = workload_for(role_values(fx.ToyVllm, params), dims, h200, fx.ToyVllm().kv_pool(h200, "text-generation"))
     assert spec is not None
     e = estimate(dims, spec[0], h200.memory_gb)
     err = (e.kv_tokens_available - fp8["kv_cache_tokens"]) / fp8["kv_cache_tokens"]

@@ -150,7 +150,7 @@ def test_mopt_check_gives_vllms_kv_token_capacity_within_5_percent():
         params = {
             k.replace("-", "_"): v for k, v in yaml.safe_load((DATA / vdir / "vllm.yaml").read_text()).items()
         }
-        spec = workload_for(role_values(VllmKind, params), dims, h200, "vllm")
+        spec = workload_for(role_values(VllmKind, params), dims, h200, VllmKind().kv_pool(h200, "embedding"))
         assert spec is not None
         e = estimate(dims, spec[0], h200.memory_gb)
         measured = recorded(name)["vllm_log"]["kv_cache_tokens"]
