@@ -310,7 +310,7 @@ class Workload:
     attention: str = "fused"  # "fused" (flash / SDPA / TensorRT MHA) or "eager"
     device: str = "gpu"
     runtime_overhead_gb: float | None = None  # default: 0.5 GiB on GPU, 0 on CPU
-    runtime: str = "engine"  # "engine", "vllm", "trtllm": for messages
+    runtime: str = "engine"  # "engine", or the serving kind sized by its KV pool: for messages
 
     @property
     def tokens(self) -> int:
