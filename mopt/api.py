@@ -1,7 +1,10 @@
 """The plugin-facing API: what a target kind, model family, source, hardware profile and
 executor look like. Plugins import from here (and `mopt.hookspecs`), nothing else.
 
-Nothing in this module imports a heavy library; kinds import theirs inside `run`.
+Contracts and values only: nothing here imports the engine or the CLI (tests/test_layers.py
+holds it to that). What a plugin needs of the engine arrives as hook arguments: an
+executor's `ExecutorSession`, a command's `Core`. Nothing in this module imports a heavy
+library; kinds import theirs inside `run`.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import enum
 import importlib.metadata as md
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
@@ -51,6 +55,7 @@ __all__ = [
     "BuiltTarget",
     "CheckContext",
     "ConfigError",
+    "Core",
     "Executor",
     "ExecutorSession",
     "ExportSpec",
@@ -58,6 +63,7 @@ __all__ = [
     "Finding",
     "HardwareProfile",
     "Input",
+    "KvPool",
     "Missing",
     "ModelDims",
     "MoptError",
@@ -71,10 +77,8 @@ __all__ = [
     "TargetKind",
     "TransformersFamily",
     "TreeEntry",
-    "built_target",
     "generation_export_spec",
     "generation_graph_names",
-    "gpu_matches",
     "hash_tree",
     "hookimpl",
     "iter_files",
@@ -83,11 +87,8 @@ __all__ = [
     "package_versions",
     "param_roles",
     "plugin_env",
-    "plugin_registry",
-    "probe_gpus",
     "quiet_transformers",
     "run_process",
-    "run_remote_spawn",
     "tokenize",
     "torch_dtype",
 ]
@@ -339,6 +340,10 @@ class TargetKind:
     #: server imports them once and forks the workers that run this kind from it, instead
     #: of every worker importing them; names only, never imported by mopt itself
     preload: ClassVar[tuple[str, ...]] = ()
+    #: how `mopt check` sizes its GPU memory: "engine" (batch × sequence through one
+    #: forward pass), "none", or None (a kind whose `kv_pool()` gives a pool is sized as
+    #: that pool; else "engine" when batch / sequence / token / workspace roles are marked)
+    memory_model: ClassVar[str | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -373,6 +378,12 @@ class TargetKind:
     def platform(self, hardware: HardwareProfile) -> dict[str, Any]:
         """Output-relevant properties of the platform (goes into the action key)."""
         return {}
+
+    def kv_pool(self, hardware: HardwareProfile, task: str) -> KvPool | None:
+        """How the serving runtime this kind configures keeps its KV cache on `hardware`,
+        for a model of `task`, with the runtime's own defaults (`mopt check` sizes the
+        memory with them); None for kinds without one."""
+        return None
 
     def check(self, params: Any, ctx: CheckContext) -> list[Finding]:
         """Findings for these params on `ctx.hardware` (`mopt check`); no heavy imports."""
@@ -418,6 +429,35 @@ class Finding:
     section: str = ""
     target: str = ""
     key: str | None = None
+
+
+@dataclass(frozen=True)
+class KvPool:
+    """A serving runtime's KV-cache pool as `mopt check` sizes it (`TargetKind.kv_pool`):
+    the share of memory it takes, and the runtime's defaults for what a target's params
+    (marked with `Role`) leave out. The core knows no runtime; the kind that writes a
+    runtime's config knows its defaults."""
+
+    #: "gpu": `fraction` of the GPU's memory holds the weights, activations and the cache
+    #: (vLLM's gpu_memory_utilization); "free": `fraction` of the memory the model leaves
+    #: free holds the cache (TensorRT-LLM's kv_cache_free_gpu_memory_fraction)
+    share_of: str
+    #: the share when no `Role.memory_fraction` ("gpu") / `Role.kv_cache_fraction` ("free") sets it
+    fraction: float
+    #: sequences at once when no `Role.batch_size` param sets it
+    max_seqs: int
+    #: tokens of one forward pass when no `Role.num_tokens` param sets it
+    max_tokens: int
+    #: one pass takes at least a whole sequence (no chunked prefill)
+    whole_sequence: bool = False
+    #: the runtime's names of those settings, for messages
+    seqs_key: str = "max_batch_size"
+    seq_key: str = "max_seq_len"
+    fraction_key: str = "kv_cache_fraction"
+    tokens_key: str = "max_num_tokens"
+    #: a text-generation section none of whose targets sets serving limits is sized as
+    #: this runtime would serve it with every default (the first such kind by name)
+    baseline: bool = False
 
 
 @dataclass
@@ -579,19 +619,22 @@ class Executor:
 
     - the session keys each action and takes hits from the local store and the remote
       cache (`readiness`, `key`, `cached`), exactly as a local build would;
-    - for a miss, `spawn(node_id)` returns a `RemoteSpawn` as JSON (the kind, its params,
-      the hardware, the input trees by digest), its inputs already on the remote cache;
+    - for a miss, `spawn(node_id)` returns the action as JSON (the same `Spawn` value the
+      local workers run: the kind, its params, the hardware, the input trees by digest),
+      its inputs already on the remote cache;
     - the executor runs it wherever it places it (its own business: `node(node_id)` gives
       the kind class, params and hardware profile to decide with), by calling
-      `run_remote_spawn(spawn_json, worker)` in a process there; that fetches the inputs,
-      runs the kind through the same function the local workers run, and pushes the
-      outputs to the remote cache;
+      `session.run_spawn(spawn_json, worker)` in a process there, where `worker` is
+      `{"store": <a local store folder there, ~ expanded there>, "remote":
+      session.remote_connection()}`; that fetches the inputs, runs the kind through the same
+      function the local workers run, and pushes the outputs to the remote cache;
     - the executor hands the JSON result back with `finished(node_id, result)`, or ends a
       node with `done(node_id, "blocked" | "unbuildable" | "failed", reason)`; the session
       records, materializes and reports, and `states()` is what `build` returns.
 
-    `started`, `tick`, `start` and `stop` drive the progress lines. Nothing else of the
-    engine is the executor's to touch.
+    `started`, `tick`, `start` and `stop` drive the progress lines; `registry`,
+    `probe_gpus` and `gpu_matches` say what the plugins and this machine offer (e.g. to
+    start a one-machine cluster here). Nothing else of the engine is the executor's to touch.
     """
 
     name: ClassVar[str]
@@ -625,8 +668,12 @@ class ExecutorSession(Protocol):
 
     ids: list[str]
     keep_going: bool
-    #: plugin names disabled on the driver (pass on to `run_remote_spawn`)
-    disabled_plugins: list[str]
+    #: the build's registry of plugins (`.targets`, `.hardware`, ...)
+    registry: Any
+    #: the remote runner: `run_spawn(spawn_json, worker, executor=name)` runs one `spawn()`
+    #: result in the calling process, on the machine that executes it (see `Executor`); a
+    #: module-level function, so it pickles by reference to a worker that has mopt installed
+    run_spawn: Callable[..., dict[str, Any]]
 
     def node(self, node_id: str) -> ActionNode: ...
     def status(self, node_id: str) -> str: ...
@@ -639,53 +686,17 @@ class ExecutorSession(Protocol):
     def done(self, node_id: str, status: str, reason: str = "") -> None: ...
     def remote_connection(self) -> dict[str, Any] | None: ...
     def remote_writable(self) -> bool: ...
+    def probe_gpus(self) -> Any: ...
+    def gpu_matches(self, gpu: Any, profile: HardwareProfile) -> str | None: ...
     def start(self) -> None: ...
     def tick(self) -> None: ...
     def stop(self) -> None: ...
     def states(self) -> dict[str, Any]: ...
 
 
-def run_remote_spawn(spawn_json: str, worker: dict[str, Any], *, executor: str = "remote") -> dict[str, Any]:
-    """Run one `ExecutorSession.spawn` result in this process (on a remote worker); never
-    raises for a failing action.
-
-    `worker`: `store` (this machine's local store folder, `~` expanded here), `remote`
-    (`ExecutorSession.remote_connection()`), `disable_plugins` (names). It fetches the
-    inputs from the remote cache (each blob re-hashed), checks the kind's tool versions
-    against the key's, runs the kind, checks its inputs did not change, pushes the outputs
-    (blobs first, the entry last) and returns the result for `ExecutorSession.finished`."""
-    from mopt.executor import run_remote_spawn as run
-
-    return run(spawn_json, worker, executor=executor)
-
-
-def plugin_registry(project_dir: Path | None = None) -> Any:
-    """The registry of installed plugins, less those the project at `project_dir` (default:
-    the current folder) disables: `.targets`, `.families`, `.hardware`, `.executors`."""
-    from mopt.config import load_project
-    from mopt.plugins import get_registry
-
-    return get_registry(load_project(project_dir or Path.cwd()).config.plugins.disable)
-
-
-def probe_gpus() -> Any:
-    """The NVIDIA GPUs visible here: `.visible` (each with `.index`, `.name`, `.cc`) and
-    `.error` (why none, if none)."""
-    from mopt import machine
-
-    return machine.probe_gpus()
-
-
-def gpu_matches(gpu: Any, profile: HardwareProfile) -> str | None:
-    """None when `gpu` (from `probe_gpus`) is what `profile` describes, else why not."""
-    from mopt import machine
-
-    return machine.gpu_matches(gpu, profile)
-
-
 @dataclass(frozen=True)
 class BuiltTarget:
-    """A built target as the store holds it for its current action key (see `built_target`)."""
+    """A built target as the store holds it for its current action key (`Core.built_target`)."""
 
     node_id: str
     kind: str
@@ -696,35 +707,27 @@ class BuiltTarget:
     meta: dict[str, Any]
 
 
-def built_target(recipe: Path, selector: str, *, kind: str | None = None) -> BuiltTarget:
-    """The one built target of RECIPE that `selector` (model.hardware:target) names, of
-    `kind` when given, for plugin commands that hand an artifact on (`mopt image load`).
+class Core(Protocol):
+    """What mopt's core does for a plugin's commands: handed to `mopt_register_commands` as
+    `core`, so that a command never imports the engine."""
 
-    Raises `MoptError` when the selector names no or several such targets, or the target
-    is not built for its current key (a stale build is never returned)."""
-    from mopt.build import Engine
-    from mopt.cli import Session
+    def registry(self, project_dir: Path | None = None) -> Any:
+        """The registry of installed plugins, less those the project at `project_dir`
+        (default: the current folder) disables: `.targets`, `.families`, `.hardware`, ..."""
+        ...
 
-    s = Session(recipe)
-    ids = [i for i in s.graph.select([selector]) if kind is None or s.graph.nodes[i].kind == kind]
-    if selector.partition(":")[2]:
-        named = set(s.graph.match([selector]))
-        ids = [i for i in ids if i in named]
-    if len(ids) != 1:
-        what = f"{kind} targets" if kind else "targets"
-        raise MoptError(
-            f"{selector!r} names {len(ids)} {what}" + (f": {', '.join(ids[:5])}" if ids else ""),
-            hint="give one model.hardware:target" + (f" of kind {kind}" if kind else ""),
-        )
-    node_id = ids[0]
-    engine = Engine(s)
-    try:
-        info = engine.explain(node_id)
-        entry = engine.store.ac_entry(info["key"]) if info["key"] else None
-        if entry is None:
-            raise MoptError(f"{node_id} is not built", hint=f"run: mopt build {recipe} '{node_id}'")
-        files = {e.path: engine.store.blob_path(e.digest) for e in engine.store.tree_entries(entry.outputs_tree)}
-        meta = dict(entry.meta.get("result") or {})
-    finally:
-        engine.store.close()
-    return BuiltTarget(node_id, s.graph.nodes[node_id].kind, info["key"], files, meta)
+    def probe_gpus(self) -> Any:
+        """The NVIDIA GPUs visible here: `.visible` (each with `.index`, `.name`, `.cc`) and
+        `.error` (why none, if none)."""
+        ...
+
+    def gpu_matches(self, gpu: Any, profile: HardwareProfile) -> str | None:
+        """None when `gpu` (from `probe_gpus`) is what `profile` describes, else why not."""
+        ...
+
+    def built_target(self, recipe: Path, selector: str, *, kind: str | None = None) -> BuiltTarget:
+        """The one built target of `recipe` that `selector` (model.hardware:target) names, of
+        `kind` when given (`mopt image load` hands its archive on). Raises `MoptError` when
+        the selector names no or several such targets, or the target is not built for its
+        current key (a stale build is never returned)."""
+        ...

@@ -30,85 +30,12 @@ from mopt.errors import MoptError
 from mopt.filehash import file_stat
 from mopt.graph import Node
 from mopt.keys import KEY_FORMAT, Layout, diff_parts, member
-from mopt.runner import InputWatch, ProcessRunner, Spawn, SpawnRunner, action_logger, close_logger
+from mopt.runner import InputWatch, ProcessRunner, SpawnRunner, action_logger, close_logger
+from mopt.schedule import NodeState, Reporter, built_inputs, missing_inputs, readiness
+from mopt.spawn import Spawn
 from mopt.store import ActionEntry, Store, StoreError, _entry_from_row
 
 LOCK_NAME = "mopt.lock"
-
-
-#: statuses after which a node's output will not come in this build
-NOT_BUILT = ("failed", "unbuildable", "blocked")
-
-
-def readiness(
-    node: Node, states: dict[str, NodeState], outputs: dict[str, str], graph: Any
-) -> tuple[str, str, dict[str, list[Missing]]]:
-    """Whether `node` can start: ("ready", "", missing), ("wait", "", {}) or
-    ("blocked", reason, {}). Inputs of `partial` slots that will not come are `missing`
-    instead of blocking it (every scheduler uses this, so they agree)."""
-    deps = node.input_ids()
-    if all(d in outputs for d in deps):  # the common case: nothing gone, nothing to wait for
-        return "ready", "", {}
-    gone = [d for d in deps if d not in outputs and states[d].status in NOT_BUILT]
-    hard = [d for d in gone if node.needs(d)]
-    if hard:
-        return "blocked", f"input {hard[0]} {states[hard[0]].status}", {}
-    if any(d not in outputs and d not in gone for d in deps):
-        return "wait", "", {}
-    return "ready", "", missing_inputs(node, {d: (states[d].status, states[d].reason) for d in gone}, graph)
-
-
-def missing_inputs(node: Node, gone: dict[str, tuple[str, str]], graph: Any) -> dict[str, list[Missing]]:
-    """Slot → the inputs of `node` that will not come (`gone`: id → (status, reason))."""
-    missing: dict[str, list[Missing]] = {}
-    for slot, ids in node.inputs.items():
-        for d in ids:
-            if d in gone:
-                dep = graph.nodes[d]
-                status, reason = gone[d]
-                missing.setdefault(slot, []).append(
-                    Missing(dep.label, dep.kind, status, reason, graph.input_labels(dep))
-                )
-    return missing
-
-
-def built_inputs(node: Node, outputs: dict[str, str]) -> dict[str, list[str]]:
-    """Slot → output trees of the inputs that got built (all of them, unless partial)."""
-    return {s: [outputs[d] for d in ds if d in outputs] for s, ds in node.inputs.items()}
-
-
-@dataclass
-class NodeState:
-    """What happened (or will happen) to one node."""
-
-    node: Node
-    status: str = "pending"  # pending|running|cached|built|failed|unbuildable|blocked
-    key: str | None = None
-    parts: dict[str, Any] | None = None
-    entry: ActionEntry | None = None
-    reason: str = ""
-    log_path: Path | None = None
-    #: inputs of `partial` slots that are not there, per slot (see `Input.partial`)
-    missing: dict[str, list[Missing]] = field(default_factory=dict)
-    started: float = 0.0
-    duration: float = 0.0
-    last_line: str = ""
-
-    def as_json(self) -> dict[str, Any]:
-        d: dict[str, Any] = {
-            "id": self.node.id,
-            "kind": self.node.kind,
-            "status": self.status,
-            "key": self.key,
-        }
-        if self.reason:
-            d["reason"] = self.reason
-        if self.entry is not None:
-            d["outputs"] = self.entry.outputs_tree
-            d["duration_s"] = round(self.entry.duration_s, 3)
-        if self.log_path is not None:
-            d["log"] = str(self.log_path)
-        return d
 
 
 def address_path(build_dir: Path, address: str, recipe: Any = None) -> Path:
@@ -513,7 +440,7 @@ class Engine:
     def unmet(self, node: Node) -> str | None:
         """Why this machine cannot build `node` (its kind's requirements for these params on
         the section's profile), or None."""
-        from mopt.procs import unmet
+        from mopt.machine import unmet
 
         kind = self.kind(node.kind)
         return unmet(
@@ -842,7 +769,7 @@ class Engine:
             result: dict[str, NodeState] = ex_cls().build(session, settings=settings) or session.states()
             self.store.state.flush()
             return result
-        from mopt.procs import gpu_slots
+        from mopt.machine import gpu_count
 
         reporter = reporter or Reporter()
         jobs = jobs or usable_cpus()
@@ -851,7 +778,7 @@ class Engine:
         states = {i: NodeState(self.graph.nodes[i]) for i in ids}
         pending = deque(ids)
         outputs: dict[str, str] = {}
-        slots = {"cpu": jobs, "gpu": gpu_slots()}
+        slots = {"cpu": jobs, "gpu": gpu_count()}
         used = {"cpu": 0, "gpu": 0}
         running: dict[Future[NodeState], tuple[str, dict[str, int]]] = {}
         stop = False
@@ -1254,9 +1181,9 @@ class Engine:
         `ids` declares `preload`."""
         if self.project.config.executor.get("kind", "local") != "local" or self._early_runner is not None:
             return
-        from mopt.procs import gpu_slots
+        from mopt.machine import gpu_count
 
-        self._early_runner = self._prestarted_runner(ids, max(1, (jobs or usable_cpus()) + gpu_slots()))
+        self._early_runner = self._prestarted_runner(ids, max(1, (jobs or usable_cpus()) + gpu_count()))
 
     def stop_prestarted(self) -> None:
         """Stop the runner `prestart` started, if `build` did not take it over."""
@@ -1696,17 +1623,6 @@ def _resume_gc() -> None:
 
 class InputChanged(Exception):
     """An action changed a file it was given to read."""
-
-
-class Reporter:
-    """Progress callbacks (silent by default)."""
-
-    def start(self, states: dict[str, NodeState]) -> None: ...
-    def started(self, st: NodeState) -> None: ...
-    def waiting(self, st: NodeState) -> None: ...
-    def done(self, st: NodeState) -> None: ...
-    def tick(self) -> None: ...
-    def stop(self) -> None: ...
 
 
 def _set_last(st: NodeState, line: str) -> None:

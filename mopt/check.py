@@ -8,10 +8,11 @@ model's shape comes from its family's `dims()` over its config.json (`[models.X]
 the local `path` / `package` / cached `hf` checkpoint, or a synthetic source's `config` over
 the family's `synthetic_defaults`).
 
-A kind may steer the memory rules with a class attribute `memory_model` = "engine" (batch ×
-sequence through one forward pass, no KV cache), "vllm" (memory_fraction pool with a KV
-cache), "trtllm" (KV cache from the kv_cache_fraction of free memory) or "none"; without one
-it is inferred from the roles present.
+A serving kind describes its runtime's KV-cache pool and that runtime's defaults with
+`kv_pool()` (a share of the GPU, vLLM's way, or of what the model leaves free, TensorRT-LLM's);
+the core knows no runtime. Other kinds may set `memory_model` = "engine" (batch × sequence
+through one forward pass, no KV cache) or "none"; without one, "engine" is inferred from the
+roles present.
 """
 
 from __future__ import annotations
@@ -23,7 +24,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from mopt.api import CheckContext, Finding, HardwareProfile, Role, SourceContext, TargetKind, param_roles
+from mopt.api import (
+    CheckContext,
+    Finding,
+    HardwareProfile,
+    KvPool,
+    Role,
+    SourceContext,
+    TargetKind,
+    param_roles,
+)
 from mopt.estimate import (
     BYTES,
     GIB,
@@ -36,6 +46,7 @@ from mopt.estimate import (
     largest_fitting,
     normalize_precision,
 )
+from mopt.family import model_dims
 from mopt.graph import Graph, Node
 from mopt.recipe import Model, Recipe, Section
 
@@ -82,19 +93,7 @@ def _first(rv: RoleValues, *roles: Role) -> tuple[str | None, Any]:
     return None, None
 
 
-#: defaults the runtimes use when the recipe leaves a setting out (assumed for estimates)
-#: vLLM 0.26: CacheConfig.gpu_memory_utilization 0.92; EngineArgs.get_batch_defaults gives the
-#: API server 1024 sequences on GPUs of >= 70 GiB (not A100), 256 elsewhere
-VLLM_DEFAULT_UTILIZATION = 0.92
-VLLM_DEFAULT_MAX_NUM_SEQS = 256
-VLLM_DEFAULT_MAX_NUM_SEQS_BIG_GPU = 1024
-VLLM_DEFAULT_BATCHED_TOKENS = 8192
-#: ... and, with chunked prefill (on by default for generation in vLLM V1), the API server's
-#: max_num_batched_tokens: 8192 on GPUs of >= 70 GiB (not A100), 2048 elsewhere
-VLLM_CHUNKED_BATCHED_TOKENS_SMALL_GPU = 2048
-TRTLLM_DEFAULT_KV_FRACTION = 0.9
-TRTLLM_DEFAULT_MAX_NUM_TOKENS = 8192
-TRTLLM_DEFAULT_MAX_BATCH = 2048
+#: the sequence length assumed for an engine whose params set none
 ENGINE_DEFAULT_SEQ = 512
 #: the model task whose sections keep a KV cache in every runtime
 GENERATION = "text-generation"
@@ -254,7 +253,7 @@ def _model_info(model: Model, recipe: Recipe, registry: Any) -> _ModelInfo:
     if cfg is None:
         return _ModelInfo(None, origin)
     try:
-        dims = ModelDims.from_config(cfg, registry.families.get(model.spec.family))
+        dims = model_dims(cfg, registry.families.get(model.spec.family))
     except ConfigError as exc:
         return _ModelInfo(cfg, f"{origin} (lacks {', '.join(exc.missing)})")
     except Exception as exc:  # a family plugin's bug must not stop the check
@@ -350,7 +349,7 @@ class _Checker:
             if dims is not None:
                 self._seq_lengths(params, dims, sec, label, section.model, info.origin)
             if hw.is_gpu and hw.memory_gb and dims is not None:
-                had_workload = self._memory(cls, params, hw, dims, sec, label, self._task(section))
+                had_workload = self._memory(kind, params, hw, dims, sec, label, self._task(section))
 
         ctx = CheckContext(
             hardware=hw,
@@ -443,8 +442,8 @@ class _Checker:
                     sec,
                     label,
                     qkey,
-                    f"{qkey} = {q!r} on {hw.name} (CC {_cc(hw)}): FP8 compute needs CC ≥ 8.9; "
-                    "vLLM runs it as weight-only W8A16 (FP8 Marlin): memory saved, no FP8 math",
+                    f"{qkey} = {q!r} on {hw.name} (CC {_cc(hw)}): FP8 compute needs CC ≥ 8.9; on this "
+                    "GPU it runs weight-only (W8A16) at best: memory saved, no FP8 math",
                     "keep it for the memory saving, or use int8 (W8A8) for faster math on this GPU",
                 )
             else:
@@ -608,7 +607,7 @@ class _Checker:
 
     def _memory(
         self,
-        cls: type[TargetKind],
+        kind: TargetKind,
         params: RoleValues,
         hw: HardwareProfile,
         dims: ModelDims,
@@ -616,11 +615,15 @@ class _Checker:
         label: str,
         task: str = "embedding",
     ) -> bool:
-        spec = workload_for(params, dims, hw, getattr(cls, "memory_model", None), task=task)
+        model = memory_model(kind, hw, task)
+        spec = workload_for(params, dims, hw, model)
         if spec is None:
             return False
         w, keys = spec
-        if task == GENERATION and w.runtime == "engine":
+        if isinstance(model, KvPool):
+            w = replace(w, runtime=kind.name)
+        pooled = isinstance(model, KvPool)
+        if task == GENERATION and not pooled:
             # a generation engine keeps every sequence's KV cache: batch × seq of it must fit
             w = replace(w, kv_cache=True)
         assert hw.memory_gb is not None
@@ -629,7 +632,7 @@ class _Checker:
         ne = NodeEstimate(sec, label, hw.name, e, _basis(w, keys))
         self.estimates.append(ne)
         breakdown = _breakdown(e)
-        if w.runtime == "engine":
+        if not pooled:
             bkey, skey = keys.get("batch"), keys.get("seq")
             max_b = largest_fitting(dims, w, cap, "batch", max(w.batch, 1) * 64 + 1024)
             max_s = largest_fitting(dims, w, cap, "seq_len", max(dims.max_sequence or 0, w.seq_len))
@@ -654,12 +657,11 @@ class _Checker:
                 "largest that fits: " + "; or ".join(opts),
             )
             return True
-        # pooled runtimes: vLLM and TensorRT-LLM
-        skey = keys.get("seq") or ("max_model_len" if w.runtime == "vllm" else "max_seq_len")
-        bkey = keys.get("batch") or ("max_num_seqs" if w.runtime == "vllm" else "max_batch_size")
-        fkey = keys.get("fraction") or (
-            "gpu_memory_utilization" if w.runtime == "vllm" else "kv_cache_free_gpu_memory_fraction"
-        )
+        # a serving runtime's KV-cache pool
+        assert isinstance(model, KvPool)
+        skey = keys.get("seq") or model.seq_key
+        bkey = keys.get("batch") or model.seqs_key
+        fkey = keys.get("fraction") or model.fraction_key
         kv_tokens = e.kv_tokens_available or 0
         max_seqs = kv_tokens // max(w.seq_len, 1)
         max_len = largest_fitting(
@@ -685,11 +687,7 @@ class _Checker:
             fixes += _smaller_precisions(dims, w, hw, keys.get("precision"))
             if hw.gpu_count > w.tp:
                 fixes.append(f"shard with tensor_parallel_size up to {hw.gpu_count}")
-            fixes.append(
-                "lower max_num_batched_tokens / max_num_tokens"
-                if w.runtime == "vllm"
-                else "lower max_num_tokens"
-            )
+            fixes.append(f"lower {model.tokens_key}")
             self.add(
                 "error",
                 "memory-over-capacity",
@@ -776,50 +774,68 @@ class _Checker:
 
     def _generation_baseline(self, section: Section, hw: HardwareProfile, dims: ModelDims) -> None:
         """A text-generation section none of whose targets sets serving limits: on a GPU,
-        what `vllm serve` with every default would ask for (max_model_len = the model's
-        context, the default max_num_seqs, gpu_memory_utilization 0.92) and the largest
-        settings that fit, as an info finding; on CPU, the KV cache of one full-context
-        sequence in fp32 (no capacity)."""
+        what serving it with a runtime's every default would ask for (the runtime of the
+        first kind by name whose `kv_pool` says `baseline`: mopt-serve's vllm) and the
+        largest settings that fit, as an info finding; on CPU, or with no such kind, the KV
+        cache of one full-context sequence (fp32 on CPU)."""
         seq = dims.max_sequence or 2048
-        if not hw.is_gpu or not hw.memory_gb:
+        found = self._baseline_pool(hw)
+        if not hw.is_gpu or not hw.memory_gb or found is None:
+            cpu = not hw.is_gpu or not hw.memory_gb
+            prec = "fp32" if cpu else (dims.config_dtype if dims.config_dtype in hw.precisions else "fp16")
+            tokens = min(seq, found[1].max_tokens) if found is not None else seq
             w = Workload(
-                precision="fp32",
-                batch=1,
-                seq_len=seq,
-                num_tokens=min(seq, VLLM_DEFAULT_BATCHED_TOKENS),
-                kv_cache=True,
-                device="cpu",
-            )
-            basis = f"text-generation, fp32 on CPU, KV cache for 1 × {seq:,} tokens (the model's context)"
-            self.estimates.append(NodeEstimate(section.id, "(model)", hw.name, estimate(dims, w), basis))
+                precision=prec, batch=1, seq_len=seq, num_tokens=tokens, kv_cache=True,
+                device="cpu" if cpu else "gpu",
+            )  # fmt: skip
+            where = "on CPU" if cpu else "(no serving kind gives its runtime's defaults)"
+            basis = f"text-generation, {prec} {where}, KV cache for 1 × {seq:,} tokens (the model's context)"
+            e = estimate(dims, w, None if cpu else hw.memory_gb)
+            self.estimates.append(NodeEstimate(section.id, "(model)", hw.name, e, basis))
             return
-        spec = workload_for({}, dims, hw, "vllm", task=GENERATION)
+        kind_name, pool = found
+        spec = workload_for({}, dims, hw, pool)
         assert spec is not None
         w, keys = spec
+        w = replace(w, runtime=kind_name)
         e = estimate(dims, w, hw.memory_gb)
         kv_tokens = e.kv_tokens_available or 0
         max_seqs = kv_tokens // max(w.seq_len, 1)
         short = kv_tokens // max(w.batch, 1)
         ne = NodeEstimate(section.id, "(model)", hw.name, e, "text-generation, " + _basis(w, keys))
-        ne.largest = {"max_num_seqs": max_seqs, "max_model_len": min(kv_tokens, seq) or None}
+        ne.largest = {pool.seqs_key: max_seqs, pool.seq_key: min(kv_tokens, seq) or None}
         self.estimates.append(ne)
-        pool = f"{w.memory_fraction:g} × {hw.memory_gb:g} GiB = {gib(e.budget or 0)}"
+        pool_text = f"{w.memory_fraction:g} × {hw.memory_gb:g} GiB = {gib(e.budget or 0)}"
         if not e.model_fits:
             msg = (
-                f"{hw.name} {hw.memory_gb:g} GiB: the model does not fit in {pool}: {_breakdown(e, kv=False)}"
+                f"{hw.name} {hw.memory_gb:g} GiB: the model does not fit in {pool_text}: {_breakdown(e, kv=False)}"
             )
             fix = "; or ".join(_smaller_precisions(dims, w, hw, None) or ["use a larger GPU"])
         else:
-            msg = kv_fit_text(e, hw, "max_num_seqs", "max_model_len", max_seqs, short, pool) + (
-                " (vLLM's defaults; no target of this section sets them)"
+            msg = kv_fit_text(e, hw, pool.seqs_key, pool.seq_key, max_seqs, short, pool_text) + (
+                f" (the defaults of kind {kind_name!r}; no target of this section sets them)"
             )
             fix = (
-                f"serve with max_model_len ≤ {min(kv_tokens, seq):,} and max_num_seqs ≤ {max(max_seqs, 1)} "
+                f"serve with {pool.seq_key} ≤ {min(kv_tokens, seq):,} and {pool.seqs_key} ≤ {max(max_seqs, 1)} "
                 f"at that length, or shorter contexts for more sequences"
                 if kv_tokens
                 else "quantize the weights or use a larger GPU"
             )
         self.add("info", "kv-cache-fit", section.id, "", None, msg, fix)
+
+    def _baseline_pool(self, hw: HardwareProfile) -> tuple[str, KvPool] | None:
+        """(kind name, its pool) of the first kind by name whose `kv_pool` is a `baseline`."""
+        for name in sorted(self.registry.targets):
+            cls = self.registry.targets[name]
+            if cls.kv_pool is TargetKind.kv_pool:
+                continue
+            try:
+                pool = cls().kv_pool(hw, GENERATION)
+            except Exception:  # a plugin's bug: that kind gives no baseline
+                continue
+            if pool is not None and pool.baseline:
+                return name, pool
+        return None
 
 
 def kv_fit_text(
@@ -918,32 +934,34 @@ def _smaller_precisions(dims: ModelDims, w: Workload, hw: HardwareProfile, key: 
     return out
 
 
+def memory_model(kind: TargetKind, hw: HardwareProfile, task: str) -> str | KvPool | None:
+    """How `mopt check` sizes `kind` on `hw`: its runtime's `KvPool`, else its `memory_model`."""
+    pool = kind.kv_pool(hw, task)
+    return pool if pool is not None else getattr(kind, "memory_model", None)
+
+
+#: roles of a KV-cache pool: a kind that marks them is sized only through its `kv_pool()`
+POOL_ROLES = frozenset({Role.memory_fraction, Role.kv_cache_fraction, Role.kv_block_tokens})
+
+
 def workload_for(
-    params: RoleValues,
-    dims: ModelDims,
-    hw: HardwareProfile,
-    memory_model: str | None = None,
-    *,
-    task: str = "embedding",
+    params: RoleValues, dims: ModelDims, hw: HardwareProfile, model: str | KvPool | None = None
 ) -> tuple[Workload, dict[str, str]] | None:
     """The workload a target's role-marked params (`role_values`) describe, and which param
     gave each number (`batch`, `seq`, `precision`, `fraction` → param name; `assumed` →
-    defaults used). None when they say nothing about memory (or `memory_model` is "none").
-    For `task` "text-generation" vLLM prefills in chunks, so one pass takes the default
-    max_num_batched_tokens, not a whole max_model_len sequence."""
+    defaults used). `model` is how the kind is sized (`memory_model`): a serving runtime's
+    `KvPool`, whose defaults fill what the params leave out, "engine", "none", or None
+    ("engine" when batch / sequence / token / workspace roles are marked and no pool's).
+    None when the params say nothing about memory."""
     present = {r for r, kvs in params.items() if any(v is not None for _, v in kvs)}
-    mode = memory_model
-    if mode is None:
-        if Role.memory_fraction in present:
-            mode = "vllm"
-        elif present & {Role.kv_cache_fraction, Role.kv_block_tokens}:
-            mode = "trtllm"
-        elif present & {Role.batch_size, Role.seq_len, Role.num_tokens, Role.workspace_gb}:
-            mode = "engine"
-        else:
+    pool = model if isinstance(model, KvPool) else None
+    if pool is None:
+        if model is None and not present & POOL_ROLES and present & {
+            Role.batch_size, Role.seq_len, Role.num_tokens, Role.workspace_gb
+        }:  # fmt: skip
+            model = "engine"
+        if model != "engine":
             return None
-    if mode not in ("engine", "vllm", "trtllm"):
-        return None
     keys: dict[str, str] = {}
     assumed: list[str] = []
 
@@ -976,25 +994,23 @@ def workload_for(
         return default, None
 
     nt = _int(_first(params, Role.num_tokens)[1])
-    if mode == "vllm":
-        big = (hw.memory_gb or 0) >= 70 and "a100" not in (hw.gpu_name or "").lower()
-        seqs = VLLM_DEFAULT_MAX_NUM_SEQS_BIG_GPU if big else VLLM_DEFAULT_MAX_NUM_SEQS
-        batch, bk = pick(Role.batch_size, seqs, "max_num_seqs")
-        seq, sk = pick(Role.seq_len, max_pos, "max_model_len")
+    if pool is not None:
+        batch, bk = pick(Role.batch_size, pool.max_seqs, pool.seqs_key)
+        seq, sk = pick(Role.seq_len, max_pos, pool.seq_key)
         if nt:
             tokens = nt
-        elif task == GENERATION:  # chunked prefill
-            chunk = VLLM_DEFAULT_BATCHED_TOKENS if big else VLLM_CHUNKED_BATCHED_TOKENS_SMALL_GPU
-            tokens = min(chunk, batch * seq)
-        else:
-            tokens = min(max(seq, VLLM_DEFAULT_BATCHED_TOKENS), batch * seq)
-        fk, fv = _first(params, Role.memory_fraction)
+        elif pool.whole_sequence:
+            tokens = min(max(seq, pool.max_tokens), batch * seq)
+        else:  # chunked prefill: one pass takes at most max_tokens
+            tokens = min(pool.max_tokens, batch * seq)
+        of_gpu = pool.share_of == "gpu"
+        fk, fv = _first(params, Role.memory_fraction if of_gpu else Role.kv_cache_fraction)
         frac_v = _num(fv)
         if frac_v is None or fk is None:
-            assumed.append(f"gpu_memory_utilization {VLLM_DEFAULT_UTILIZATION}")
+            assumed.append(f"{pool.fraction_key} {pool.fraction:g}")
         else:
             keys["fraction"] = fk
-        frac = frac_v if frac_v is not None and 0 < frac_v <= 1 else VLLM_DEFAULT_UTILIZATION
+        frac = frac_v if frac_v is not None and 0 < frac_v <= 1 else pool.fraction
         w = Workload(
             precision=prec,
             kv_dtype=kv_dtype,
@@ -1004,29 +1020,9 @@ def workload_for(
             kv_cache=True,
             tp=tp,
             pp=pp,
-            memory_fraction=frac,
-            runtime="vllm",
-        )
-    elif mode == "trtllm":
-        batch, bk = pick(Role.batch_size, TRTLLM_DEFAULT_MAX_BATCH, "max_batch_size")
-        seq, sk = pick(Role.seq_len, max_pos, "max_seq_len")
-        tokens = nt if nt else min(TRTLLM_DEFAULT_MAX_NUM_TOKENS, batch * seq)
-        fk, fv = _first(params, Role.kv_cache_fraction)
-        frac_v = _num(fv)
-        if frac_v is not None and fk:
-            keys["fraction"] = fk
-        frac = frac_v if frac_v is not None and 0 < frac_v <= 1 else TRTLLM_DEFAULT_KV_FRACTION
-        w = Workload(
-            precision=prec,
-            kv_dtype=kv_dtype,
-            batch=batch,
-            seq_len=seq,
-            num_tokens=tokens,
-            kv_cache=True,
-            tp=tp,
-            pp=pp,
-            kv_fraction=frac,
-            runtime="trtllm",
+            memory_fraction=frac if of_gpu else None,
+            kv_fraction=None if of_gpu else frac,
+            runtime="kv-pool",
         )
     else:
         batch, bk = pick(Role.batch_size, 1, "batch")

@@ -42,7 +42,8 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
 class _Group(click.Group):
-    """Commands in other modules are imported only when they run (or for --help)."""
+    """Commands in other modules are imported only when they run (or for --help); plugins'
+    commands are asked for only when the name is none of the core's."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         _register_extra_commands()
@@ -53,7 +54,7 @@ class _Group(click.Group):
             mod = _LAZY.get(name)
             if mod is not None:
                 _register_extra_commands([mod])
-            if name not in self.commands:
+            else:
                 _register_extra_commands()
         return super().get_command(ctx, name)
 
@@ -121,12 +122,62 @@ class Session:
             self.graph = build_graph(self.recipe, self.registry)
 
 
-def _registry() -> Any:
+def _disabled(project_dir: Path | None = None) -> list[str]:
+    """The plugins the project at `project_dir` (default: the current folder) disables."""
     from mopt.config import load_project
+
+    return list(load_project(project_dir or Path.cwd()).config.plugins.disable)
+
+
+def _registry(project_dir: Path | None = None) -> Any:
     from mopt.plugins import get_registry
 
-    project = load_project(Path.cwd())
-    return get_registry(project.config.plugins.disable)
+    return get_registry(_disabled(project_dir))
+
+
+class PluginCore:
+    """`mopt.api.Core`: what the core does for plugins' commands (`mopt_register_commands`)."""
+
+    def registry(self, project_dir: Path | None = None) -> Any:
+        return _registry(project_dir)
+
+    def probe_gpus(self) -> Any:
+        from mopt import machine
+
+        return machine.probe_gpus()
+
+    def gpu_matches(self, gpu: Any, profile: Any) -> str | None:
+        from mopt import machine
+
+        return machine.gpu_matches(gpu, profile)
+
+    def built_target(self, recipe: Path, selector: str, *, kind: str | None = None) -> Any:
+        from mopt.api import BuiltTarget
+        from mopt.build import Engine
+
+        s = Session(recipe)
+        ids = [i for i in s.graph.select([selector]) if kind is None or s.graph.nodes[i].kind == kind]
+        if selector.partition(":")[2]:
+            named = set(s.graph.match([selector]))
+            ids = [i for i in ids if i in named]
+        if len(ids) != 1:
+            what = f"{kind} targets" if kind else "targets"
+            raise MoptError(
+                f"{selector!r} names {len(ids)} {what}" + (f": {', '.join(ids[:5])}" if ids else ""),
+                hint="give one model.hardware:target" + (f" of kind {kind}" if kind else ""),
+            )
+        node_id = ids[0]
+        engine = Engine(s)
+        try:
+            info = engine.explain(node_id)
+            entry = engine.store.ac_entry(info["key"]) if info["key"] else None
+            if entry is None:
+                raise MoptError(f"{node_id} is not built", hint=f"run: mopt build {recipe} '{node_id}'")
+            files = {e.path: engine.store.blob_path(e.digest) for e in engine.store.tree_entries(entry.outputs_tree)}
+            meta = dict(entry.meta.get("result") or {})
+        finally:
+            engine.store.close()
+        return BuiltTarget(node_id, s.graph.nodes[node_id].kind, info["key"], files, meta)
 
 
 # --------------------------------------------------------------------------- plan / graph
@@ -320,34 +371,30 @@ def schema(output: Path | None) -> None:
 
 # --------------------------------------------------------------------------- entry point
 
-_EXTRA = ("mopt.cli_build", "mopt.cli_check", "mopt.cli_cache", "mopt_ray.cli", "mopt_image.cli")
-#: which module holds which command, so running one imports only its module
+#: which core module holds which command, so running one imports only its module
 _LAZY = {
     **dict.fromkeys(("build", "explain", "show", "ls", "report", "gc"), "mopt.cli_build"),
     **dict.fromkeys(("check", "doctor"), "mopt.cli_check"),
     "cache": "mopt.cli_cache",
-    "worker": "mopt_ray.cli",
-    "image": "mopt_image.cli",
 }
 _registered: set[str] = set()
 
 
 def _register_extra_commands(modules: Any = None) -> None:
-    """Commands that live in their own modules (build engine, checks, doctor, cache)."""
+    """The core's commands in `modules`; without, all of them (build engine, checks,
+    doctor, cache) and then the plugins' (`mopt_register_commands`)."""
     import importlib
 
-    for modname in modules or _EXTRA:
-        if modname in _registered:
-            continue
-        _registered.add(modname)
-        try:
-            mod = importlib.import_module(modname)
-        except ModuleNotFoundError as exc:
-            # an optional plugin's commands: skip when the plugin is not installed
-            if exc.name is None or not modname.startswith(exc.name):
-                raise
-            continue
-        mod.register(app)
+    for modname in modules or dict.fromkeys(_LAZY.values()):
+        if modname not in _registered:
+            _registered.add(modname)
+            importlib.import_module(modname).register(app)
+    if modules is None and "plugins" not in _registered:
+        from mopt.plugins import register_commands
+
+        disabled = _disabled()
+        _registered.add("plugins")
+        register_commands(app, PluginCore(), disabled)
 
 
 def main() -> None:

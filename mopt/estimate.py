@@ -92,7 +92,7 @@ allocators and CUDA graphs add to the runtime line, which is a flat 0.5 GiB gues
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -207,22 +207,6 @@ class ModelDims:
     rope_factor: float | None = None
     original_max_position: int | None = None
 
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any], family: Any = None) -> ModelDims:
-        """The dims of a config.json dict, as `family` (a `mopt.api.Family` class or
-        instance) reads them; raise `ConfigError` naming the missing keys. The estimator has
-        no knowledge of model types of its own: without a family, the config is read as
-        `Family`'s defaults do (a decoder with a gated MLP, the larger of the usual cases)."""
-        from mopt.family import Family
-
-        if family is None or isinstance(family, str):
-            family = Family
-        fam = family() if isinstance(family, type) else family
-        dims = fam.dims(config)
-        if not isinstance(dims, ModelDims):
-            raise TypeError(f"{type(fam).__name__}.dims() returned {type(dims).__name__}, not ModelDims")
-        return dims
-
     @property
     def q_dim(self) -> int:
         return self.heads * self.head_dim
@@ -326,7 +310,7 @@ class Workload:
     attention: str = "fused"  # "fused" (flash / SDPA / TensorRT MHA) or "eager"
     device: str = "gpu"
     runtime_overhead_gb: float | None = None  # default: 0.5 GiB on GPU, 0 on CPU
-    runtime: str = "engine"  # "engine", "vllm", "trtllm": for messages
+    runtime: str = "engine"  # "engine", or the serving kind sized by its KV pool: for messages
 
     @property
     def tokens(self) -> int:

@@ -1,15 +1,15 @@
 """What an executor other than `local` gets (see `mopt.api.Executor`): a `BuildSession` on
-the driver, `run_remote_spawn` on the machine that runs an action.
+the driver, and `run_remote_spawn`, the remote runner, on the machine that runs an action.
 
 Bazel's remote execution, in mopt's terms: the driver keys each action, takes hits from
-the local store and the remote cache, and hands the executor the misses as `RemoteSpawn`s
-(plain JSON: the kind, its params, the input trees by digest, already on the remote
-cache). Wherever the executor runs one, `run_remote_spawn` fetches the inputs from the
-remote cache into a local store, runs the kind through `mopt.runner.execute_spawn` (the
-function the local executor's workers run), checks that the inputs did not change, and
-pushes the outputs (blobs first, the action entry last). Its result goes back to the
-session (`finished`), which records it like a local build: the build/ folders, the lock
-file and the reporter's lines are the session's business, never the executor's.
+the local store and the remote cache, and hands the executor the misses as `Spawn`s (the
+value the local runners run, as JSON; its inputs by digest, already on the remote cache).
+Wherever the executor runs one, `run_remote_spawn` fetches the inputs from the remote cache
+into a local store, runs the kind through `mopt.runner.execute_spawn` (the function the
+local workers run), checks that the inputs did not change, and pushes the outputs (blobs
+first, the action entry last). Its result goes back to the session (`finished`), which
+records it like a local build: the build/ folders, the lock file and the reporter's lines
+are the session's business, never the executor's.
 """
 
 from __future__ import annotations
@@ -22,68 +22,21 @@ import tempfile
 import time
 import traceback
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
-from mopt.api import ActionNode, Artifact, HardwareProfile, Missing
-from mopt.build import NodeState, Reporter, built_inputs, readiness
+from mopt.api import ActionNode, Artifact, HardwareProfile
 from mopt.errors import MoptError
-from mopt.runner import InputWatch, Spawn, execute_spawn
+from mopt.runner import InputWatch, execute_spawn
+from mopt.schedule import NodeState, Reporter, built_inputs, readiness
+from mopt.spawn import Spawn
 from mopt.store import ActionEntry, Store
 
 LOG_TAIL_BYTES = 64 * 1024
 
 
-# ---------------------------------------------------------------------- the spec and the result
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class InputSpec(_Model):
-    """One input artifact: its tree digest, and what produced it."""
-
-    tree: str
-    kind: str
-    target: str
-    meta: dict[str, Any] = Field(default_factory=dict)
-    label: str = ""
-    input_labels: dict[str, list[str]] = Field(default_factory=dict)
-
-
-class FileSpec(_Model):
-    """A declared input file (`TargetKind.input_files`), relative to the project folder."""
-
-    rel: str
-    digest: str
-    tree: bool = False  # a folder (tree digest) rather than a file (blob digest)
-
-
-class RemoteSpawn(_Model):
-    """One action as any machine can run it, through the remote cache (JSON)."""
-
-    key: str
-    node_id: str
-    kind: str
-    params: dict[str, Any]
-    parts: dict[str, Any]
-    inputs: dict[str, list[InputSpec]] = Field(default_factory=dict)
-    model_name: str
-    family: str | None = None
-    task: str
-    hardware: dict[str, Any]
-    section: str
-    label: str
-    #: partial slots' inputs that are not there (mopt.api.Missing as dicts)
-    missing: dict[str, list[dict[str, Any]]] = Field(default_factory=dict)
-    source_tree: str | None = None
-    files: list[FileSpec] = Field(default_factory=list)
-    recipe: str = ""
-    offline: bool = False
+# ---------------------------------------------------------------------- the result
 
 
 @dataclass
@@ -150,8 +103,10 @@ class BuildSession:
         self._meta: dict[str, dict[str, Any]] = {}
         self._on_remote: set[str] = set()  # node ids whose entry is known to be on the remote
         self._sources: dict[str, str] = {}  # model name → source tree digest, uploaded
-        self.disabled_plugins = list(engine.project.config.plugins.disable)
         self.store_tmp = engine.store.tmp_dir
+        self.registry = engine.registry
+        #: the remote runner, for the executor to call on its workers (picklable by name)
+        self.run_spawn = run_remote_spawn
 
     # -- what the executor reads
 
@@ -170,6 +125,16 @@ class BuildSession:
 
     def status(self, node_id: str) -> str:
         return self._states[node_id].status
+
+    def probe_gpus(self) -> Any:
+        from mopt import machine
+
+        return machine.probe_gpus()
+
+    def gpu_matches(self, gpu: Any, profile: HardwareProfile) -> str | None:
+        from mopt import machine
+
+        return machine.gpu_matches(gpu, profile)
 
     def remote_connection(self) -> dict[str, Any] | None:
         """How a worker reaches the remote cache (URL and options: pass to `run_remote_spawn`);
@@ -211,8 +176,8 @@ class BuildSession:
         return entry is not None and self._finish(st, entry, "cached", local=False)
 
     def spawn(self, node_id: str) -> str:
-        """The node as a `RemoteSpawn` (JSON), its inputs made available on the remote cache
-        first (local-only hits pushed; the model source and declared input files uploaded).
+        """The node as a `Spawn` (JSON), its inputs made available on the remote cache first
+        (local-only hits pushed; the model source and declared input files uploaded).
 
         Raises `MoptError` / `OSError` / `ValueError` for inputs that cannot be shared, and
         the remote cache's own errors when it refuses an upload."""
@@ -221,7 +186,7 @@ class BuildSession:
         engine = self._engine
         assert st.key is not None and st.parts is not None
         kind = engine.kind(node.kind)
-        inputs: dict[str, list[InputSpec]] = {}
+        inputs: dict[str, list[Artifact]] = {}
         for slot, dep_ids in node.inputs.items():
             arts = []
             for d in dep_ids:
@@ -229,16 +194,11 @@ class BuildSession:
                     continue
                 self._ensure_on_remote(d)
                 dep = self._graph.nodes[d]
+                # no path: the remote runner puts the tree where its action reads it
                 arts.append(
-                    InputSpec(
-                        tree=self._outputs[d],
-                        kind=dep.kind,
-                        target=dep.target.name,
-                        meta=self._meta[d],
-                        label=dep.label,
-                        input_labels=self._graph.input_labels(dep),
-                    )
-                )
+                    Artifact(Path(), dep.kind, dep.target.name, self._outputs[d], self._meta[d],
+                             label=dep.label, input_labels=self._graph.input_labels(dep))
+                )  # fmt: skip
             inputs[slot] = arts
         source_tree = self._upload_source(node.model.name) if kind.uses_source else None
         files = []
@@ -256,30 +216,35 @@ class BuildSession:
             if path.is_dir():
                 tree, _ = engine.store.put_tree(path)
                 self.remote.push_tree(tree)
-                files.append(FileSpec(rel=rel, digest=tree, tree=True))
+                files.append((rel, tree, True))
             else:
                 digest = engine.store.put_file(path)
                 self.remote.push_blob(digest)
-                files.append(FileSpec(rel=rel, digest=digest))
-        return RemoteSpawn(
+                files.append((rel, digest, False))
+        return Spawn(
             key=st.key,
             node_id=node.id,
             kind=node.kind,
+            plugin=node.plugin,
             params=node.target.params.model_dump(mode="json"),
-            parts=st.parts,
             inputs=inputs,
             model_name=node.model.name,
             family=node.model.spec.family,
             task=node.model.spec.task,
+            source=None,
             hardware=node.hardware.model_dump(mode="json"),
             section=node.section.id,
-            label=node.label,
-            missing={s: [asdict(m) for m in ms] for s, ms in st.missing.items()},
-            source_tree=source_tree,
-            files=files,
-            recipe=str(engine.recipe.path),
+            target=node.label,
+            project_dir="",
+            missing=st.missing,
+            env=dict(st.parts.get("env") or {}),
             offline=bool(getattr(engine, "offline", False)),
-        ).model_dump_json()
+            disabled_plugins=tuple(getattr(engine.registry, "disabled", ()) or ()),
+            source_tree=source_tree,
+            files=tuple(files),
+            recipe=str(engine.recipe.path),
+            parts=st.parts,
+        ).to_json()
 
     def started(self, node_id: str) -> None:
         st = self._states[node_id]
@@ -388,11 +353,11 @@ class BuildSession:
 
 
 def run_remote_spawn(spawn_json: str, worker: dict[str, Any], *, executor: str = "remote") -> dict[str, Any]:
-    """Run one `RemoteSpawn` on this machine, through the remote cache; never raises for a
-    failing action.
+    """The remote runner: run one `ExecutorSession.spawn` result (a `Spawn` as JSON) on this
+    machine, through the remote cache; never raises for a failing action.
 
     `worker`: `store` (this machine's local store, `~` expanded here), `remote`
-    (`ExecutorSession.remote_connection()`), `disable_plugins` (names). Returns the result
+    (`ExecutorSession.remote_connection()`). Returns the result
     as JSON, for `ExecutorSession.finished`. A process killed midway leaves a scratch folder
     in the local store (swept later) and at most some content-addressed blobs on the
     remote, never an entry."""
@@ -400,7 +365,7 @@ def run_remote_spawn(spawn_json: str, worker: dict[str, Any], *, executor: str =
     from mopt.remote import RemoteCache, RemoteError
     from mopt.store import StoreError
 
-    spec = RemoteSpawn.model_validate_json(spawn_json)
+    spec = Spawn.from_json(spawn_json)
     host = socket.gethostname()
     store = Store(Path(os.path.expanduser(worker["store"])))
     try:
@@ -410,7 +375,7 @@ def run_remote_spawn(spawn_json: str, worker: dict[str, Any], *, executor: str =
         entry = remote.fetch_entry(spec.key, verify=True)
         if entry is not None:
             return RemoteResult("cached", entry=entry, host=host).to_json()
-        registry = get_registry(worker.get("disable_plugins") or ())
+        registry = get_registry(spec.disabled_plugins)
         try:
             result = _run(spec, store, registry, remote, executor=executor)
         except (RemoteError, StoreError) as exc:
@@ -433,9 +398,9 @@ def fingerprint_diff(want: dict[str, Any], have: dict[str, Any]) -> list[str]:
     return [f"{n} {want.get(n)!r} → {have.get(n)!r}" for n in names if want.get(n) != have.get(n)]
 
 
-def _run(spec: RemoteSpawn, store: Store, registry: Any, remote: Any, *, executor: str) -> RemoteResult:
+def _run(spec: Spawn, store: Store, registry: Any, remote: Any, *, executor: str) -> RemoteResult:
     """Run `spec` into `store` (under the action's lock), its inputs fetched from `remote`."""
-    from mopt.procs import unmet
+    from mopt.machine import unmet
 
     host = socket.gethostname()
     kind_cls = registry.targets.get(spec.kind)
@@ -487,13 +452,8 @@ def _run(spec: RemoteSpawn, store: Store, registry: Any, remote: Any, *, executo
                 got = []
                 for k, a in enumerate(arts):
                     dest = in_dir / f"{slot}-{k}"
-                    tree_into(a.tree, dest)
-                    got.append(
-                        Artifact(
-                            dest, a.kind, a.target, a.tree, dict(a.meta), label=a.label,
-                            input_labels={k: list(v) for k, v in a.input_labels.items()},
-                        )
-                    )
+                    tree_into(a.digest, dest)
+                    got.append(replace(a, path=dest))
                 inputs[slot] = got
             source = None
             if spec.source_tree is not None:
@@ -501,45 +461,32 @@ def _run(spec: RemoteSpawn, store: Store, registry: Any, remote: Any, *, executo
                 tree_into(spec.source_tree, source)
             project_dir = scratch / "project"
             project_dir.mkdir()
-            for f in spec.files:
-                dest = project_dir / f.rel
-                if f.tree:
-                    tree_into(f.digest, dest)
+            for rel, digest, is_tree in spec.files:
+                dest = project_dir / rel
+                if is_tree:
+                    tree_into(digest, dest)
                 else:
-                    remote.fetch_blob(f.digest)
+                    remote.fetch_blob(digest)
                     dest.parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copyfile(store.blob_path(f.digest), dest)
+                    shutil.copyfile(store.blob_path(digest), dest)
                     os.chmod(dest, 0o444)
             # its inputs must come out of the action as they went in (blobs are hard-linked)
             digests = {
                 os.path.join(str(in_dir / f"{slot}-{k}"), e.path): e.digest
                 for slot, arts in spec.inputs.items()
                 for k, a in enumerate(arts)
-                for e in store.tree_entries(a.tree)
+                for e in store.tree_entries(a.digest)
             }
             watched = [in_dir, project_dir, *([source] if source is not None else [])]
             watch = InputWatch.take(watched, digests)
             # the one action-running function of mopt (the local executor's workers call it
             # too); the executor's task is a process of its own, so it runs here
             res = execute_spawn(
-                Spawn(
-                    key=spec.key,
-                    node_id=spec.node_id,
-                    kind=spec.kind,
-                    plugin=kind_cls.__module__,
-                    params=spec.params,
+                replace(
+                    spec,
                     inputs=inputs,
-                    model_name=spec.model_name,
-                    family=spec.family,
-                    task=spec.task,
-                    source=str(source) if source is not None and kind.uses_source else None,
-                    hardware=spec.hardware,
-                    section=spec.section,
-                    target=spec.label,
+                    source=str(source) if source is not None else None,
                     project_dir=str(project_dir),
-                    missing={s: [Missing(**m) for m in ms] for s, ms in spec.missing.items()},
-                    env=dict(spec.parts.get("env") or {}),
-                    offline=spec.offline,
                     out=str(out_dir),
                     tmp=str(tmp_dir),
                     log=str(log_path),

@@ -248,6 +248,20 @@ class Family:
         )
 
 
+def model_dims(config: Mapping[str, Any], family: Any = None) -> ModelDims:
+    """The dims of a config.json dict, as `family` (a `Family` class or instance) reads them;
+    raise `ConfigError` naming the missing keys. The estimator has no knowledge of model
+    types of its own: without a family, the config is read as `Family`'s defaults do (a
+    decoder with a gated MLP, the larger of the usual cases)."""
+    if family is None or isinstance(family, str):
+        family = Family
+    fam = family() if isinstance(family, type) else family
+    dims = fam.dims(config)
+    if not isinstance(dims, ModelDims):
+        raise TypeError(f"{type(fam).__name__}.dims() returned {type(dims).__name__}, not ModelDims")
+    return dims
+
+
 def implemented(family: Any, methods: Sequence[str]) -> list[str]:
     """Which of `methods` the family leaves as `Family`'s stubs (for error messages)."""
     cls = family if isinstance(family, type) else type(family)

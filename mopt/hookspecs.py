@@ -1,7 +1,8 @@
 """Every hook mopt calls, one line of doc each. This file is the whole extension surface.
 
-Each hook gets a `register` callback; call it once per thing the plugin adds. The core
-validates each registration as it arrives and names the plugin when one is invalid.
+Each registration hook gets a `register` callback; call it once per thing the plugin adds.
+The core validates each registration as it arrives and names the plugin when one is invalid.
+What a plugin needs of the engine comes as a hook argument, never through an import.
 """
 
 from __future__ import annotations
@@ -36,4 +37,9 @@ def mopt_register_sources(register: Callable[[Any], None]) -> None:
 
 @hookspec
 def mopt_register_executors(register: Callable[[Any], None]) -> None:
-    """Register executors: `register(ExecutorClass)` per `mopt.api.Executor` subclass; its `build(session, *, settings)` runs each miss `session.spawn(id)` describes with `mopt.api.run_remote_spawn` and hands the result to `session.finished` (or ends it with `session.done`)."""
+    """Register executors: `register(ExecutorClass)` per `mopt.api.Executor` subclass; its `build(session, *, settings)` runs each miss `session.spawn(id)` describes with `session.run_spawn` and hands the result to `session.finished` (or ends it with `session.done`)."""
+
+
+@hookspec
+def mopt_register_commands(cli: Any, core: Any) -> None:
+    """Add commands to the `mopt` command line: `cli` is its click group (`@cli.command()`), `core` a `mopt.api.Core` (the registry, this machine's GPUs, built targets)."""

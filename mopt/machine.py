@@ -702,11 +702,21 @@ def check_requirement(req: str, hardware: HardwareProfile) -> str | None:
     return f"unknown requirement {req!r} (known: gpu, hardware, cuda>=N, python:<pkg>, tool:<exe>)"
 
 
-def check_requirements(reqs: Iterable[str], hardware: HardwareProfile) -> list[str]:
-    """The reasons this machine cannot meet `reqs` (empty when it can), without repeats."""
+def check_requirements(
+    reqs: Iterable[str], hardware: HardwareProfile, hints: dict[str, str] | None = None
+) -> list[str]:
+    """The reasons this machine cannot meet `reqs` (empty when it can), without repeats, each
+    with its install hint from `hints`."""
     out: list[str] = []
     for r in reqs:
         why = check_requirement(r, hardware)
+        if why is not None and hints and r in hints:
+            why = f"{why} ({hints[r]})"
         if why is not None and why not in out:
             out.append(why)
     return out
+
+
+def unmet(requirements: Iterable[str], hardware: HardwareProfile, hints: dict[str, str] | None = None) -> str | None:
+    """Why this machine cannot meet `requirements` for `hardware`, or None."""
+    return "; ".join(check_requirements(requirements, hardware, hints)) or None

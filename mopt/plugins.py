@@ -259,6 +259,31 @@ def build_registry(pm: pluggy.PluginManager, disabled: Iterable[str] = ()) -> Re
     return reg
 
 
+def register_commands(cli: Any, core: Any, disable: Iterable[str] = ()) -> None:
+    """Call every plugin's `mopt_register_commands(cli, core)`, in registration order; the
+    plugins in `disable` or MOPT_DISABLE_PLUGINS add none. A plugin may not replace a
+    command that is already there (the core's own are all there before)."""
+    pm = make_plugin_manager(sorted(set(disable) | set(disabled_from_env())))
+    args = {"cli": cli, "core": core}
+    for impl in pm.hook.mopt_register_commands.get_hookimpls():
+        before = dict(cli.commands)
+        try:
+            impl.function(**{a: args[a] for a in impl.argnames})
+        except PluginError:
+            raise
+        except Exception as exc:  # the plugin's own bug: one line, not a traceback
+            raise PluginError(
+                f"plugin {impl.plugin_name!r} failed in hook mopt_register_commands: {_one_line(exc)}",
+                hint=f"fix the plugin, or disable it with MOPT_DISABLE_PLUGINS={impl.plugin_name}",
+            ) from exc
+        replaced = sorted(n for n, c in before.items() if cli.commands.get(n) is not c)
+        if replaced:
+            raise PluginError(
+                f"plugin {impl.plugin_name!r} replaces the command {replaced[0]!r}",
+                hint=f"rename its command, or disable it with MOPT_DISABLE_PLUGINS={impl.plugin_name}",
+            )
+
+
 def _offers_of(names: Iterable[str]) -> dict[tuple[str, str], str]:
     """(category, name) → plugin, for what the plugins `names` would register."""
     wanted = set(names)

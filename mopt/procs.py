@@ -1,4 +1,4 @@
-"""Child processes of actions (so Ctrl-C can stop them) and what this machine offers."""
+"""Child processes of actions, so that Ctrl-C can stop them (a leaf: imports nothing of mopt)."""
 
 from __future__ import annotations
 
@@ -94,31 +94,3 @@ def kill_all() -> None:
             os.killpg(p.pid, signal.SIGTERM)
         except (ProcessLookupError, PermissionError):
             pass
-
-
-def gpu_slots() -> int:
-    """How many GPU slots this machine has (one per visible NVIDIA GPU)."""
-    try:
-        from mopt import machine
-
-        return int(machine.gpu_count())
-    except Exception:
-        return 0
-
-
-def unmet(requirements: list[str], hardware: Any, hints: dict[str, str] | None = None) -> str | None:
-    """Why this machine cannot meet `requirements` for `hardware`, or None."""
-    if not requirements:
-        return None
-    from mopt.machine import check_requirement
-
-    reasons: list[str] = []
-    for req in requirements:
-        why = check_requirement(req, hardware)
-        if not why:
-            continue
-        if hints and req in hints:
-            why = f"{why} ({hints[req]})"
-        if why not in reasons:
-            reasons.append(why)
-    return "; ".join(reasons) if reasons else None

@@ -1,11 +1,7 @@
-"""Running one action: a `Spawn` in, a `SpawnResult` out (after Bazel's Spawn / SpawnRunner).
+"""Running one action: a `Spawn` (mopt.spawn) in, a `SpawnResult` out (Bazel's SpawnRunner).
 
-A `Spawn` is a plain, picklable description of one action: the kind's name and plugin, its
-params as JSON, the input artifacts (read-only folders and their metadata), the model,
-family, section and hardware, the env overlay the key was made with, and the folders it
-may write (`out`, `tmp`, `log`, filled in by the runner). `execute_spawn` is the one
-function that turns a spawn into a `BuildContext` and runs the kind; every runner ends
-there, in a process of its own:
+`execute_spawn` is the one function that turns a spawn into a `BuildContext` and runs the
+kind; every runner ends there, in a process of its own:
 
 * `ProcessRunner`: a pool of warm worker processes on this machine, forked from a fork
   server (`python -m mopt.runner --zygote`, one per sort of worker) that has imported the
@@ -15,8 +11,9 @@ there, in a process of its own:
 * the same pool with `sandbox=True`: each worker runs inside bubblewrap with the whole
   filesystem read-only except its own scratch folder and the store's `cache/` (the GPU
   devices bound in; no network for kinds with `network = False`);
-* other executors (plugins/mopt-ray): `mopt.executor.run_remote_spawn` runs in a process
-  of theirs and calls `execute_spawn` directly (`InProcessRunner` does the same here).
+* the remote runner (`mopt.executor.run_remote_spawn`), which an executor plugin calls in a
+  process of its own on another machine: it fetches the spawn's inputs by digest and calls
+  `execute_spawn` there.
 
 A worker that crashes, calls `os._exit`, segfaults or is OOM-killed fails that action (its
 log and the signal are kept) and is replaced; the environment, the working folder and
@@ -46,84 +43,21 @@ import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recvfds, sendfds
 from pathlib import Path
 from typing import Any
 
-from mopt.api import Artifact, BuildContext, HardwareProfile, Missing
+from mopt.api import BuildContext, HardwareProfile
 from mopt.filehash import hash_file
+from mopt.spawn import Spawn, SpawnResult
 
 #: values of `[executor] sandbox`
 SANDBOX_MODES = ("auto", "bwrap", "none")
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
-
-
-# ---------------------------------------------------------------------- spawn and result
-
-
-@dataclass(frozen=True)
-class Spawn:
-    """One action, as any process can run it (picklable; paths are strings)."""
-
-    key: str
-    node_id: str
-    kind: str
-    #: the plugin that registered the kind (for messages; the worker loads the same registry)
-    plugin: str
-    params: dict[str, Any]
-    inputs: dict[str, list[Artifact]]
-    model_name: str
-    family: str | None
-    task: str
-    source: str | None
-    hardware: dict[str, Any]
-    section: str
-    target: str
-    project_dir: str
-    missing: dict[str, list[Missing]] = field(default_factory=dict)
-    #: env values set for the action (None: unset), e.g. the `command` kind's keyed `env`
-    env: dict[str, str | None] = field(default_factory=dict)
-    offline: bool = False
-    cache_dir: str | None = None
-    #: the kind needs the network (`TargetKind.network`); without it a sandbox unshares it
-    network: bool = True
-    #: the kind may run in the sandbox (`TargetKind.sandbox`); False: a plain worker process
-    sandboxed: bool = True
-    disabled_plugins: tuple[str, ...] = ()
-    #: modules the kind's run() imports (`TargetKind.preload`): a zygote imports them
-    #: before it forks the worker that runs this spawn
-    preload: tuple[str, ...] = ()
-    #: written by the runner: where the action writes its output, scratch and log
-    out: str = ""
-    tmp: str = ""
-    log: str = ""
-    #: prefix of the action's logger name (the Ray executor's differs)
-    logger_prefix: str = "mopt.action"
-    host: str = ""
-
-
-@dataclass
-class SpawnResult:
-    """What came of a spawn. `status`: ok | failed (the kind raised) | crashed (its process died)."""
-
-    status: str
-    meta: dict[str, Any] = field(default_factory=dict)
-    duration: float = 0.0
-    #: one line: the exception, or how the process ended
-    error: str = ""
-    #: the signal that ended the worker (crashed), else None
-    signal: int | None = None
-    exit_code: int | None = None
-    out: Path = Path()
-    log: Path = Path()
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
 
 
 # ---------------------------------------------------------------------- the action logger
@@ -316,29 +250,6 @@ def _workdir(parent: Path) -> tuple[Path, Path, Path]:
     (d / "out").mkdir()
     (d / "tmp").mkdir()
     return d / "out", d / "tmp", d / "log.txt"
-
-
-class InProcessRunner(SpawnRunner):
-    """Runs the kind in the calling process (a Ray task, which is a process of its own;
-    the benchmark's reference point). Not isolated: the local executor never uses it."""
-
-    name = "in-process"
-
-    def __init__(self, scratch: Path, registry: Any) -> None:
-        self.scratch = scratch
-        self.registry = registry
-
-    @contextlib.contextmanager
-    def exec(
-        self, spawn: Spawn, *, on_line: Callable[[str], None] | None = None, lock_fd: int | None = None
-    ) -> Iterator[SpawnResult]:
-        out, tmp, log = _workdir(self.scratch)
-        try:
-            yield execute_spawn(
-                replace(spawn, out=str(out), tmp=str(tmp), log=str(log)), self.registry, on_line
-            )
-        finally:
-            _rmtree(out.parent)
 
 
 def bwrap_path() -> str | None:

@@ -18,6 +18,7 @@ from mopt.api import (
     Family,
     Finding,
     HardwareProfile,
+    KvPool,
     Params,
     Role,
     Source,
@@ -148,6 +149,19 @@ class ToyVllm(_Kind):
         kv_cache_dtype: Annotated[str, Role.kv_cache_precision] = "auto"
         quantization: Annotated[str | None, Role.quantization] = None
 
+    def kv_pool(self, hardware: HardwareProfile, task: str) -> KvPool:
+        # vLLM 0.26's defaults, as a third party's vLLM kind would give them (mopt-serve's vllm
+        # does the same): 1024 sequences and, with chunked prefill for generation, 8192 tokens
+        # a pass on GPUs of >= 70 GiB (not A100); 256 and 2048 elsewhere; utilization 0.92
+        big = (hardware.memory_gb or 0) >= 70 and "a100" not in (hardware.gpu_name or "").lower()
+        chunked = task == "text-generation"
+        return KvPool(
+            share_of="gpu", fraction=0.92, max_seqs=1024 if big else 256,
+            max_tokens=2048 if chunked and not big else 8192, whole_sequence=not chunked,
+            seqs_key="max_num_seqs", seq_key="max_model_len", fraction_key="gpu_memory_utilization",
+            tokens_key="max_num_batched_tokens", baseline=True,
+        )  # fmt: skip
+
 
 class ToyTrtllm(_Kind):
     name = "toy-trtllm"
@@ -161,6 +175,10 @@ class ToyTrtllm(_Kind):
         max_seq_len: Annotated[int | None, Role.seq_len] = None
         max_num_tokens: Annotated[int | None, Role.num_tokens] = None
         kv_cache_free_gpu_memory_fraction: Annotated[float, Role.kv_cache_fraction] = 0.9
+
+    def kv_pool(self, hardware: HardwareProfile, task: str) -> KvPool:
+        return KvPool(share_of="free", fraction=0.9, max_seqs=2048, max_tokens=8192,
+                      fraction_key="kv_cache_free_gpu_memory_fraction")  # fmt: skip
 
     def check(self, params: Any, ctx: CheckContext) -> list[Finding]:
         # a kind that checks a key itself: its finding replaces the generic rule's
@@ -235,12 +253,12 @@ def mopt_register_hardware(register: Callable[[Any], None]) -> None:
         register(p)
 
 
-def registry() -> Any:
-    """The built-in registry plus this plugin."""
+def registry(disable: tuple[str, ...] = ()) -> Any:
+    """The built-in registry plus this plugin (less the installed plugins in `disable`)."""
     import sys
 
     from mopt.plugins import build_registry, make_plugin_manager
 
-    pm = make_plugin_manager()
+    pm = make_plugin_manager(disable)
     pm.register(sys.modules[__name__], name=PLUGIN_NAME)
     return build_registry(pm)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -191,13 +192,14 @@ def test_kv_fix_values_actually_fit(registry: Any) -> None:
     proposed = est.largest["max_model_len"]
     assert proposed is not None and f"max_model_len ≤ {proposed}" in report.findings[0].fix
     from mopt.check import role_values, workload_for
-    from mopt.estimate import ModelDims, estimate
+    from mopt.estimate import estimate
+    from mopt.family import model_dims
 
     cfg = json.loads((RECIPES / "configs" / "qwen3-embedding-0.6b.json").read_text())
-    dims = ModelDims.from_config(cfg, fx.ToyQwen3)
+    dims = model_dims(cfg, fx.ToyQwen3)
     hw = registry.hardware["rtx4060-laptop"]
     params = {"max_model_len": proposed, "max_num_seqs": 4, "gpu_memory_utilization": 0.5}
-    spec = workload_for(role_values(fx.ToyVllm, params), dims, hw)
+    spec = workload_for(role_values(fx.ToyVllm, params), dims, hw, fx.ToyVllm().kv_pool(hw, "embedding"))
     assert spec is not None
     e = estimate(dims, spec[0], hw.memory_gb)
     assert (e.kv_tokens_available or 0) >= proposed
@@ -354,13 +356,13 @@ def test_generation_errors_carry_the_numbers_and_a_fix(registry: Any) -> None:
     assert f.fix == "set max_model_len ≤ 12508, or gpu_memory_utilization = 0.41"
 
 
-def test_generation_sections_without_limits_get_vllms_defaults_and_what_fits(registry: Any) -> None:
+def test_generation_sections_without_limits_get_a_serving_kinds_defaults_and_what_fits(registry: Any) -> None:
     report = _check("gen_defaults.toml", registry)
     f = _finding(report, "kv-cache-fit", "chat.rtx4060")
     assert f.severity == "info" and f.message == (
         "rtx4060-laptop 8 GiB: max_model_len 40,960 × max_num_seqs 256 needs 1120.00 GiB of KV cache "
         "(112 KiB/token, bf16); 5.70 GiB is left in 0.92 × 8 GiB = 7.36 GiB: fits max_num_seqs ≤ 1 at 40,960 "
-        "or max_model_len ≤ 208 at 256 (vLLM's defaults; no target of this section sets them)"
+        "or max_model_len ≤ 208 at 256 (the defaults of kind 'toy-vllm'; no target of this section sets them)"
     )
     est = {e.section: e for e in report.estimates}
     assert est["chat.h200"].largest == {"max_num_seqs": 29, "max_model_len": 40960}
@@ -369,18 +371,35 @@ def test_generation_sections_without_limits_get_vllms_defaults_and_what_fits(reg
     assert cpu.capacity is None and cpu.kv_cache == 229_376 * 40_960  # fp32 KV of one full context
 
 
+def test_without_a_serving_kinds_defaults_the_core_assumes_no_runtime(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No kind says `baseline` (mopt-serve off, the toy vLLM kind's pool not a baseline): a
+    chat section with no serving target gets the KV cache of one full context, no runtime's
+    defaults and no finding about them."""
+    pool = fx.ToyVllm.kv_pool
+    monkeypatch.setattr(fx.ToyVllm, "kv_pool", lambda self, hw, task: replace(pool(self, hw, task), baseline=False))
+    report = _check("gen_defaults.toml", fx.registry(disable=("mopt-serve",)))
+    assert [f for f in report.findings if f.code == "kv-cache-fit"] == []
+    h200 = next(e for e in report.estimates if e.section == "chat.h200")
+    assert h200.basis == (
+        "text-generation, bf16 (no serving kind gives its runtime's defaults), KV cache for 1 × 40,960 tokens "
+        "(the model's context)"
+    )
+    assert h200.estimate.workload.batch == 1 and h200.estimate.kv_cache == 114_688 * 40_960
+
+
 def test_fp8_kv_cache_halves_the_bytes_per_token(registry: Any) -> None:
     from mopt.check import role_values, workload_for
-    from mopt.estimate import ModelDims, estimate
+    from mopt.estimate import estimate
+    from mopt.family import model_dims
 
-    dims = ModelDims.from_config(
+    dims = model_dims(
         json.loads((RECIPES / "configs" / "qwen3-0.6b.json").read_text()), fx.ToyQwen3Chat
     )
     hw = registry.hardware["rtx4060-laptop"]
     got = {}
     for kv in ("auto", "fp8"):
         params = {"max_model_len": 32768, "max_num_seqs": 8, "kv_cache_dtype": kv}
-        spec = workload_for(role_values(fx.ToyVllm, params), dims, hw, "vllm", task="text-generation")
+        spec = workload_for(role_values(fx.ToyVllm, params), dims, hw, fx.ToyVllm().kv_pool(hw, "text-generation"))
         assert spec is not None
         got[kv] = estimate(dims, spec[0], hw.memory_gb)
     assert got["auto"].kv_per_token == 2 * 28 * 8 * 128 * 2 and got["fp8"].kv_per_token == 2 * 28 * 8 * 128
@@ -393,7 +412,8 @@ def test_kv_bytes_per_token_match_vllm_on_the_h200() -> None:
     126.51 GiB holding 1,184,464 tokens (max_num_seqs 256, max_num_batched_tokens 16384):
     126.51 GiB / 1,184,464 = 114,688 B/token (to the log's 0.01 GiB rounding), which is
     2 × 28 × 8 × 128 × 2 B (bf16), what mopt's estimator uses for the chat model too."""
-    from mopt.estimate import GIB, ModelDims, kv_bytes_per_token
+    from mopt.estimate import GIB, kv_bytes_per_token
+    from mopt.family import model_dims
 
     doc = json.loads(
         (Path(__file__).parent / "data/h200-2026-12-01/serve-check-tuned-s256-t16384/serve.json").read_text()
@@ -401,7 +421,7 @@ def test_kv_bytes_per_token_match_vllm_on_the_h200() -> None:
     log = doc["vllm_log"]
     assert (log["kv_cache_gib"], log["kv_cache_tokens"]) == (126.51, 1184464)
     measured = log["kv_cache_gib"] * GIB / log["kv_cache_tokens"]
-    chat = ModelDims.from_config(
+    chat = model_dims(
         json.loads((RECIPES / "configs" / "qwen3-0.6b.json").read_text()), fx.ToyQwen3Chat
     )
     ours = kv_bytes_per_token(chat, "bf16")
@@ -418,15 +438,16 @@ def test_generation_kv_capacity_against_vllm_on_the_h200(registry: Any) -> None:
     utilization 0.3, max_model_len 2,048, eager: 379,344 tokens. mopt check's estimate for the
     same settings (text-generation, the profile's 141 GiB) is within 1.5 % of both."""
     from mopt.check import role_values, workload_for
-    from mopt.estimate import ModelDims, estimate
+    from mopt.estimate import estimate
+    from mopt.family import model_dims
 
     doc = json.loads((Path(__file__).parent / "data/h200-gen-2026-12-01/gen-memory.json").read_text())
     rep = doc["vllm_reported"]
-    dims = ModelDims.from_config({**doc["config"], "model_type": "qwen3"}, fx.ToyQwen3Chat)
+    dims = model_dims({**doc["config"], "model_type": "qwen3"}, fx.ToyQwen3Chat)
     assert dims.param_counts().total == doc["params"] == 596_049_920
     h200 = registry.hardware["h200"]
     spec = workload_for(
-        role_values(fx.ToyVllm, {"dtype": "bfloat16"}), dims, h200, "vllm", task="text-generation"
+        role_values(fx.ToyVllm, {"dtype": "bfloat16"}), dims, h200, fx.ToyVllm().kv_pool(h200, "text-generation")
     )
     assert spec is not None
     w, _ = spec
@@ -447,7 +468,7 @@ def test_generation_kv_capacity_against_vllm_on_the_h200(registry: Any) -> None:
         "gpu_memory_utilization": 0.3,
         "max_model_len": 2048,
     }
-    spec = workload_for(role_values(fx.ToyVllm, params), dims, h200, "vllm", task="text-generation")
+    spec = workload_for(role_values(fx.ToyVllm, params), dims, h200, fx.ToyVllm().kv_pool(h200, "text-generation"))
     assert spec is not None
     e = estimate(dims, spec[0], h200.memory_gb)
     err = (e.kv_tokens_available - fp8["kv_cache_tokens"]) / fp8["kv_cache_tokens"]

@@ -25,6 +25,7 @@ from mopt.estimate import (
     normalize_precision,
     weight_bytes,
 )
+from mopt.family import model_dims
 
 
 class Qwen3Shape(Family):
@@ -43,11 +44,11 @@ class BertShape(Family):
 
 
 def qwen3(cfg: dict) -> ModelDims:
-    return ModelDims.from_config(cfg, Qwen3Shape)
+    return model_dims(cfg, Qwen3Shape)
 
 
 def bert(cfg: dict) -> ModelDims:
-    return ModelDims.from_config(cfg, BertShape)
+    return model_dims(cfg, BertShape)
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -270,7 +271,7 @@ def test_the_family_decides_the_shape_not_the_model_type() -> None:
     renamed = {**MINILM, "model_type": "acme-bert", "architectures": ["BertModel"]}
     d = bert(renamed)
     assert d.encoder and d.param_counts().total == 22_713_216
-    assert not ModelDims.from_config(renamed).encoder
+    assert not model_dims(renamed).encoder
 
 
 def test_family_config_keys_name_the_dims() -> None:
@@ -283,10 +284,10 @@ def test_family_config_keys_name_the_dims() -> None:
 
     cfg = {"model_type": "distilbert", "dim": 768, "n_layers": 6, "n_heads": 12, "hidden_dim": 3072,
            "vocab_size": 30522, "max_position_embeddings": 512}  # fmt: skip
-    d = ModelDims.from_config(cfg, DistilShape)
+    d = model_dims(cfg, DistilShape)
     assert (d.hidden, d.layers, d.heads, d.intermediate, d.encoder) == (768, 6, 12, 3072, True)
     # distilbert-base-uncased: 66,362,880 parameters (transformers' DistilBertModel)
     assert d.param_counts().total == 66_362_880
     with pytest.raises(ConfigError) as exc:
-        ModelDims.from_config({"vocab_size": 10}, DistilShape)
+        model_dims({"vocab_size": 10}, DistilShape)
     assert exc.value.missing == ["dim", "n_layers", "n_heads"]

@@ -62,3 +62,34 @@ def test_every_scanned_folder_exists_and_the_first_party_plugins_are_scanned() -
     assert all(f.is_dir() for f in SCANNED)
     names = {f.relative_to(ROOT).as_posix() for f in SCANNED}
     assert {"plugins/mopt-ray", "plugins/mopt-image", "plugins/mopt-ml"} <= names
+
+
+def _packages(folder: Path) -> set[str]:
+    """The import names a plugin folder ships (its top-level packages)."""
+    return {p.parent.name for p in folder.glob("*/__init__.py") if p.parent.name != "tests"}
+
+
+def test_no_two_plugins_import_each_other() -> None:
+    """A plugin may build on another (mopt-openvino on mopt-ml, a declared dependency), never
+    in a circle: what both need lives with one of them, or in mopt.api if it is a contract."""
+    owner = {pkg: folder for folder in SCANNED for pkg in _packages(folder)}
+    uses: dict[Path, dict[Path, str]] = {folder: {} for folder in SCANNED}
+    for folder in SCANNED:
+        # what the plugin ships (a benchmark script beside it may compare two plugins)
+        for path in sorted(p for pkg in _packages(folder) for p in (folder / pkg).rglob("*.py")):
+            tree = ast.parse(path.read_text(), filename=str(path))
+            for node in ast.walk(tree):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    names = [node.module]
+                for name in names:
+                    other = owner.get(name.split(".")[0])
+                    if other is not None and other != folder:
+                        uses[folder].setdefault(other, f"{path.relative_to(ROOT)}:{node.lineno}")
+    both = [
+        f"{a.relative_to(ROOT)} ({uses[a][b]}) <-> {b.relative_to(ROOT)} ({uses[b][a]})"
+        for a in SCANNED
+        for b in uses[a]
+        if a in uses[b] and str(a) < str(b)
+    ]
+    assert both == [], "plugins that import each other:\n" + "\n".join(both)

@@ -22,6 +22,7 @@ HOOKS = sorted(n for n in dir(hookspecs) if n.startswith("mopt_"))
 
 def test_every_hook_has_a_one_line_doc() -> None:
     assert HOOKS == [
+        "mopt_register_commands",
         "mopt_register_executors",
         "mopt_register_families",
         "mopt_register_hardware",
@@ -230,6 +231,64 @@ def test_cli_exception_in_a_hook_is_one_line_and_exit_2(tmp_path: Path) -> None:
         "(fix the plugin, or disable it with MOPT_DISABLE_PLUGINS=brokenplug)\n"
     )
     assert run_mopt("plugins", cwd=tmp_path, env={**env, "MOPT_DISABLE_PLUGINS": "brokenplug"}).returncode == 0
+
+
+CMD_PLUGIN = """\
+from pathlib import Path
+
+import click
+
+from mopt.api import hookimpl
+
+
+@hookimpl
+def mopt_register_commands(cli, core):
+    @cli.command("built-files")
+    @click.argument("recipe")
+    @click.argument("target")
+    def built_files(recipe, target):
+        \"\"\"Print a built target's files (through the core handed to the hook).\"\"\"
+        built = core.built_target(Path(recipe), target, kind="command")
+        for rel, blob in sorted(built.files.items()):
+            click.echo(f"{built.node_id} {rel}: {blob.read_text().strip()}")
+        click.echo(f"profiles: {'cpu' in core.registry().hardware}, gpus probed: {core.probe_gpus() is not None}")
+"""
+
+
+def test_hook_mopt_register_commands(tmp_path: Path) -> None:
+    """A plugin's command, added through the hook, reaches the engine only through `core`."""
+    env = _install(tmp_path / "site", "cmdplug", CMD_PLUGIN)
+    (tmp_path / "mopt.toml").write_text('[store]\npath = ".mopt"\n')
+    (tmp_path / "r.toml").write_text(
+        'schema = 1\n[models.toy]\nfamily = "toyfam"\n[toy.cpu]\nhardware = "cpu"\ntargets = ["c"]\n'
+        '[toy.cpu.c]\nkind = "command"\nargv = ["sh", "-c", "echo hello > {out}/out.txt"]\n'
+    )
+    assert "built-files" in run_mopt("--help", cwd=tmp_path, env=env).stdout
+    proc = run_mopt("built-files", "r.toml", "toy.cpu:c", cwd=tmp_path, env=env)
+    assert (proc.returncode, proc.stderr) == (2, "error: toy.cpu:c is not built (run: mopt build r.toml 'toy.cpu:c')\n")
+    assert run_mopt("build", "r.toml", cwd=tmp_path, env=env).returncode == 0
+    proc = run_mopt("built-files", "r.toml", "toy.cpu:c", cwd=tmp_path, env=env)
+    assert (proc.returncode, proc.stdout) == (0, "toy.cpu:c out.txt: hello\nprofiles: True, gpus probed: True\n")
+    # a disabled plugin adds no command
+    proc = run_mopt("built-files", "r.toml", "toy.cpu:c", cwd=tmp_path, env={**env, "MOPT_DISABLE_PLUGINS": "cmdplug"})
+    assert proc.returncode == 2 and "No such command 'built-files'" in proc.stderr
+
+
+def test_plugin_command_may_not_replace_a_core_command(tmp_path: Path) -> None:
+    env = _install(tmp_path / "site", "clashplug", (
+        "from mopt.api import hookimpl\n"
+        "@hookimpl\n"
+        "def mopt_register_commands(cli):\n"  # takes only `cli`: pluggy passes what it names
+        "    @cli.command('build')\n"
+        "    def build():\n"
+        "        pass\n"
+    ))  # fmt: skip
+    proc = run_mopt("--help", cwd=tmp_path, env=env)
+    assert (proc.returncode, proc.stderr) == (
+        2,
+        "error: plugin 'clashplug' replaces the command 'build' (rename its command, or disable it with "
+        "MOPT_DISABLE_PLUGINS=clashplug)\n",
+    )
 
 
 def test_cli_npu_profile_is_refused_in_one_line(tmp_path: Path) -> None:

@@ -154,7 +154,7 @@ def accuracy(paths: dict[str, Path], threads: int, pad_to: int | None) -> dict[s
         if name == "weights":
             continue
         if name.startswith("ov-"):
-            from mopt_openvino.runtime import embed_folder
+            from mopt_ml.openvino_ir import embed_folder
 
             got, _ = embed_folder(p, load_tokenizer(p), texts, threads=threads, pad_to=pad_to)
         else:

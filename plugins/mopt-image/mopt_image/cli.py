@@ -1,8 +1,9 @@
 """`mopt image load|push RECIPE TARGET`: hand a built image to a runtime or a registry.
 
-The core wires this module like its own command modules: `register(app)` adds an `image`
-group to the `mopt` click group. The archive used is the one the store holds for TARGET's
-current action key (verified: a stale or missing build is an error, not a silent fallback).
+The plugin's `mopt_register_commands(cli, core)` calls `register(cli, core)`, which adds an
+`image` group to the `mopt` click group. The archive used is the one the store holds for
+TARGET's current action key (`core.built_target`: a stale or missing build is an error, not
+a silent fallback).
 
 load: `docker` (the SDK; the archive carries a docker `manifest.json`), `podman load`, or
       `buildah pull` into the user's containers-storage.
@@ -21,13 +22,13 @@ from typing import Any
 
 import click
 
-from mopt.api import BuildFailed, MoptError, built_target
+from mopt.api import BuildFailed, Core, MoptError
 from mopt_image.kind import ARCHIVE
 
 
-def built_image(recipe: Path, target: str) -> tuple[str, Path, dict[str, Any]]:
+def built_image(core: Core, recipe: Path, target: str) -> tuple[str, Path, dict[str, Any]]:
     """(node id, archive path in the store, image.json) of the built image TARGET."""
-    built = built_target(recipe, target, kind="image")
+    built = core.built_target(recipe, target, kind="image")
     if ARCHIVE not in built.files or "image.json" not in built.files:
         raise MoptError(f"{built.node_id}'s output has no {ARCHIVE}", hint="rebuild it")
     meta = json.loads(built.files["image.json"].read_text())
@@ -108,8 +109,8 @@ def push_image(archive: Path, meta: dict[str, Any], dest: str) -> str:
     return pushed
 
 
-def register(app: click.Group) -> None:
-    """Add `mopt image load|push` to the `mopt` command line."""
+def register(app: click.Group, core: Core) -> None:
+    """Add `mopt image load|push|path` to the `mopt` command line."""
 
     @app.group("image", context_settings={"help_option_names": ["-h", "--help"]})
     def image() -> None:
@@ -122,7 +123,7 @@ def register(app: click.Group) -> None:
                   show_default=True, help="where to load it")
     def load(recipe: Path, target: str, to: str) -> None:
         """Load TARGET's image into a local docker daemon, podman or buildah storage."""
-        node_id, archive, meta = built_image(recipe, target)
+        node_id, archive, meta = built_image(core, recipe, target)
         where = load_image(archive, meta, to)
         click.echo(f"{node_id}: {meta['image_digest']} loaded into {where}")
 
@@ -132,7 +133,7 @@ def register(app: click.Group) -> None:
     @click.argument("dest")
     def push(recipe: Path, target: str, dest: str) -> None:
         """Push TARGET's image to DEST (registry/repo:tag, or docker://..., oci:..., ...)."""
-        node_id, archive, meta = built_image(recipe, target)
+        node_id, archive, meta = built_image(core, recipe, target)
         digest = push_image(archive, meta, dest)
         click.echo(f"{node_id}: pushed {dest} @ {digest}")
 
@@ -141,5 +142,5 @@ def register(app: click.Group) -> None:
     @click.argument("target")
     def path(recipe: Path, target: str) -> None:
         """Print the path of TARGET's OCI archive in the store (for skopeo, crane, ...)."""
-        _node_id, archive, _meta = built_image(recipe, target)
+        _node_id, archive, _meta = built_image(core, recipe, target)
         click.echo(str(archive))

@@ -1,5 +1,5 @@
 """Entry point of the mopt-image plugin (group `mopt`): registers the `image` and
-`base-image` kinds.
+`base-image` kinds and the `mopt image load|push|path` commands.
 
 Importing this module imports no builder and runs no tool; that happens when a target is
 keyed (fingerprint: `buildah --version`) or built."""
@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from mopt.api import hookimpl
+from mopt.api import Core, hookimpl
 
 
 @hookimpl
@@ -20,3 +20,11 @@ def mopt_register_targets(register: Callable[[Any], None]) -> None:
 
     register(ImageKind)
     register(BaseImageKind)
+
+
+@hookimpl
+def mopt_register_commands(cli: Any, core: Core) -> None:
+    """`mopt image load|push|path`: hand a built image to a runtime or a registry."""
+    from mopt_image.cli import register
+
+    register(cli, core)

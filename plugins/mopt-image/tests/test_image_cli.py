@@ -13,9 +13,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-import click
 import pytest
-from click.testing import CliRunner
 from image_helpers import needs_buildah
 from mopt_image.testing import BaseImage, find_static_busybox, make_busybox_base
 
@@ -95,26 +93,15 @@ def test_recipe_builds_the_same_image_twice_from_a_clean_store(project) -> None:
     files = json.loads(explain.stdout)["parts"]["files"]
     assert list(files) == ["bases/busybox.oci.tar"]
 
-    # `mopt image path|push` (wired here on a bare click group, as the core wires it)
-    from mopt_image.cli import register
-
-    grp = click.Group()
-    register(grp)
-    runner = CliRunner()
-    cwd = os.getcwd()
-    os.chdir(root)
-    try:
-        res = runner.invoke(grp, ["image", "path", "r.toml", "toy.cpu:image"], catch_exceptions=False)
-        assert res.exit_code == 0, res.output
-        archive = Path(res.output.strip().splitlines()[-1])
-        assert archive.read_bytes() == (root / "build/toy/cpu/image/image.oci.tar").read_bytes()
-        dest = root / "pushed.tar"
-        res = runner.invoke(grp, ["image", "push", "r.toml", "toy.cpu:image", f"oci-archive:{dest}"],
-                            catch_exceptions=False)
-        assert res.exit_code == 0, res.output
-        assert dest.is_file()
-    finally:
-        os.chdir(cwd)
+    # `mopt image path|push`: the plugin's commands, added through mopt_register_commands
+    res = mopt(root, "image", "path", "r.toml", "toy.cpu:image")
+    assert res.returncode == 0, res.stderr + res.stdout
+    archive = Path(res.stdout.strip().splitlines()[-1])
+    assert archive.read_bytes() == (root / "build/toy/cpu/image/image.oci.tar").read_bytes()
+    dest = root / "pushed.tar"
+    res = mopt(root, "image", "push", "r.toml", "toy.cpu:image", f"oci-archive:{dest}")
+    assert res.returncode == 0, res.stderr + res.stdout
+    assert dest.is_file()
 
 
 def test_a_tag_only_base_is_a_recipe_error(project) -> None:

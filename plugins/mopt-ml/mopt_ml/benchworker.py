@@ -296,7 +296,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             return lambda: sess.run([OUTPUT_NAME], f)
 
     elif spec["backend"] == "openvino":
-        from mopt_openvino.runtime import Runner, compile_folder, effective
+        from mopt_ml.openvino_ir import Runner, compile_folder, effective
 
         if inputs is None:
             tokenizer = auto_tokenizer(spec["tokenizer"])

@@ -299,7 +299,7 @@ def validate(
 
         got = compiled.embed(ref_dir, model_dir, family, texts, params.max_length)
     elif is_openvino(model_dir):  # compiled with the runtime properties the artifact records
-        from mopt_openvino.runtime import embed_folder
+        from mopt_ml.openvino_ir import embed_folder
 
         tokenizer = load_tokenizer(model_dir)
         family.sanitize_tokenizer(tokenizer)

@@ -63,7 +63,7 @@ class OpenVinoKind(TargetKind):
 
     def platform(self, hardware: Any) -> dict[str, Any]:
         # the recorded effective precision depends on the CPU's bf16 support
-        from mopt_openvino.runtime import native_bf16
+        from mopt_ml.openvino_ir import native_bf16
 
         return {"native_bf16": native_bf16()}
 
@@ -102,6 +102,7 @@ def convert(
 
     import numpy as np
     import openvino as ov
+    from mopt_ml import openvino_ir as runtime
     from mopt_ml.common import (
         INPUT_NAMES,
         META_FILE,
@@ -118,8 +119,6 @@ def convert(
         write_json,
     )
     from mopt_ml.families import as_family
-
-    from mopt_openvino import runtime
 
     family = as_family(family_obj, src)
     tokenizer = family.load_tokenizer(src)

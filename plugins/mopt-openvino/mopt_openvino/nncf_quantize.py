@@ -92,7 +92,7 @@ class NncfQuantizeKind(TargetKind):
 
     def platform(self, hardware: Any) -> dict[str, Any]:
         # the quick check and the recorded effective precision run on this CPU
-        from mopt_openvino.runtime import native_bf16
+        from mopt_ml.openvino_ir import native_bf16
 
         return {"native_bf16": native_bf16()}
 
@@ -143,6 +143,7 @@ def quantize(
 ) -> dict[str, Any]:
     import nncf
     import openvino as ov
+    from mopt_ml import openvino_ir as runtime
     from mopt_ml.common import (
         META_FILE,
         compare,
@@ -154,8 +155,6 @@ def quantize(
         write_json,
     )
     from mopt_ml.families import as_family
-
-    from mopt_openvino import runtime
 
     meta = read_meta(src)
     if meta.get("precision", "fp32") != "fp32":

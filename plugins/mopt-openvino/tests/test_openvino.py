@@ -77,7 +77,7 @@ def _project(tmp_path: Path, recipe: str) -> Path:
 
 
 def test_tiny_bert_through_the_cli(tmp_path: Path) -> None:
-    from mopt_openvino.runtime import native_bf16
+    from mopt_ml.openvino_ir import native_bf16
 
     proj = _project(tmp_path, RECIPE)
     done = mopt(proj, "build", "r.toml", "--json")

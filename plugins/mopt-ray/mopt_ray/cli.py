@@ -1,4 +1,5 @@
-"""`mopt worker --print-resources`: the `ray start --resources` JSON for this machine."""
+"""`mopt worker --print-resources`: the `ray start --resources` JSON for this machine
+(added to the `mopt` command line by the plugin's `mopt_register_commands`)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from typing import Any
 
 import click
 
+from mopt.api import Core
 
-def register(app: click.Group) -> None:
+
+def register(app: click.Group, core: Core) -> None:
     """Add `mopt worker` to the CLI."""
 
     @app.command("worker", context_settings={"help_option_names": ["-h", "--help"]})
@@ -24,11 +27,9 @@ def register(app: click.Group) -> None:
 
         GPUs matching a hardware profile become the custom resource mopt:<profile>; CPU
         profiles need none (every Ray node runs CPU and hardware-independent actions)."""
-        from mopt.api import plugin_registry
         from mopt_ray.placement import local_resources
 
-        registry = plugin_registry()
-        res, notes = local_resources(registry)
+        res, notes = local_resources(core.registry(), core)
         text = json.dumps(_ints(res), sort_keys=True)
         if print_resources:
             for n in notes:

@@ -103,17 +103,17 @@ def infeasible(p: Placement, nodes: Iterable[Mapping[str, float]]) -> str | None
     return f"no single Ray node has {_fmt(demand)} (the cluster offers: {_fmt(total)})"
 
 
-def local_resources(registry: Any) -> tuple[dict[str, float], list[str]]:
+def local_resources(registry: Any, gpus: Any) -> tuple[dict[str, float], list[str]]:
     """The `ray start --resources` JSON for this machine, and notes on how it was found.
 
     One `mopt:<profile>` unit per group of `gpu_count` visible GPUs matching a GPU profile.
-    CPU profiles need no resource. Without GPU detection (`mopt.api.probe_gpus`): nothing.
+    CPU profiles need no resource. `gpus` is what the core handed the plugin (a command's
+    `Core`, an `ExecutorSession`): its `probe_gpus()` and `gpu_matches()`. Without GPU
+    detection: nothing.
     """
     notes: list[str] = []
-    from mopt.api import gpu_matches, probe_gpus
-
     try:
-        probe = probe_gpus()
+        probe = gpus.probe_gpus()
     except (ImportError, AttributeError, OSError) as exc:  # detection not available here
         return {}, [f"GPU detection unavailable ({exc}); offering CPU-only work"]
     if not probe.visible:
@@ -123,7 +123,7 @@ def local_resources(registry: Any) -> tuple[dict[str, float], list[str]]:
     for p in registry.hardware.values():
         if not p.is_gpu:
             continue
-        n = sum(1 for g in probe.visible if gpu_matches(g, p) is None)
+        n = sum(1 for g in probe.visible if gpus.gpu_matches(g, p) is None)
         units = n // max(1, p.gpu_count)
         if units > 0:
             out[profile_resource(p.name)] = float(units)

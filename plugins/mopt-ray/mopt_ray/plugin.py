@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import Field
 
-from mopt.api import Executor, ExecutorSession, MoptError, Params, hookimpl
+from mopt.api import Core, Executor, ExecutorSession, MoptError, Params, hookimpl
 
 
 class RayExecutor(Executor):
@@ -63,11 +63,11 @@ class RayExecutor(Executor):
                 key="push",
                 hint="set push = true (workers and the driver upload artifacts there)",
             )
-        connect(settings)
+        connect(settings, session)
         return RayBuild(session, settings).run()
 
 
-def connect(settings: Any) -> None:
+def connect(settings: Any, session: ExecutorSession) -> None:
     """Connect to the cluster named by `settings.address` unless already connected.
 
     `address = "local"` starts a one-node cluster here, offering the `mopt:<profile>`
@@ -79,11 +79,10 @@ def connect(settings: Any) -> None:
         return
     kw: dict[str, Any] = {"namespace": settings.namespace, "log_to_driver": False}
     if settings.address == "local":
-        from mopt.api import plugin_registry
         from mopt_ray.placement import local_resources
 
         kw["address"] = "local"
-        kw["resources"] = local_resources(plugin_registry())[0]
+        kw["resources"] = local_resources(session.registry, session)[0]
     else:
         kw["address"] = settings.address
     try:
@@ -101,3 +100,11 @@ def connect(settings: Any) -> None:
 def mopt_register_executors(register: Callable[[Any], None]) -> None:
     """The `ray` executor."""
     register(RayExecutor)
+
+
+@hookimpl
+def mopt_register_commands(cli: Any, core: Core) -> None:
+    """`mopt worker`: what this machine offers a mopt Ray cluster."""
+    from mopt_ray.cli import register
+
+    register(cli, core)

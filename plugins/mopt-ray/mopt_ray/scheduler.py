@@ -9,8 +9,8 @@ inputs are in:
 2. otherwise its placement (`mopt_ray.placement`) is checked against the cluster's alive
    nodes: if no node can hold it, it is reported unbuildable with the reason;
 3. otherwise `session.spawn` makes its inputs available on the remote cache and describes
-   it as a remote spawn, which is submitted as a Ray task (`mopt.api.run_remote_spawn` in a
-   Ray worker) with `num_cpus`, `num_gpus`, the profile's custom resource and
+   it as a spawn, which is submitted as a Ray task (`session.run_spawn`, the core's remote
+   runner, in a Ray worker) with `num_cpus`, `num_gpus`, the profile's custom resource and
    `max_retries` (retries on worker or node loss only: a failing kind is not retried).
 
 While tasks run, the cluster is re-checked every few seconds: a task whose only capable
@@ -40,11 +40,7 @@ class RayBuild:
         self.session = session
         self.settings = settings
         self.placements: dict[str, Placement] = {}
-        self.cfg = {
-            "store": settings.worker_store,
-            "remote": session.remote_connection(),
-            "disable_plugins": list(session.disabled_plugins),
-        }
+        self.cfg = {"store": settings.worker_store, "remote": session.remote_connection()}
 
     def run(self) -> dict[str, Any]:
         import ray
@@ -137,7 +133,7 @@ class RayBuild:
             opts["resources"] = dict(p.resources)
         if self.settings.runtime_env:
             opts["runtime_env"] = dict(self.settings.runtime_env)
-        return task.options(**opts).remote(spec, self.cfg)
+        return task.options(**opts).remote(self.session.run_spawn, spec, self.cfg)
 
     def _collect(self, node_id: str, ref: Any) -> bool:
         """Take a finished task's result; True when the node is built or cached."""
@@ -163,8 +159,7 @@ class RayBuild:
         return s.finished(node_id, result)
 
 
-def _execute_entry(spec_json: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """The Ray task (a module-level function, so workers import it by name)."""
-    from mopt.api import run_remote_spawn
-
-    return run_remote_spawn(spec_json, cfg, executor="ray")
+def _execute_entry(run_spawn: Any, spec_json: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The Ray task (a module-level function, so workers import it by name); `run_spawn` is
+    the session's remote runner, pickled by reference (mopt is installed on the workers)."""
+    return dict(run_spawn(spec_json, cfg, executor="ray"))

@@ -76,13 +76,9 @@ def test_infeasible_names_the_missing_resource() -> None:
 
 
 def _worker_cli() -> click.Group:
-    from mopt_ray.cli import register
+    """The real `mopt` group: `worker` comes in through the plugin's mopt_register_commands."""
+    from mopt.cli import app
 
-    @click.group()
-    def app() -> None:
-        """test"""
-
-    register(app)
     return app
 
 
@@ -114,7 +110,9 @@ def test_worker_print_resources(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
 
 def test_local_resources_counts_gpu_groups(monkeypatch: pytest.MonkeyPatch) -> None:
     _fake_probe(monkeypatch, [("NVIDIA H200", (9, 0))] * 8)
-    res, _notes = local_resources(get_registry())
+    from mopt.cli import PluginCore
+
+    res, _notes = local_resources(get_registry(), PluginCore())
     assert res.get("mopt:h200") == 8.0
 
 

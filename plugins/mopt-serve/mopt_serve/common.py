@@ -1,6 +1,6 @@
 """What the serving kinds share: reading a model's config.json, the tensor-parallel rules, and
 writing configs and launch scripts that name no absolute path. (Memory is `mopt check`'s own
-estimator's job: each kind declares its `memory_model`.)"""
+estimator's job: each kind declares its `memory_model`, or its runtime's `kv_pool()`.)"""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ deployment sets: chunked prefill when one pass (`max_num_tokens`) is shorter tha
 the capacity scheduler's policy, and an fp8 KV cache where asked. `check()` refuses a
 `max_seq_len` over the model's `max_position_embeddings`, a TP size that does not divide the
 attention heads (and KV heads, or replicate them evenly), and (through `mopt check`'s
-generic rules, `memory_model = "trtllm"`) a KV cache that does not hold one `max_seq_len`
+generic rules, sized by `kv_pool()`: TensorRT-LLM's defaults) a KV cache that does not hold one `max_seq_len`
 sequence in `free_gpu_memory_fraction` of what the weights leave.
 
 TensorRT-LLM cannot be installed here (NVIDIA's index only) nor on the H200 machine: the
@@ -38,7 +38,17 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from mopt.api import BuildContext, CheckContext, Finding, HardwareProfile, Input, Params, Role, TargetKind
+from mopt.api import (
+    BuildContext,
+    CheckContext,
+    Finding,
+    HardwareProfile,
+    Input,
+    KvPool,
+    Params,
+    Role,
+    TargetKind,
+)
 from mopt.api import plugin_env as _env
 from mopt_serve import common
 
@@ -233,7 +243,6 @@ class TrtllmKind(TargetKind):
     name = "trtllm"
     version = "1"
     description = "TensorRT-LLM trtllm-serve config (LLM API options YAML); legacy engine for <= 1.2"
-    memory_model = "trtllm"  # mopt check: KV cache from the free-memory fraction
     consumes = (Input("model", kinds=("modelopt-ptq", "weights")),)
     produces = "trtllm-config"
     per_hardware = True
@@ -257,6 +266,14 @@ class TrtllmKind(TargetKind):
 
     def platform(self, hardware: HardwareProfile) -> dict[str, Any]:
         return {"gpu_count": hardware.gpu_count, "compute_capability": common.cc_str(hardware)}
+
+    def kv_pool(self, hardware: HardwareProfile, task: str) -> KvPool:
+        # TensorRT-LLM's KvCacheConfig.free_gpu_memory_fraction 0.9 of what the model leaves,
+        # and the LLM API's max_batch_size 2048 / max_num_tokens 8192
+        return KvPool(
+            share_of="free", fraction=0.9, max_seqs=2048, max_tokens=8192,
+            fraction_key="kv_cache_free_gpu_memory_fraction",
+        )  # fmt: skip
 
     def check(self, params: Any, ctx: CheckContext) -> list[Finding]:
         hw, cfg = ctx.hardware, ctx.model_config or {}

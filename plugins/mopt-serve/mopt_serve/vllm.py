@@ -15,7 +15,18 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from mopt.api import BuildContext, CheckContext, Finding, HardwareProfile, Input, Params, Role, TargetKind
+from mopt.api import (
+    TEXT_GENERATION,
+    BuildContext,
+    CheckContext,
+    Finding,
+    HardwareProfile,
+    Input,
+    KvPool,
+    Params,
+    Role,
+    TargetKind,
+)
 from mopt_serve import common
 
 #: quantization vLLM should use for a `modelopt-ptq` checkpoint of each qformat
@@ -23,6 +34,33 @@ MODELOPT_QUANT = {"nvfp4": "modelopt_fp4"}
 #: minimum compute capability per vLLM quantization (weights and activations)
 QUANT_MIN_CC = {"fp8": (8, 9), "modelopt": (8, 9), "modelopt_fp4": (10, 0)}
 BOOL_NEGATABLE = ("enable-prefix-caching", "enable-chunked-prefill")
+#: vLLM 0.26's defaults for what a config leaves out (`mopt check` sizes the KV cache with
+#: them): CacheConfig.gpu_memory_utilization 0.92; EngineArgs.get_batch_defaults gives the API
+#: server 1024 sequences and, with chunked prefill (on for generation in V1), 8192 batched
+#: tokens on GPUs of >= 70 GiB (not A100), 256 and 2048 elsewhere; a pooling model's pass
+#: takes a whole sequence, at least 8192 tokens
+DEFAULT_UTILIZATION = 0.92
+DEFAULT_MAX_NUM_SEQS = {"big": 1024, "small": 256}
+DEFAULT_CHUNKED_TOKENS = {"big": 8192, "small": 2048}
+DEFAULT_BATCHED_TOKENS = 8192
+
+
+def kv_pool(hardware: HardwareProfile, task: str) -> KvPool:
+    """vLLM's KV-cache pool on `hardware` for a model of `task`, with its defaults."""
+    size = "big" if (hardware.memory_gb or 0) >= 70 and "a100" not in (hardware.gpu_name or "").lower() else "small"
+    chunked = task == TEXT_GENERATION
+    return KvPool(
+        share_of="gpu",
+        fraction=DEFAULT_UTILIZATION,
+        max_seqs=DEFAULT_MAX_NUM_SEQS[size],
+        max_tokens=DEFAULT_CHUNKED_TOKENS[size] if chunked else DEFAULT_BATCHED_TOKENS,
+        whole_sequence=not chunked,
+        seqs_key="max_num_seqs",
+        seq_key="max_model_len",
+        fraction_key="gpu_memory_utilization",
+        tokens_key="max_num_batched_tokens",
+        baseline=True,  # what a chat model's sections without a serving target are sized by
+    )
 
 
 class VllmParams(Params):
@@ -188,7 +226,6 @@ class VllmKind(TargetKind):
     name = "vllm"
     version = "1"
     description = "vLLM serving config (vllm serve --config) for the model and hardware"
-    memory_model = "vllm"  # mopt check: gpu_memory_utilization pool with a KV cache
     consumes = (Input("model", kinds=("modelopt-ptq", "weights")),)
     produces = "vllm-config"
     per_hardware = True
@@ -201,6 +238,9 @@ class VllmKind(TargetKind):
 
     def platform(self, hardware: HardwareProfile) -> dict[str, Any]:
         return {"gpu_count": hardware.gpu_count, "memory_gb": hardware.memory_gb}
+
+    def kv_pool(self, hardware: HardwareProfile, task: str) -> KvPool:
+        return kv_pool(hardware, task)
 
     def check(self, params: Any, ctx: CheckContext) -> list[Finding]:
         hw, cfg = ctx.hardware, ctx.model_config or {}

@@ -41,7 +41,8 @@ from mopt.api import Artifact
 from mopt.api import plugin_env as _env
 from mopt.builtin.hardware import PROFILES
 from mopt.check import role_values, workload_for
-from mopt.estimate import ModelDims, estimate
+from mopt.estimate import estimate
+from mopt.family import model_dims
 
 ROOT = Path(__file__).resolve().parents[3]
 DATA = ROOT / "tests/data/h200-2026-12-01"
@@ -142,14 +143,14 @@ def test_mopt_check_gives_vllms_kv_token_capacity_within_5_percent():
     """vLLM's own log on the H200 vs mopt check's estimate, for every recorded config (the
     issue's number: 1,186,096 tokens for vLLM's defaults)."""
     cfg = json.loads((ROOT / "recipes/configs/qwen3-embedding-0.6b.json").read_text())
-    dims = ModelDims.from_config(cfg)
+    dims = model_dims(cfg)
     h200 = next(p for p in PROFILES if p.name == "h200")
     errors = []
     for name, (vdir, _) in CONFIGS.items():
         params = {
             k.replace("-", "_"): v for k, v in yaml.safe_load((DATA / vdir / "vllm.yaml").read_text()).items()
         }
-        spec = workload_for(role_values(VllmKind, params), dims, h200, "vllm")
+        spec = workload_for(role_values(VllmKind, params), dims, h200, VllmKind().kv_pool(h200, "embedding"))
         assert spec is not None
         e = estimate(dims, spec[0], h200.memory_gb)
         measured = recorded(name)["vllm_log"]["kv_cache_tokens"]

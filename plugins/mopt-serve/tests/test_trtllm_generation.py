@@ -224,3 +224,33 @@ def test_mopt_check_of_a_chat_recipe_with_trtllm(tmp_path):
         "rtx4060-laptop 8 GiB: max_seq_len 32,768 × max_batch_size 8 needs 28.00 GiB of KV cache (112 KiB/token, bf16)"
     ), rtx.message
     assert "fits max_batch_size ≤ 1 at 32,768" in rtx.message
+
+
+def test_a_chat_section_without_a_serving_target_is_sized_by_vllms_defaults(tmp_path):
+    """The core knows no runtime: the `vllm` kind's `kv_pool` (baseline) gives vLLM's defaults
+    for a text-generation section none of whose targets sets serving limits."""
+    import pytest
+
+    from mopt.check import run_checks
+    from mopt.graph import build_graph
+    from mopt.plugins import get_registry
+    from mopt.recipe import load_recipe
+
+    reg = get_registry()
+    fam = reg.families.get("qwen3")
+    if "weights" not in reg.targets or fam is None or "text-generation" not in getattr(fam, "tasks", ()):
+        pytest.skip("needs the mopt-ml plugin with the qwen3 text-generation family")
+    w = tmp_path / "weights"
+    w.mkdir()
+    (w / "config.json").write_text(json.dumps(CHAT))
+    (tmp_path / "r.toml").write_text(
+        'schema = 1\n[models.chat]\nfamily = "qwen3"\ntask = "text-generation"\nsource = { path = "weights" }\n'
+        'config = "weights/config.json"\n[chat.h200]\nhardware = "h200"\ntargets = ["weights"]\n'
+    )
+    report = run_checks(build_graph(load_recipe(tmp_path / "r.toml", reg), reg))
+    (f,) = [f for f in report.findings if f.code == "kv-cache-fit"]
+    assert f.message.endswith("(the defaults of kind 'vllm'; no target of this section sets them)"), f.message
+    (est,) = report.estimates
+    w8 = est.estimate.workload
+    assert (w8.runtime, w8.batch, w8.num_tokens, w8.memory_fraction) == ("vllm", 1024, 8192, 0.92)
+    assert set(est.largest) == {"max_num_seqs", "max_model_len"}

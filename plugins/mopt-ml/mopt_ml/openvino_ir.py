@@ -1,9 +1,11 @@
-"""Running an OpenVINO IR artifact: compile it with the runtime properties its metadata
-records, read back what the CPU plugin actually chose, and embed texts.
+"""Running an OpenVINO IR artifact (format `openvino-ir`): compile it with the runtime
+properties its metadata records, read back what the CPU plugin actually chose, and embed texts.
 
-`validate` and `bench` (plugin mopt-ml) import this module when an artifact folder holds a
-`model.xml`, so that they test an OpenVINO artifact the way they test an ONNX one. Nothing
-here is imported at plugin load; openvino is imported inside the functions.
+`validate` and `bench` import this module when an artifact folder holds a `model.xml`, so that
+they test an OpenVINO artifact the way they test an ONNX one; mopt-openvino, which makes those
+artifacts and depends on mopt-ml, uses it to check what it built (mopt-ml never imports
+mopt-openvino). Nothing here is imported at plugin load; openvino (installed with
+mopt-openvino) is imported inside the functions.
 """
 
 from __future__ import annotations
@@ -140,6 +142,7 @@ def embed(
 ) -> Any:
     """Pooled embeddings [len(texts), hidden], batched like mopt-ml's `embed_onnx`."""
     import numpy as np
+
     from mopt_ml.common import tokenize
 
     out = []
