@@ -1027,7 +1027,10 @@ class Engine:
                 off.append(f"{name} is gone")
                 continue
             d = self.store.state.lookup(os.path.abspath(name), ist)
-            watch(name, file_stat(ist), None if d is None else (d, mode_of(ist.st_mode)))
+            if d is not None:  # a touch of it with the same bytes is then no change
+                watch(name, file_stat(ist), (d, mode_of(ist.st_mode)))
+            elif w.file(name, file_stat(ist)) is None:  # the stat cache did not keep it (just written)
+                off.append(f"{name} changed while the build read it")
         for folder in sorted(set(folders)):
             try:
                 fst = os.stat(folder)

@@ -8,7 +8,6 @@ the no-op rebuild takes the fast path."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -142,11 +141,11 @@ def test_estimate_of_the_built_checkpoint_is_its_parameter_count(built: tuple[Pa
 
 def test_noop_rebuild_takes_the_fast_path(built: tuple[Path, dict]) -> None:
     p, _ = built
-    time.sleep(0.3)  # files written within the racy window are not trusted by stat
+    # (the tests before wrote files into the project: a folder on `python -m`'s sys.path)
     first = run_mopt("build", "r.toml", "--json", cwd=p)
     assert first.returncode == 0, first.stderr
     second = json.loads(run_mopt("build", "r.toml", "--json", cwd=p).stdout)
-    assert second["io"].get("noop_stamp") is True, second["io"]
+    assert second["io"].get("noop") is True, second["io"].get("noop_miss")
     assert set(second["counts"]) == {"cached"}
 
 

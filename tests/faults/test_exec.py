@@ -454,15 +454,15 @@ def test_workers_are_forked_from_a_zygote_that_preloaded_the_kinds_modules(
     assert seen["parent_omp_wait_policy"] == ("PASSIVE" if zygote == "1" else None), seen
     assert seen["omp_wait_policy"] is None, seen
     p.check()
-    # the same build again, all hits (the no-op stamp is gone): the zygote that was started
+    # the same build again, all hits (the build log is gone): the zygote that was started
     # ahead is stopped without having forked a worker, and nothing is left running
-    for stamp in (p.dir / ".mopt" / "noop").iterdir():
-        stamp.unlink()
+    for log in (p.dir / ".mopt" / "log").iterdir():
+        log.unlink()
     proc = p.build("--json", env={**env, "MOPT_ZYGOTE": zygote})
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert data["counts"] == {"cached": 1}, data["counts"]
-    assert data["io"]["noop_miss"] == "no stamp", data["io"]  # it went through the engine
+    assert data["io"]["noop_miss"] == "no log", data["io"]  # it went through the engine
     p.check()
 
 
