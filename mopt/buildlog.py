@@ -56,6 +56,8 @@ _FIELDS = operator.attrgetter("st_dev", "st_ino", "st_size", "st_mtime_ns", "st_
 #: the recorded stats are marshalled in format 2 (no back-references: equal lists give equal
 #: bytes), so a no-op compares the stats it takes with them as bytes
 STATS_MARSHAL = 2
+#: from this many recorded files on, a forked child takes the stats of the second half
+FORK_MIN = 16384
 
 
 def ident_of(recipe: str, selectors: list[str] | tuple[str, ...], offline: bool) -> tuple[str, tuple[str, ...], bool]:
@@ -330,8 +332,18 @@ class Log:
 
     def stat_all(self) -> None:
         """Take the stat of every recorded file now, in one run (the no-op's loop: the stats
-        are taken in C, map and attrgetter, marshalled and compared as bytes)."""
-        self.now = now = _stat_list(self.paths)
+        are taken in C, map and attrgetter, marshalled and compared as bytes). From FORK_MIN
+        files on, a forked child takes the second half where there are two CPUs: os.stat is
+        mostly kernel time, and threads would contend for the GIL at every call (10,000
+        nodes, 62,000 files, quiet 2-core AMD EPYC: 0.16 s in one process, 0.11 s in two)."""
+        paths = self.paths
+        half = len(paths) // 2
+        child = _fork(lambda: marshal.dumps(_stat_list(paths[half:]), STATS_MARSHAL)) if half >= FORK_MIN // 2 else None
+        now = _stat_list(paths[:half] if child is not None else paths)
+        if child is not None:
+            rest = _join(*child)
+            now += rest if isinstance(rest, list) else _stat_list(paths[half:])
+        self.now = now
         self.all_hold = not self.racy and marshal.dumps(now, STATS_MARSHAL) == self.doc["stats"]
         if not self.all_hold:
             self.suspect = {i for i, (a, b) in enumerate(zip(now, self.stats)) if a != b} | self.racy
@@ -387,6 +399,51 @@ def _stat_list(paths: list[str]) -> list[FileStat | None]:
             except (OSError, ValueError):
                 out.append(None)
         return out
+
+
+def _fork(work: Any) -> tuple[int, int] | None:
+    """(pid, read end of a pipe) of a child that writes what `work()` returns and exits; None
+    where forking is not safe or not worth it: a process running other threads (the child
+    would hold locks they held), or fewer than two CPUs."""
+    try:
+        if sys.platform != "linux" or len(os.sched_getaffinity(0)) < 2 or len(os.listdir("/proc/self/task")) != 1:
+            return None
+        r, w = os.pipe()
+    except OSError:
+        return None
+    try:
+        pid = os.fork()
+    except OSError:
+        os.close(r)
+        os.close(w)
+        return None
+    if pid == 0:  # the child: only os calls and marshal, then _exit (no atexit, no flush)
+        try:
+            os.close(r)
+            view = memoryview(work())
+            while view:
+                view = view[os.write(w, view) :]
+        finally:
+            os._exit(0)
+    os.close(w)
+    return pid, r
+
+
+def _join(pid: int, fd: int) -> Any:
+    """What the child of `_fork` sent, unmarshalled; None if it failed."""
+    chunks = []
+    try:
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return marshal.loads(b"".join(chunks))
+    except (OSError, EOFError, ValueError, TypeError):
+        return None
+    finally:
+        os.close(fd)
+        try:
+            os.waitpid(pid, 0)
+        except OSError:
+            pass
 
 
 # --------------------------------------------------------------------------- the no-op

@@ -177,6 +177,64 @@ def test_learning_records_the_new_stat_so_the_next_check_hashes_nothing(tmp_path
     assert again.why_not(str(tmp_path / "store")) == "" and again.hashed == [0, 0]
 
 
+_FORKED = """
+import json, os, sys
+from mopt import buildlog
+from mopt.filehash import file_stat
+buildlog.FORK_MIN = 8
+forks = []
+real = buildlog._fork
+def counted(work):
+    got = real(work)
+    forks.extend([got] if got is not None else [])
+    return got
+buildlog._fork = counted
+root, mode = sys.argv[1], sys.argv[2]
+files = [os.path.join(root, "f", f"f{i}") for i in range(20)]
+log = os.path.join(root, "store", "log", "x.log")
+if mode == "write":
+    w = buildlog.Writer()
+    for f in files:
+        w.file(f, file_stat(os.stat(f)))
+    w.save(log, ident=("r", (), False), store=os.path.join(root, "store"), env=buildlog.environment(),
+           env_names=[], absent=[], noop="", result={})
+else:
+    got = buildlog.Log(log, buildlog.read(log)).why_not(os.path.join(root, "store"))
+    print(json.dumps({"forked": len(forks), "why": got}))
+"""
+
+
+@pytest.mark.parametrize("change", ["none", "edit_second_half", "delete_second_half", "edit_first_half"])
+def test_stats_taken_by_the_forked_half_miss_like_the_rest(tmp_path: Path, change: str) -> None:
+    """From FORK_MIN files on, a forked child stats the second half (where two CPUs and one
+    thread allow): a change there is a miss naming the file, exactly as one in the first."""
+    (tmp_path / "f").mkdir()
+    for i in range(20):
+        (tmp_path / "f" / f"f{i}").write_text(f"{i}")
+    past = time.time_ns() - 10**9
+    for i in range(20):
+        os.utime(tmp_path / "f" / f"f{i}", ns=(past, past))
+    time.sleep(0.25)  # their ctimes out of the racy window
+
+    def run(mode: str) -> dict:
+        proc = subprocess.run([sys.executable, "-c", _FORKED, str(tmp_path), mode], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout) if mode == "check" else {}
+
+    run("write")
+    target = {"none": None, "edit_second_half": 17, "delete_second_half": 19, "edit_first_half": 2}[change]
+    if target is not None:
+        f = tmp_path / "f" / f"f{target}"
+        if change.startswith("delete"):
+            f.unlink()
+        else:
+            f.write_text("changed")
+    got = run("check")
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert got["forked"] == 1
+    assert got["why"] == ("" if target is None else f"changed: {tmp_path / 'f' / f'f{target}'}")
+
+
 # --------------------------------------------------------------------------- builds
 
 
