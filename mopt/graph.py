@@ -18,7 +18,7 @@ from typing import Any
 from mopt.api import HardwareProfile, Input, TargetKind
 from mopt.digest import hash_bytes
 from mopt.errors import MoptError, did_you_mean
-from mopt.keys import Layout, member
+from mopt.keys import canonical_bytes
 from mopt.plugins import Registry
 from mopt.recipe import Model, Recipe, Section, Target
 
@@ -39,15 +39,13 @@ class Node:
     hardware: HardwareProfile
     inputs: dict[str, list[str]]
     label: str
+    #: `target.params` as JSON, dumped once per params object (frozen); read-only
+    params_dump: Any
     addresses: list[str] = field(default_factory=list)
     #: slots that take whatever of their inputs got built (`Input.partial`)
     partial_slots: tuple[str, ...] = ()
-    #: `target.params` as JSON, dumped once (params are frozen); treat it as read-only
-    params_dump: Any = None
 
     def params_json(self) -> Any:
-        if self.params_dump is None:
-            self.params_dump = self.target.params.model_dump(mode="json")
         return self.params_dump
 
     def input_ids(self) -> list[str]:
@@ -67,16 +65,6 @@ class Graph:
     def input_labels(self, node: Node) -> dict[str, list[str]]:
         """Slot → labels of the nodes `node` consumes."""
         return {s: [self.nodes[d].label for d in ids] for s, ids in node.inputs.items()}
-
-    def kind_of(self, node: Node) -> TargetKind:
-        return self.registry.targets[node.kind]()
-
-    def dependents(self) -> dict[str, list[str]]:
-        out: dict[str, list[str]] = {n: [] for n in self.nodes}
-        for n in self.nodes.values():
-            for i in n.input_ids():
-                out[i].append(n.id)
-        return out
 
     def closure(self, ids: Iterable[str]) -> list[str]:
         """`ids` and everything they depend on, in topological order."""
@@ -171,14 +159,12 @@ def _wire(section: Section, registry: Registry) -> dict[str, dict[str, list[str]
                         s.describe() if len(cls.consumes) == 1 else f"{s.name}: {s.describe()}"
                         for s in cls.consumes
                     )
-                    raise MoptError(
-                        f"input {inp!r} is a {kind!r}" + (f" (format {fmt!r})" if fmt else "")
+                    raise where.error(
+                        f"input {inp!r} is a {kind!r}"
+                        + (f" (format {fmt!r})" if fmt else "")
                         + f", which kind {t.kind!r} does not take",
-                        file=where.file if where else None,
-                        table=where.table if where else None,
-                        key="input",
-                        line=where.line if where else None,
-                        hint=f"it takes: {accepted or 'no inputs'}",
+                        "input",
+                        f"it takes: {accepted or 'no inputs'}",
                     )
                 slots[slot.name].append(inp)
         for slot in cls.consumes:
@@ -190,29 +176,22 @@ def _wire(section: Section, registry: Registry) -> dict[str, dict[str, list[str]
             if not cands:
                 if slot.required:
                     first_kind = _producer_of(registry, slot)
-                    raise MoptError(
+                    raise section.where.error(
                         f"target {name!r} ({t.kind}) needs an input of {slot.describe()}, "
                         "and the section has none",
-                        file=section.where.file,
-                        table=section.id,
-                        key="targets",
-                        line=section.where.line,
-                        hint=f"add {first_kind!r} to targets" if first_kind else "add a target that makes one",
+                        "targets",
+                        f"add {first_kind!r} to targets" if first_kind else "add a target that makes one",
                     )
                 continue
             if len(cands) > 1 and not (slot.fanout or slot.gather):
-                raise MoptError(
+                raise where.error(
                     f"target {name!r} could take its {slot.name!r} input from "
                     f"{' or '.join(repr(c) for c in cands)}",
-                    file=where.file if where else None,
-                    table=where.table if where else section.id,
-                    key="input",
-                    line=where.line if where else None,
-                    hint=f'say which: input = "{cands[0]}"',
+                    "input",
+                    f'say which: input = "{cands[0]}"',
                 )
             slots[slot.name] = cands
         wiring[name] = slots
-    _check_cycles(section, wiring)
     return wiring
 
 
@@ -228,9 +207,11 @@ def _producer_of(registry: Registry, slot: Input) -> str | None:
     return None
 
 
-def _check_cycles(section: Section, wiring: dict[str, dict[str, list[str]]]) -> None:
-    state: dict[str, int] = {}
+def _order(section: Section, wiring: dict[str, dict[str, list[str]]]) -> list[str]:
+    """The section's target names, each after its inputs; a cycle is an error."""
+    state: dict[str, int] = {}  # 1: on the path being walked, 2: done
     path: list[str] = []
+    done: list[str] = []
 
     def visit(n: str) -> None:
         state[n] = 1
@@ -243,39 +224,20 @@ def _check_cycles(section: Section, wiring: dict[str, dict[str, list[str]]]) -> 
                         next((t.input_where or t.where for t in section.targets if t.name == d), None)
                         or section.where
                     )
-                    raise MoptError(
+                    raise where.error(
                         f"dependency cycle: {' → '.join(cyc)}",
-                        file=where.file,
-                        table=where.table,
-                        key="input",
-                        line=where.line,
-                        hint="an `input` points back at a target that depends on this one",
+                        "input",
+                        "an `input` points back at a target that depends on this one",
                     )
                 if state.get(d) is None:
                     visit(d)
         path.pop()
         state[n] = 2
+        done.append(n)
 
     for n in wiring:
         if n not in state:
             visit(n)
-
-
-def _topo_names(wiring: dict[str, dict[str, list[str]]]) -> list[str]:
-    done: list[str] = []
-    seen: set[str] = set()
-
-    def visit(n: str) -> None:
-        if n in seen:
-            return
-        seen.add(n)
-        for deps in wiring[n].values():
-            for d in deps:
-                visit(d)
-        done.append(n)
-
-    for n in wiring:
-        visit(n)
     return done
 
 
@@ -284,35 +246,13 @@ def build_graph(recipe: Recipe, registry: Registry) -> Graph:
     nodes: dict[str, Node] = {}
     by_identity: dict[str, Node] = {}
     kinds: dict[str, TargetKind] = {}  # one instance per kind, not one per target
-    hw_json: dict[int, Any] = {}  # id(profile) → its JSON
-    memo = _NodeMemo()
-    #: per shape: for each target name in topological order, its slots and the (slot, mode)
-    #: of those that have inputs
-    wirings: dict[Any, list[tuple[str, dict[str, list[str]], tuple[tuple[str, str], ...]]]] = {}
-    slot_modes: dict[tuple[str, str], str] = {}  # (kind, slot) → gather | fanout | one
+    # params objects are shared by the sections whose values are equal: dump each once
+    dumps: dict[int, tuple[Any, Any]] = {}
     for section in recipe.sections:
         sid = section.id
         hw = registry.hardware[section.hardware]
         model = recipe.models[section.model]
-        # sections of one shape (target names, kinds, inputs) wire alike: 10,000 sections
-        # under one [defaults] have one shape; the first of a shape raises any wiring error
-        shape = tuple((t.name, t.kind, None if t.inputs is None else tuple(t.inputs)) for t in section.targets)
-        plan = wirings.get(shape)
-        if plan is None:
-            wiring = _wire(section, registry)
-            kind_of = {t.name: t.kind for t in reversed(section.targets)}  # the first of a name
-            plan = wirings[shape] = [
-                (
-                    name,
-                    wiring[name],
-                    tuple(
-                        (s, slot_modes.get((kind_of[name], s)) or _slot_mode(registry, kind_of[name], s, slot_modes))
-                        for s in wiring[name]
-                        if wiring[name][s]
-                    ),
-                )
-                for name in _topo_names(wiring)
-            ]
+        wiring = _wire(section, registry)
         variants: dict[str, list[Target]] = {}
         for t in section.targets:
             kind = kinds.get(t.kind)
@@ -321,20 +261,25 @@ def build_graph(recipe: Recipe, registry: Registry) -> Graph:
             t.params = kind.bind(t.params, model=section.model, hardware=section.key, section=sid)
             variants.setdefault(t.name, []).append(t)
         built: dict[str, list[Node]] = {}  # target name → its nodes in this section
-        for name, slots, modes in plan:
+        for name in _order(section, wiring):
+            slots = wiring[name]
+            cls = registry.targets[variants[name][0].kind]
+            # per filled slot, the ways to fill it: all inputs at once (gather), one node
+            # per input (fanout), or one node of the one input target
             choices: list[list[tuple[str, list[Node]]]] = [
-                [(s, [n for inp in slots[s] for n in built[inp]])]
-                if mode == "gather"
-                else [(s, [n]) for inp in slots[s] for n in built[inp]]
-                if mode == "fanout"
-                else [(s, [n]) for n in built[slots[s][0]]]
-                for s, mode in modes
+                [(s.name, [n for inp in slots[s.name] for n in built[inp]])]
+                if s.gather
+                else [(s.name, [n]) for inp in slots[s.name] for n in built[inp]]
+                if s.fanout
+                else [(s.name, [n]) for n in built[slots[s.name][0]]]
+                for s in cls.consumes
+                if slots[s.name]
             ]
             multi = [len(c) > 1 for c in choices]
             here: list[Node] = []
             built[name] = here
             for t in variants[name]:
-                for combo in itertools.product(*choices) if choices else [()]:
+                for combo in itertools.product(*choices):
                     inputs: dict[str, list[str]] = {s: [] for s in slots}
                     suffix = []
                     for (slot, inodes), is_multi in zip(combo, multi):
@@ -342,161 +287,20 @@ def build_graph(recipe: Recipe, registry: Registry) -> Graph:
                         if is_multi:
                             suffix.append(inodes[0].label)
                     label = t.label + (f"[{','.join(suffix)}]" if suffix else "")
-                    identity = memo.identity(registry, model, hw, t, inputs, nodes, hw_json)
-                    existing = by_identity.get(identity)
-                    if existing is not None:
-                        addr = f"{sid}:{label}"
-                        if addr not in existing.addresses:
-                            existing.addresses.append(addr)
-                        here.append(existing)
-                        continue
-                    node = memo.node(registry, section, sid, model, hw, t, inputs, label, identity)
-                    by_identity[identity] = node
-                    nodes[node.id] = node
-                    here.append(node)
+                    hit = dumps.get(id(t.params))
+                    if hit is None or hit[0] is not t.params:
+                        hit = dumps[id(t.params)] = (t.params, t.params.model_dump(mode="json"))
+                    node = _node(registry, section, model, hw, t, inputs, label, hit[1], nodes)
+                    existing = by_identity.get(node.identity)
+                    if existing is None:
+                        by_identity[node.identity] = nodes[node.id] = existing = node
+                    elif node.id not in existing.addresses:
+                        existing.addresses.append(node.id)
+                    here.append(existing)
     return Graph(recipe, registry, nodes)
 
 
-def _slot(registry: Registry, kind: str, slot: str) -> Input:
-    return next(s for s in registry.targets[kind].consumes if s.name == slot)
-
-
-def _slot_mode(registry: Registry, kind: str, slot: str, memo: dict[tuple[str, str], str]) -> str:
-    """How a slot of `kind` takes its inputs: all at once (gather), one node each (fanout), or one."""
-    s = _slot(registry, kind, slot)
-    mode = memo[(kind, slot)] = "gather" if s.gather else "fanout" if s.fanout else "one"
-    return mode
-
-
-class _NodeMemo:
-    """What `build_graph` computes once for the many nodes that share it: a params object's
-    JSON dump (bound params are frozen and shared where a section's values are), a model's
-    family/task, a kind's plugin, and each of these as the canonical JSON member it is in a
-    node's definition (`keys.member`). Each is held with its object, so an id seen here is
-    never another object's; every one of them is frozen (pydantic `frozen=True` models, the
-    registry's classes), so a member encoded once is the member encoded now."""
-
-    def __init__(self) -> None:
-        self.dumps: dict[int, tuple[Any, Any, str]] = {}
-        self.models: dict[int, tuple[Model, dict[str, Any], str, str]] = {}
-        self.kinds: dict[str, tuple[Any, Any, tuple[str, ...], Layout]] = {}
-        self.hardware: dict[int, tuple[HardwareProfile, str]] = {}
-
-    def dump(self, params: Any) -> Any:
-        return self._dump(params)[1]
-
-    def _dump(self, params: Any) -> tuple[Any, Any, str]:
-        hit = self.dumps.get(id(params))
-        if hit is None or hit[0] is not params:
-            dumped = params.model_dump(mode="json")
-            hit = self.dumps[id(params)] = (params, dumped, member("params", dumped))
-        return hit
-
-    def model(self, model: Model) -> dict[str, Any]:
-        return self._model(model)[1]
-
-    def _model(self, model: Model) -> tuple[Model, dict[str, Any], str, str]:
-        hit = self.models.get(id(model))
-        if hit is None or hit[0] is not model:
-            fam = {"family": model.spec.family, "task": model.spec.task}
-            source = model.spec.source
-            hit = self.models[id(model)] = (model, fam, member("model", fam), member("source", source))
-        return hit
-
-    def kind(self, registry: Registry, kind: str) -> tuple[Any, Any, tuple[str, ...]]:
-        return self._kind(registry, kind)[:3]
-
-    def _kind(self, registry: Registry, kind: str) -> tuple[Any, Any, tuple[str, ...], Layout]:
-        hit = self.kinds.get(kind)
-        if hit is None:
-            cls = registry.targets[kind]
-            partial = tuple(s.name for s in cls.consumes if s.gather and s.partial)
-            plugin = registry.plugin_of("targets", kind)
-            fixed = {
-                "kind": kind,
-                "kind_version": cls.version,
-                "plugin": plugin.name,
-                "plugin_version": plugin.version,
-            }
-            holes = ("params", "model", "inputs") + (("source",) if cls.uses_source else ()) + (
-                ("hardware",) if cls.per_hardware else ()
-            )
-            layout = Layout({k: member(k, v) for k, v in fixed.items()}, holes)
-            hit = self.kinds[kind] = (cls, plugin, partial, layout)
-        return hit
-
-    def hw(self, hw: HardwareProfile, hw_json: dict[int, Any]) -> str:
-        hit = self.hardware.get(id(hw))
-        if hit is None or hit[0] is not hw:
-            if id(hw) not in hw_json:
-                hw_json[id(hw)] = hw.model_dump(mode="json")
-            hit = self.hardware[id(hw)] = (hw, member("hardware", hw_json[id(hw)]))
-        return hit[1]
-
-    def identity(
-        self,
-        registry: Registry,
-        model: Model,
-        hw: HardwareProfile,
-        t: Target,
-        inputs: dict[str, list[str]],
-        nodes: dict[str, Node],
-        hw_json: dict[int, Any],
-    ) -> str:
-        """The digest of the canonical JSON of the node's definition: {kind, kind_version,
-        plugin, plugin_version, params, inputs (their identities), model (family, task),
-        source (kinds that read it), hardware (per-hardware kinds)}, written from members
-        encoded once per kind, params object, model and profile (`keys.Layout`)."""
-        cls, _, _, layout = self._kind(registry, t.kind)
-        hit = self.dumps.get(id(t.params))
-        if hit is None or hit[0] is not t.params:
-            hit = self._dump(t.params)
-        m = self.models.get(id(model))
-        if m is None or m[0] is not model:
-            m = self._model(model)
-        ins = member("inputs", {s: [nodes[i].identity for i in ids] for s, ids in sorted(inputs.items())})
-        if cls.uses_source:
-            if cls.per_hardware:
-                return hash_bytes(layout.join(hit[2], m[2], ins, m[3], self.hw(hw, hw_json)))
-            return hash_bytes(layout.join(hit[2], m[2], ins, m[3]))
-        if cls.per_hardware:
-            return hash_bytes(layout.join(hit[2], m[2], ins, self.hw(hw, hw_json)))
-        return hash_bytes(layout.join(hit[2], m[2], ins))
-
-    def node(
-        self,
-        registry: Registry,
-        section: Section,
-        sid: str,
-        model: Model,
-        hw: HardwareProfile,
-        t: Target,
-        inputs: dict[str, list[str]],
-        label: str,
-        identity: str,
-    ) -> Node:
-        cls, plugin, partial, _ = self._kind(registry, t.kind)
-        node_id = f"{sid}:{label}"
-        return Node(
-            id=node_id,
-            identity=identity,
-            kind=t.kind,
-            kind_version=cls.version,
-            plugin=plugin.name,
-            plugin_version=plugin.version,
-            target=t,
-            section=section,
-            model=model,
-            hardware=hw,
-            inputs=inputs,
-            label=label,
-            addresses=[node_id],
-            partial_slots=partial,
-            params_dump=self._dump(t.params)[1],
-        )
-
-
-def _make_node(
+def _node(
     registry: Registry,
     section: Section,
     model: Model,
@@ -504,14 +308,46 @@ def _make_node(
     t: Target,
     inputs: dict[str, list[str]],
     label: str,
+    params: Any,
     nodes: dict[str, Node],
-    hw_json: dict[int, Any] | None = None,
-    memo: _NodeMemo | None = None,
 ) -> Node:
-    """The node of target `t` (see `_NodeMemo.identity` for what its identity covers)."""
-    memo = memo or _NodeMemo()
-    identity = memo.identity(registry, model, hw, t, inputs, nodes, {} if hw_json is None else hw_json)
-    return memo.node(registry, section, section.id, model, hw, t, inputs, label, identity)
+    """The node of target `t`; its identity is the digest of the canonical JSON of what
+    defines it: kind and plugin with their versions, params, its inputs' identities, the
+    model's family and task, the source (kinds that read it), the hardware profile
+    (per-hardware kinds)."""
+    cls = registry.targets[t.kind]
+    plugin = registry.plugin_of("targets", t.kind)
+    definition: dict[str, Any] = {
+        "kind": t.kind,
+        "kind_version": cls.version,
+        "plugin": plugin.name,
+        "plugin_version": plugin.version,
+        "params": params,
+        "inputs": {s: [nodes[i].identity for i in ids] for s, ids in sorted(inputs.items())},
+        "model": {"family": model.spec.family, "task": model.spec.task},
+    }
+    if cls.uses_source:
+        definition["source"] = model.spec.source
+    if cls.per_hardware:
+        definition["hardware"] = hw.model_dump(mode="json")
+    node_id = f"{section.id}:{label}"
+    return Node(
+        id=node_id,
+        identity=hash_bytes(canonical_bytes(definition)),
+        kind=t.kind,
+        kind_version=cls.version,
+        plugin=plugin.name,
+        plugin_version=plugin.version,
+        target=t,
+        section=section,
+        model=model,
+        hardware=hw,
+        inputs=inputs,
+        label=label,
+        params_dump=params,
+        addresses=[node_id],
+        partial_slots=tuple(s.name for s in cls.consumes if s.gather and s.partial),
+    )
 
 
 # --------------------------------------------------------------------------- rendering

@@ -12,7 +12,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import Any, NamedTuple, TypeGuard
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -24,7 +24,6 @@ SCHEMA_VERSION = 1
 RESERVED_TOP = ("schema", "extends", "models", "defaults")
 SECTION_KEYS = ("hardware", "targets", "description", "sweep")
 DEFAULTS_KEYS = ("targets",)
-TARGET_KEYS = ("kind", "input")
 #: model, section and target names become folder names (build/<model>/<section>/<target>):
 #: one path component each, of characters every filesystem and shell takes as they are
 _NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
@@ -89,6 +88,9 @@ class Where:
     def __repr__(self) -> str:
         return f"Where({self.file!r}, {self.table!r})"
 
+    def error(self, message: str, key: str | None = None, hint: str | None = None) -> MoptError:
+        return MoptError(message, file=self.file, table=self.table, key=key, line=self.line, hint=hint)
+
 
 @dataclass
 class Model:
@@ -108,18 +110,21 @@ class Target:
     name: str
     kind: str
     params: Any
-    raw: dict[str, Any]
     inputs: list[str] | None
-    variant: tuple[tuple[str, Any], ...] = ()
-    where: Where | None = None
+    variant: tuple[tuple[str, Any], ...]
+    where: Where
     input_where: Where | None = None
 
     @property
     def label(self) -> str:
         """`trt-engine` or `trt-engine@max_batch_size=64,opt_level=2`."""
-        if not self.variant:
-            return self.name
-        return self.name + "@" + ",".join(f"{k}={fmt_value(v)}" for k, v in self.variant)
+        return _label(self.name, self.variant)
+
+
+def _label(name: str, variant: tuple[tuple[str, Any], ...]) -> str:
+    if not variant:
+        return name
+    return name + "@" + ",".join(f"{k}={fmt_value(v)}" for k, v in variant)
 
 
 @dataclass
@@ -173,8 +178,7 @@ class _File:
         return Where(self.shown, ".".join(table), locate=lambda: tomlfile.find_line(self.text, table, key))
 
     def error(self, msg: str, table: list[str], key: str | None = None, hint: str | None = None) -> MoptError:
-        w = self.where(table, key)
-        return MoptError(msg, file=self.shown, table=w.table, key=key, line=w.line, hint=hint)
+        return self.where(table, key).error(msg, key, hint)
 
 
 def _display(path: Path) -> str:
@@ -347,7 +351,8 @@ def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-Origin = tuple["_File", list[str]]  # the file and table a value was written in
+#: where a value was written: the index of its layer and the table below the layer's
+Origin = tuple[int, list[str]]
 
 
 def _merge_traced(
@@ -364,15 +369,8 @@ def _merge_traced(
                 del origins[o]
             origins[dotted] = where
             if _is_table(v):
-                for sub in _leaves(v, dotted + "."):
+                for sub, _ in _flatten(v, dotted + "."):
                     origins[sub] = where
-
-
-def _leaves(d: dict[str, Any], prefix: str) -> list[str]:
-    out = []
-    for k, v in d.items():
-        out.extend(_leaves(v, f"{prefix}{k}.") if _is_table(v) else [f"{prefix}{k}"])
-    return out
 
 
 # --------------------------------------------------------------------------- sections
@@ -383,6 +381,20 @@ class _Layer:
     file: _File
     table: list[str]
     body: dict[str, Any]
+
+    def where(self, sub: list[str], key: str | None = None) -> Where:
+        return self.file.where(self.table + sub, key)
+
+
+class _Resolved(NamedTuple):
+    """A target (one sweep variant) as a section's layers resolve it, wherever they are."""
+
+    name: str
+    kind: str
+    params: Any
+    inputs: list[str] | None
+    variant: tuple[tuple[str, Any], ...]
+    input_at: Origin | None  # where `input` was written
 
 
 def _collect_sections(chain: list[_File], models: dict[str, Model], registry: Registry) -> list[Section]:
@@ -433,7 +445,7 @@ def _collect_sections(chain: list[_File], models: dict[str, Model], registry: Re
                 raise f.error(
                     f"{k!r} belongs in a build section, not in [defaults]", ["defaults"], k
                 )
-    memo: dict[Any, tuple[list[tuple[Target, Any]], list[_Layer]]] = {}
+    memo: dict[Any, list[_Resolved]] = {}
     return [_section(chain, models, registry, m, hw, memo) for m, hw in order]
 
 
@@ -451,7 +463,7 @@ def _section(
     registry: Registry,
     model: str,
     hw: str,
-    memo: dict[Any, tuple[list[tuple[Target, Any]], list[_Layer]]] | None = None,
+    memo: dict[Any, list[_Resolved]],
 ) -> Section:
     layers: list[_Layer] = []  # lowest priority first
     for f in chain:
@@ -463,8 +475,7 @@ def _section(
     sec_layers = [lay for lay in layers if lay.table[0] != "defaults"]
     decl = sec_layers[-1]
 
-    lookup = lookup_key
-    hardware, hw_layer = lookup("hardware", sec_layers)
+    hardware, hw_layer = lookup_key("hardware", sec_layers)
     if hardware is None:
         hardware, hw_layer = hw, None
     if not isinstance(hardware, str):
@@ -482,18 +493,25 @@ def _section(
             hint=_enable_hint(registry, "hardware", hardware)
             or did_you_mean(hardware, registry.hardware, "profiles") + "; see `mopt hardware`",
         )
-    description, _ = lookup("description", sec_layers)
+    description, _ = lookup_key("description", sec_layers)
     # Sections whose layers hold the same values (10,000 sections under one [defaults])
     # resolve to the same targets: merge and validate once, then only the places differ.
     key = _layers_key(layers)
-    cached = memo.get(key) if memo is not None and key is not None else None
-    if cached is not None:
-        out = _rebase_targets(cached[0], cached[1], layers, decl)
-    else:
-        made = _section_targets(layers, sec_layers, decl, registry, model, hw)
-        if memo is not None and key is not None:
-            memo[key] = (made, layers)
-        out = [t for t, _ in made]
+    made = memo.get(key)
+    if made is None:
+        made = memo[key] = _section_targets(layers, sec_layers, decl, registry, model, hw)
+    out = [
+        Target(
+            name=r.name,
+            kind=r.kind,
+            params=r.params,
+            inputs=None if r.inputs is None else list(r.inputs),
+            variant=r.variant,
+            where=decl.where([r.name]),
+            input_where=None if r.input_at is None else layers[r.input_at[0]].where(r.input_at[1], "input"),
+        )
+        for r in made
+    ]
     return Section(
         model=model,
         key=hw,
@@ -515,55 +533,19 @@ def _freeze(v: Any) -> Any:
 
 
 def _layers_key(layers: list[_Layer]) -> Any:
-    """What a section's targets are made of: each layer's file and values; None: no memo."""
-    try:
-        key = tuple(
-            (id(lay.file), True, id(lay.body)) if lay.table[0] == "defaults" else (id(lay.file), False, _freeze(lay.body))
-            for lay in layers
-        )
-        hash(key)
-    except TypeError:
-        return None
-    return key
-
-
-def _rebase_targets(
-    made: list[tuple[Target, Any]], old: list[_Layer], layers: list[_Layer], decl: _Layer
-) -> list[Target]:
-    """The targets `made` for the layers `old`, placed in the equal layers `layers`."""
-    remap = {(id(o.file), tuple(o.table)): (len(o.table), n) for o, n in zip(old, layers, strict=True)}
-
-    def rebase(origin: Any) -> Any:
-        f, table, *rest = origin
-        hit = remap.get((id(f), tuple(table[:1]))) or remap[(id(f), tuple(table[:2]))]
-        n, lay = hit
-        return (lay.file, lay.table + list(table[n:]), *rest)
-
-    out = []
-    for t, in_origin in made:
-        in_where = None
-        if in_origin is not None:
-            o = rebase(in_origin)
-            in_where = o[0].where(o[1], "input")
-        out.append(
-            Target(
-                name=t.name,
-                kind=t.kind,
-                params=t.params,
-                raw=t.raw,
-                inputs=None if t.inputs is None else list(t.inputs),
-                variant=t.variant,
-                where=decl.file.where(decl.table + [t.name]),
-                input_where=in_where,
-            )
-        )
-    return out
+    """What a section's targets are made of: each layer's file and values."""
+    return tuple(
+        (id(lay.file), True, id(lay.body))
+        if lay.table[0] == "defaults"
+        else (id(lay.file), False, _freeze(lay.body))
+        for lay in layers
+    )
 
 
 def _section_targets(
     layers: list[_Layer], sec_layers: list[_Layer], decl: _Layer, registry: Registry, model: str, hw: str
-) -> list[tuple[Target, Any]]:
-    """The section's targets (one per sweep variant), each with the origin of its `input`."""
+) -> list[_Resolved]:
+    """The section's targets, one per sweep variant."""
     targets, t_layer = lookup_key("targets", layers)
     if targets is None:
         raise decl.file.error(
@@ -648,30 +630,29 @@ def _section_targets(
                     + "; a section-level key is a param shared by the section's targets",
                 )
 
-    sweep = _sweep_axes(sec_layers, kinds, model, hw)
+    sweep = _sweep_axes(layers, kinds)
 
-    out: list[tuple[Target, Any]] = []
+    out: list[_Resolved] = []
     for name in targets:
         kind = kinds[name]
         cls = registry.targets[kind]
         fields = set(cls.Params.model_fields)
         params: dict[str, Any] = {}
         origins: dict[str, Origin] = {}
-        for lay in layers:
-            w: Origin = (lay.file, lay.table)
+        for li, lay in enumerate(layers):
             shared = {k: v for k, v in lay.body.items() if not _is_table(v) and k in fields}
-            _merge_traced(params, shared, origins, w)
+            _merge_traced(params, shared, origins, (li, []))
             names = [kind] if kind == name else [kind, name]
             if lay.table[0] != "defaults":
                 names = [name]
             for n in names:
                 tbl = lay.body.get(n)
                 if _is_table(tbl):
-                    _merge_traced(params, tbl, origins, (lay.file, lay.table + [n]))
+                    _merge_traced(params, tbl, origins, (li, [n]))
         params.pop("kind", None)
         inputs = params.pop("input", None)
-        in_origin = origins.pop("input", None)
-        in_where = in_origin[0].where(in_origin[1], "input") if in_origin else None
+        in_at = origins.pop("input", None)
+        in_where = layers[in_at[0]].where(in_at[1], "input") if in_at else None
         origins.pop("kind", None)
         if inputs is not None:
             if isinstance(inputs, str):
@@ -687,17 +668,13 @@ def _section_targets(
             for i in inputs:
                 if i not in kinds:
                     assert in_where is not None
-                    raise MoptError(
+                    raise in_where.error(
                         f"input {i!r} is not a target of this section",
-                        file=in_where.file,
-                        table=in_where.table,
-                        key="input",
-                        line=in_where.line,
-                        hint=did_you_mean(i, [t for t in kinds if t != name], "targets"),
+                        "input",
+                        did_you_mean(i, [t for t in kinds if t != name], "targets"),
                     )
         axes = sweep.get(name, [])
-        combos = itertools.product(*[vals for _, vals, _ in axes]) if axes else [()]
-        for combo in combos:
+        for combo in itertools.product(*[vals for _, vals, _ in axes]):
             p = json.loads(json.dumps(params))
             o = dict(origins)
             variant = []
@@ -705,8 +682,8 @@ def _section_targets(
                 _set_dotted(p, param, value)
                 o[param] = w
                 variant.append((param, value))
-            validated = _validate_params(cls, p, o, decl, name)
-            label = Target(name, kind, None, {}, None, tuple(variant)).label
+            validated = _validate_params(cls, p, o, layers, decl, name)
+            label = _label(name, tuple(variant))
             if "/" in label or "\0" in label or len(label.encode()) > _MAX_LABEL_BYTES:
                 raise decl.file.error(
                     f"variant {label[:80]!r} cannot be a folder name (a '/', a NUL or over "
@@ -715,21 +692,7 @@ def _section_targets(
                     "sweep",
                     hint="sweep over values without '/' (or fewer of them)",
                 )
-            out.append(
-                (
-                    Target(
-                        name=name,
-                        kind=kind,
-                        params=validated,
-                        raw=p,
-                        inputs=inputs,
-                        variant=tuple(variant),
-                        where=decl.file.where(decl.table + [name]),
-                        input_where=in_where,
-                    ),
-                    in_origin,
-                )
-            )
+            out.append(_Resolved(name, kind, validated, inputs, tuple(variant), in_at))
     return out
 
 
@@ -757,13 +720,12 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
     return out
 
 
-def _sweep_axes(
-    sec_layers: list[_Layer], kinds: dict[str, str], model: str, hw: str
-) -> dict[str, list[tuple[str, list[Any], Any]]]:
+def _sweep_axes(layers: list[_Layer], kinds: dict[str, str]) -> dict[str, list[tuple[str, list[Any], Any]]]:
+    """Per target, its sweep axes: (param, values, (layer index, ["sweep"], "target.param"))."""
     axes: dict[str, dict[str, tuple[list[Any], Any]]] = {}
-    for lay in sec_layers:
+    for li, lay in enumerate(layers):
         sw = lay.body.get("sweep")
-        if sw is None:
+        if sw is None or lay.table[0] == "defaults":
             continue
         table = lay.table + ["sweep"]
         if not _is_table(sw):
@@ -787,59 +749,51 @@ def _sweep_axes(
                 )
             if not isinstance(values, list) or not values:
                 raise lay.file.error("a sweep axis must be a non-empty list of values", table, dotted)
-            axes.setdefault(target, {})[param] = (values, (lay.file, table, dotted))
+            axes.setdefault(target, {})[param] = (values, (li, ["sweep"], dotted))
     return {t: [(p, v, w) for p, (v, w) in a.items()] for t, a in axes.items()}
 
 
-def _validate_params(cls: Any, params: dict[str, Any], origins: dict[str, Any], decl: _Layer, name: str) -> Any:
+def _validate_params(
+    cls: Any, params: dict[str, Any], origins: dict[str, Any], layers: list[_Layer], decl: _Layer, name: str
+) -> Any:
     try:
         return cls.Params.model_validate(params)
     except ValidationError as exc:
-        err = _first_error(exc)
-        loc = [str(x) for x in err["loc"]]
-        dotted = ".".join(loc)
-        origin = None
-        for i in range(len(loc), 0, -1):
-            origin = origins.get(".".join(loc[:i]))
-            if origin:
-                break
-        if origin is None:
-            w = decl.file.where(decl.table + [name])
-        elif len(origin) == 3:  # a sweep axis: (file, table, "target.param")
-            dotted = f"{name}.{dotted}"
-            w = origin[0].where(origin[1], origin[2])
-        else:
-            w = origin[0].where(origin[1] + loc[:-1], loc[-1] if loc else None)
-        raise MoptError(
-            _describe_error(err, cls.Params, loc) + _more(exc),
-            file=w.file,
-            table=w.table,
-            key=dotted or None,
-            line=w.line,
-            hint=_hint_for(err, cls.Params, loc),
-        ) from None
+
+        def place(loc: list[str]) -> tuple[Where, str]:
+            """Where the offending value was written: the layer that set it, else the target."""
+            dotted = ".".join(loc)
+            origin = next((o for i in range(len(loc), 0, -1) if (o := origins.get(".".join(loc[:i])))), None)
+            if origin is None:
+                return decl.where([name]), dotted
+            if len(origin) == 3:  # a sweep axis: (layer, ["sweep"], "target.param")
+                return layers[origin[0]].where(origin[1], origin[2]), f"{name}.{dotted}"
+            return layers[origin[0]].where(origin[1] + loc[:-1], loc[-1] if loc else None), dotted
+
+        raise _invalid(exc, cls.Params, place) from None
 
 
-def _first_error(exc: ValidationError) -> Any:
-    """Unknown keys first: a typo'd key also shows up as a missing one."""
+def _invalid(exc: ValidationError, model: type[BaseModel], place: Any) -> MoptError:
+    """pydantic's first error as a `MoptError` at `place(loc)` → (where, key)."""
     errs = exc.errors()
-    return next((e for e in errs if e["type"] == "extra_forbidden"), errs[0])
-
-
-def _more(exc: ValidationError) -> str:
-    n = exc.error_count()
-    return f" (and {n - 1} more error{'s' if n > 2 else ''})" if n > 1 else ""
-
-
-def _describe_error(err: Any, model: type[BaseModel], loc: list[str]) -> str:
+    # unknown keys first: a typo'd key also shows up as a missing one
+    err = next((e for e in errs if e["type"] == "extra_forbidden"), errs[0])
+    loc = [str(x) for x in err["loc"]]
+    where, key = place(loc)
     t = err["type"]
     if t == "extra_forbidden":
-        return "unknown key"
-    if t == "missing":
-        return "missing required key"
-    msg = err["msg"]
-    msg = msg[0].lower() + msg[1:]
-    return f"{msg}, got {err.get('input')!r}"
+        msg = "unknown key"
+    elif t == "missing":
+        msg = "missing required key"
+    else:
+        msg = f"{err['msg'][0].lower()}{err['msg'][1:]}, got {err.get('input')!r}"
+    if len(errs) > 1:
+        msg += f" (and {len(errs) - 1} more error{'s' if len(errs) > 2 else ''})"
+    return where.error(msg, key or None, _hint_for(err, model, loc))
+
+
+def _pydantic_error(exc: ValidationError, f: _File, table: list[str], model: type[BaseModel]) -> MoptError:
+    return _invalid(exc, model, lambda loc: (f.where(table, loc[0] if loc else None), ".".join(loc)))
 
 
 def _hint_for(err: Any, model: type[BaseModel], loc: list[str]) -> str | None:
@@ -848,12 +802,9 @@ def _hint_for(err: Any, model: type[BaseModel], loc: list[str]) -> str | None:
         return did_you_mean(loc[-1], fields, "keys")
     if err["type"] == "missing":
         return "add it"
-    info = _fields_at(model, loc[:-1])
-    if info is not None and loc and loc[-1] in info:
-        desc = info[loc[-1]]
-        if desc:
-            return desc
-    return None
+    if fields is None or not loc:
+        return None
+    return fields.get(loc[-1]) or None
 
 
 def _fields_at(model: type[BaseModel], path: list[str]) -> dict[str, str] | None:
@@ -865,21 +816,6 @@ def _fields_at(model: type[BaseModel], path: list[str]) -> dict[str, str] | None
     if isinstance(cur, type) and issubclass(cur, BaseModel):
         return {k: (f.description or "") for k, f in cur.model_fields.items()}
     return None
-
-
-def _pydantic_error(exc: ValidationError, f: _File, table: list[str], model: type[BaseModel]) -> MoptError:
-    err = _first_error(exc)
-    loc = [str(x) for x in err["loc"]]
-    key = ".".join(loc) or None
-    w = f.where(table, loc[0] if loc else None)
-    return MoptError(
-        _describe_error(err, model, loc) + _more(exc),
-        file=f.shown,
-        table=".".join(table),
-        key=key,
-        line=w.line,
-        hint=_hint_for(err, model, loc),
-    )
 
 
 # --------------------------------------------------------------------------- schema
