@@ -9,52 +9,31 @@ Not paths, not times, not environment noise.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from json import encoder as std_encoder
 from typing import Any
 
 from mopt.digest import canonical_json, hash_bytes
 
 KEY_FORMAT = 1
 
-#: the encoder `canonical_json` builds on every call (json.dumps with options makes one each
-#: time), built once: the same bytes, ~4 µs less per key, 20,000 keys at 10,000 nodes; its
-#: C core is made once too (`_c_encode`)
+#: `canonical_json`'s encoder, built once (`json.dumps` with options builds one per call)
 _ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
-def _c_encode() -> Any:
-    """`_ENCODER.encode` without its per-call set-up: `JSONEncoder.encode` writes a str
-    itself and hands anything else to a C encoder it makes on every call from these very
-    settings (json/encoder.py, `iterencode(o, _one_shot=True)`); this makes that encoder
-    once. The one difference: no marker table (`check_circular`), which only turns the
-    ValueError of a value that contains itself into a RecursionError, and keys' parts are
-    JSON data read from TOML and digests. None where the C encoder is not built in."""
-    from json import encoder as std
-
-    make = getattr(std, "c_make_encoder", None)
-    if make is None:
-        return None
-    c = make(
-        None,
-        _ENCODER.default,
-        std.encode_basestring,
-        None,
-        _ENCODER.key_separator,
-        _ENCODER.item_separator,
-        True,  # sort_keys
-        False,  # skipkeys
-        False,  # allow_nan
-    )
-    basestring = std.encode_basestring
-
-    def encode(obj: Any) -> str:
-        if isinstance(obj, str):
-            return str(basestring(obj))
-        return "".join(c(obj, 0))
-
-    return encode
+def _c_encode() -> Callable[[Any], str]:
+    """`_ENCODER.encode` without building its C encoder on every call (json/encoder.py,
+    `iterencode(o, _one_shot=True)`): ~70 ms of `mopt plan` at 10,000 nodes. No marker
+    table (`check_circular`): a value that contains itself raises RecursionError, not
+    ValueError, and keys' parts are JSON data read from TOML and digests."""
+    make = getattr(std_encoder, "c_make_encoder", None)
+    if make is None:  # a Python without the C accelerator
+        return _ENCODER.encode
+    c = make(None, _ENCODER.default, std_encoder.encode_basestring, None, ":", ",", True, False, False)
+    return lambda obj: "".join(c(obj, 0))
 
 
-_ENCODE = _c_encode() or _ENCODER.encode
+_ENCODE = _c_encode()
 
 
 def canonical_bytes(obj: Any) -> bytes:
@@ -62,37 +41,21 @@ def canonical_bytes(obj: Any) -> bytes:
     return _ENCODE(obj).encode("utf-8")
 
 
-_HEADS: dict[str, str] = {}  # key → `"key":`, as the encoder writes a member's start
-
-
 def member(key: str, value: Any) -> str:
     """One `"key":value` member of a canonical JSON object, as `canonical_bytes` writes it
     inside the object (the encoder writes a key as the string it is, then the value as it
-    would write it alone: one encoder, one rule for nested and top-level values)."""
-    head = _HEADS.get(key)
-    if head is None:
-        if type(key) is not str:
-            raise TypeError(f"keys must be str, not {type(key).__name__}")
-        head = _HEADS[key] = _ENCODE(key) + ":"
-    if type(value) is dict and not value:  # an empty table (a kind's platform, env): `{}`
-        return head + "{}"
-    return head + _ENCODE(value)
-
-
-def from_members(members: dict[str, str]) -> bytes:
-    """`canonical_bytes` of the object whose members `members` holds, each written by
-    `member` under its own key: `from_members({k: member(k, v) for k, v in d.items()})`
-    == `canonical_bytes(d)`, byte for byte. The encoder writes an object as `{`, its members
-    sorted by key and joined by `,`, then `}`; so does this. It lets a member shared by
-    many objects (a kind's params, a model) be encoded once (tests/test_keys_members.py
-    compares the two over nested, unicode, float and sort-order cases)."""
-    return ("{" + ",".join([members[k] for k in sorted(members)]) + "}").encode("utf-8")
+    would write it alone)."""
+    if type(key) is not str:
+        raise TypeError(f"keys must be str, not {type(key).__name__}")
+    return _ENCODE(key) + ":" + _ENCODE(value)
 
 
 class Layout:
     """The member order of objects that all have the members `fixed` (already written by
-    `member`) and `holes` (written per object): `Layout(fixed, holes).join(*members)` ==
-    `from_members({**fixed, **dict(zip(holes, members))})`, the keys sorted once."""
+    `member`) and `holes` (written per object), the keys sorted once: a member shared by
+    many objects (a kind's names and versions) is encoded once, and
+    `Layout(fixed, holes).join(*[member(h, obj[h]) for h in holes])` is `canonical_bytes(obj)`
+    byte for byte (tests/test_keys_members.py)."""
 
     __slots__ = ("_members", "_pos")
 
@@ -110,14 +73,6 @@ class Layout:
         for i, m in zip(self._pos, members):
             out[i] = m
         return ("{" + ",".join(out) + "}").encode("utf-8")
-
-
-def action_key_from_members(members: dict[str, str]) -> str:
-    """`action_key(parts)` from the members of `parts` (see `from_members`)."""
-    return hash_bytes(from_members({"format": _FORMAT_MEMBER, **members}))
-
-
-_FORMAT_MEMBER = member("format", KEY_FORMAT)
 
 
 def action_key(parts: dict[str, Any]) -> str:
