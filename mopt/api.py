@@ -196,12 +196,10 @@ class Input:
     kinds: tuple[str, ...] = ()
     required: bool = True
     fanout: bool = False
-    #: one node takes every candidate's nodes at once (e.g. `select` over a whole sweep)
     gather: bool = False
     #: (with `gather`) run even when some of them failed or cannot build here; they are
     #: listed in `BuildContext.missing` and their status is part of the action key
     partial: bool = False
-    #: artifact formats accepted, most preferred first (see FORMATS)
     formats: tuple[str, ...] = ()
 
     def accepts(self, kind: str, produces: str) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,13 +42,13 @@ class ProjectConfig(_Strict):
     plugins: PluginSettings = PluginSettings()
 
 
+@dataclass
 class Project:
     """Where the project lives and its settings."""
 
-    def __init__(self, root: Path, config: ProjectConfig, config_file: Path | None) -> None:
-        self.root = root
-        self.config = config
-        self.config_file = config_file
+    root: Path
+    config: ProjectConfig
+    config_file: Path | None
 
     @property
     def store_dir(self) -> Path:

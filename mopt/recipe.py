@@ -10,7 +10,8 @@ from __future__ import annotations
 import itertools
 import json
 import re
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, TypeGuard
 
@@ -18,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mopt import tomlfile
 from mopt.errors import MoptError, closest, did_you_mean
-from mopt.plugins import Registry
+from mopt.plugins import SINGULAR, Registry
 
 SCHEMA_VERSION = 1
 RESERVED_TOP = ("schema", "extends", "models", "defaults")
@@ -65,28 +66,17 @@ class ModelSpec(BaseModel):
     description: str = ""
 
 
+@dataclass(slots=True)
 class Where:
-    """Where a value was written; the line is found only when an error needs it."""
+    """Where a value was written; its line is looked up only when an error needs it."""
 
-    __slots__ = ("_line", "_locate", "file", "table")
-
-    def __init__(
-        self, file: str, table: str, line: int | None = None, locate: Any = None
-    ) -> None:
-        self.file = file
-        self.table = table
-        self._line = line
-        self._locate = locate
+    file: str
+    table: str
+    locate: Callable[[], int | None] = field(repr=False)
 
     @property
     def line(self) -> int | None:
-        if self._line is None and self._locate is not None:
-            self._line = self._locate()
-            self._locate = None
-        return self._line
-
-    def __repr__(self) -> str:
-        return f"Where({self.file!r}, {self.table!r})"
+        return self.locate()
 
     def error(self, message: str, key: str | None = None, hint: str | None = None) -> MoptError:
         return MoptError(message, file=self.file, table=self.table, key=key, line=self.line, hint=hint)
@@ -175,7 +165,7 @@ class _File:
     data: dict[str, Any]
 
     def where(self, table: list[str], key: str | None = None) -> Where:
-        return Where(self.shown, ".".join(table), locate=lambda: tomlfile.find_line(self.text, table, key))
+        return Where(self.shown, ".".join(table), lambda: tomlfile.find_line(self.text, table, key))
 
     def error(self, msg: str, table: list[str], key: str | None = None, hint: str | None = None) -> MoptError:
         return self.where(table, key).error(msg, key, hint)
@@ -290,15 +280,8 @@ def _merge_models(chain: list[_File], registry: Registry) -> dict[str, Model]:
         except ValidationError as exc:
             raise _pydantic_error(exc, f, table, ModelSpec) from None
         if spec.family not in registry.families:
-            off = registry.disabled_message("families", spec.family)
-            raise f.error(
-                off or f"unknown model family {spec.family!r}",
-                table,
-                "family",
-                hint=_enable_hint(registry, "families", spec.family)
-                or did_you_mean(spec.family, registry.families, "families")
-                + "; families come from plugins (`mopt plugins`)",
-            )
+            msg, hint = _unknown(registry, "families", spec.family, "; families come from plugins (`mopt plugins`)")
+            raise f.error(msg, table, "family", hint)
         kind, params = _validate_source(spec.source, f, table, registry) if spec.source is not None else ("", None)
         cfg = (f.path.parent / spec.config).resolve() if spec.config else None
         if cfg is not None and not cfg.is_file():
@@ -308,13 +291,16 @@ def _merge_models(chain: list[_File], registry: Registry) -> dict[str, Model]:
     return models
 
 
-def _enable_hint(registry: Registry, category: str, name: str) -> str | None:
-    """How to get back what a disabled plugin registers, or None when none does."""
-    plugin = registry.disabled_provider(category, name)
-    if plugin is None:
-        return None
-    where = registry.disabled_by.get(plugin, "MOPT_DISABLE_PLUGINS")
-    return f"remove {plugin!r} from {where} to use it"
+def _unknown(registry: Registry, category: str, name: Any, tail: str) -> tuple[str, str]:
+    """The message and hint for `name`, which no plugin in use registers in `category`:
+    how to enable the disabled plugin that does, else the closest names."""
+    plugin = registry.disabled_provider(category, name) if isinstance(name, str) else None
+    if plugin is not None:
+        where = registry.disabled_by.get(plugin, "MOPT_DISABLE_PLUGINS")
+        return str(registry.disabled_message(category, name)), f"remove {plugin!r} from {where} to use it"
+    plural = {"targets": "target kinds", "hardware": "profiles"}.get(category, category)
+    hint = did_you_mean(str(name), getattr(registry, category), plural) + tail
+    return f"unknown {SINGULAR[category]} {name!r}", hint
 
 
 def _validate_source(src: dict[str, Any], f: _File, table: list[str], registry: Registry) -> tuple[str, Any]:
@@ -398,8 +384,7 @@ class _Resolved(NamedTuple):
 
 
 def _collect_sections(chain: list[_File], models: dict[str, Model], registry: Registry) -> list[Section]:
-    order: list[tuple[str, str]] = []
-    seen: set[tuple[str, str]] = set()  # a set: 10,000 sections, not a list scan each
+    order: dict[tuple[str, str], None] = {}  # in the order first declared
     for f in chain:
         for key, body in f.data.items():
             if key in RESERVED_TOP:
@@ -423,9 +408,7 @@ def _collect_sections(chain: list[_File], models: dict[str, Model], registry: Re
                 bad = check_name(hw)
                 if bad:
                     raise f.error(bad, [key], hw, hint="rename the section")
-                if (key, hw) not in seen:
-                    seen.add((key, hw))
-                    order.append((key, hw))
+                order.setdefault((key, hw))
     # Section ids join model and section with a dot, and names may hold dots: two tables
     # must not make one id (["a.b".c] and [a."b.c"]), or they would silently merge.
     ids: dict[str, tuple[str, str]] = {}
@@ -483,16 +466,10 @@ def _section(
         raise hw_layer.file.error("must be a string (a hardware profile name)", hw_layer.table, "hardware")
     if hardware not in registry.hardware:
         lay = hw_layer or decl
-        msg = registry.disabled_message("hardware", hardware) or f"unknown hardware profile {hardware!r}"
+        msg, hint = _unknown(registry, "hardware", hardware, "; see `mopt hardware`")
         if hw_layer is None:
             msg += ", taken from the section key as `hardware` is not set"
-        raise lay.file.error(
-            msg,
-            lay.table,
-            "hardware" if hw_layer else None,
-            hint=_enable_hint(registry, "hardware", hardware)
-            or did_you_mean(hardware, registry.hardware, "profiles") + "; see `mopt hardware`",
-        )
+        raise lay.file.error(msg, lay.table, "hardware" if hw_layer else None, hint)
     description, _ = lookup_key("description", sec_layers)
     # Sections whose layers hold the same values (10,000 sections under one [defaults])
     # resolve to the same targets: merge and validate once, then only the places differ.
@@ -575,25 +552,14 @@ def _section_targets(
                 break
         if kind is None:
             if name not in registry.targets:
-                raise t_layer.file.error(
-                    registry.disabled_message("targets", name) or f"unknown target kind {name!r}",
-                    t_layer.table,
-                    "targets",
-                    hint=_enable_hint(registry, "targets", name)
-                    or did_you_mean(name, registry.targets, "target kinds")
-                    + f"; a named target needs a table [{model}.{hw}.{name}] with `kind`",
-                )
+                tail = f"; a named target needs a table [{model}.{hw}.{name}] with `kind`"
+                msg, hint = _unknown(registry, "targets", name, tail)
+                raise t_layer.file.error(msg, t_layer.table, "targets", hint)
             kind = name
         elif not isinstance(kind, str) or kind not in registry.targets:
             assert k_layer is not None
-            raise k_layer.file.error(
-                (registry.disabled_message("targets", kind) if isinstance(kind, str) else None)
-                or f"unknown target kind {kind!r}",
-                k_layer.table + [name],
-                "kind",
-                hint=(_enable_hint(registry, "targets", kind) if isinstance(kind, str) else None)
-                or did_you_mean(str(kind), registry.targets, "target kinds") + "; see `mopt plugins`",
-            )
+            msg, hint = _unknown(registry, "targets", kind, "; see `mopt plugins`")
+            raise k_layer.file.error(msg, k_layer.table + [name], "kind", hint)
         kinds[name] = kind
 
     accepted: set[str] = set()

@@ -22,9 +22,8 @@ _AT_EOF = re.compile(r"\s*\(at end of document\)\s*$")
 
 
 #: every file `load` read in this process: path → (its stat, taken on the open file, the
-#: bytes read, when: time.time_ns()), or None if two reads saw different stats. The no-op stamp records that stat
-#: and those bytes' digest (a later touch with the same bytes stays a no-op; an edit made
-#: while the build ran is seen next time, since the stamp holds the stat the bytes had).
+#: bytes read, when: time.time_ns()), or None if two reads saw different stats. The build
+#: log's head records the stat the bytes had, so an edit made while a build ran is seen.
 reads: dict[str, tuple[os.stat_result, bytes, int] | None] = {}
 
 
@@ -76,7 +75,7 @@ def load(path: Path, display: str | None = None) -> tuple[dict[str, Any], str]:
             ) from None
         body = _AT_EOF.sub("", msg)
         raise MoptError(f"TOML syntax error at end of file: {body}", file=shown) from None
-    where = _too_deep(data, 0, [])
+    where = _too_deep(data)
     if where is not None:
         raise MoptError(
             f"nested more than {MAX_DEPTH} levels deep (tables and arrays)",
@@ -92,9 +91,9 @@ def load(path: Path, display: str | None = None) -> tuple[dict[str, Any], str]:
 MAX_DEPTH = 32
 
 
-def _too_deep(value: Any, depth: int, path: list[str]) -> list[str] | None:
+def _too_deep(value: Any) -> list[str] | None:
     """The path to the first value nested deeper than MAX_DEPTH, else None (iterative)."""
-    stack: list[tuple[Any, int, list[str]]] = [(value, depth, path)]
+    stack: list[tuple[Any, int, list[str]]] = [(value, 0, [])]
     while stack:
         v, d, p = stack.pop()
         if d > MAX_DEPTH:
