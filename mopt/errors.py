@@ -35,9 +35,7 @@ class MoptError(Exception):
         where = ""
         if self.file:
             where = self.file + (f":{self.line}" if self.line else "") + ": "
-        loc = ""
-        if self.table is not None:
-            loc += f"[{self.table}] " if self.table else ""
+        loc = f"[{self.table}] " if self.table else ""
         if self.key:
             loc += f"{self.key}: "
         out = f"{where}{loc}{self.message}"

@@ -121,14 +121,12 @@ class Graph:
 def _candidates(slot: Input, section: Section, me: Target, registry: Registry) -> list[str]:
     """Target names in `section` that can feed `slot`, most preferred first: by the slot's
     kinds when it names kinds, else by its formats; section order within one preference."""
-    def produces(t: Target) -> str:
-        return registry.targets[t.kind].produces
-
-    usable = [t for t in section.targets if t.name != me.name and slot.accepts(t.kind, produces(t))]
+    produces = {t.name: registry.targets[t.kind].produces for t in section.targets}
+    usable = [t for t in section.targets if t.name != me.name and slot.accepts(t.kind, produces[t.name])]
     if slot.kinds:
         tiers = [[t for t in usable if t.kind == k] for k in slot.kinds]
     else:
-        tiers = [[t for t in usable if produces(t) == f] for f in slot.formats]
+        tiers = [[t for t in usable if produces[t.name] == f] for f in slot.formats]
     names: list[str] = []
     for tier in tiers:
         for t in tier:

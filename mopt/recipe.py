@@ -218,14 +218,14 @@ def load_recipe(path: str | Path, registry: Registry) -> Recipe:
         raise MoptError("recipe not found", file=str(path), hint="give the path to a .toml recipe")
     chain: list[_File] = []
     _load_chain(path, [], {}, chain)
-    root = chain[-1]
-    _check_top_level(chain, root)
+    _check_top_level(chain)
     models = _merge_models(chain, registry)
     sections = _collect_sections(chain, models, registry)
-    return Recipe(root.path, [f.path for f in chain], models, sections)
+    return Recipe(chain[-1].path, [f.path for f in chain], models, sections)
 
 
-def _check_top_level(chain: list[_File], root: _File) -> None:
+def _check_top_level(chain: list[_File]) -> None:
+    root = chain[-1]
     schema = root.data.get("schema")
     if schema is None:
         raise root.error(f"missing `schema = {SCHEMA_VERSION}`", [], "schema", hint="add it at the top")
@@ -476,7 +476,7 @@ def _section(
     key = _layers_key(layers)
     made = memo.get(key)
     if made is None:
-        made = memo[key] = _section_targets(layers, sec_layers, decl, registry, model, hw)
+        made = memo[key] = _section_targets(layers, decl, registry)
     out = [
         Target(
             name=r.name,
@@ -519,9 +519,7 @@ def _layers_key(layers: list[_Layer]) -> Any:
     )
 
 
-def _section_targets(
-    layers: list[_Layer], sec_layers: list[_Layer], decl: _Layer, registry: Registry, model: str, hw: str
-) -> list[_Resolved]:
+def _section_targets(layers: list[_Layer], decl: _Layer, registry: Registry) -> list[_Resolved]:
     """The section's targets, one per sweep variant."""
     targets, t_layer = lookup_key("targets", layers)
     if targets is None:
@@ -552,7 +550,7 @@ def _section_targets(
                 break
         if kind is None:
             if name not in registry.targets:
-                tail = f"; a named target needs a table [{model}.{hw}.{name}] with `kind`"
+                tail = f"; a named target needs a table [{'.'.join(decl.table)}.{name}] with `kind`"
                 msg, hint = _unknown(registry, "targets", name, tail)
                 raise t_layer.file.error(msg, t_layer.table, "targets", hint)
             kind = name
@@ -746,31 +744,22 @@ def _invalid(exc: ValidationError, model: type[BaseModel], place: Any) -> MoptEr
     err = next((e for e in errs if e["type"] == "extra_forbidden"), errs[0])
     loc = [str(x) for x in err["loc"]]
     where, key = place(loc)
-    t = err["type"]
-    if t == "extra_forbidden":
-        msg = "unknown key"
-    elif t == "missing":
-        msg = "missing required key"
+    fields = _fields_at(model, loc[:-1])  # the fields of the table the error is in
+    hint: str | None
+    if err["type"] == "extra_forbidden":
+        msg, hint = "unknown key", None if fields is None else did_you_mean(loc[-1], fields, "keys")
+    elif err["type"] == "missing":
+        msg, hint = "missing required key", "add it"
     else:
         msg = f"{err['msg'][0].lower()}{err['msg'][1:]}, got {err.get('input')!r}"
+        hint = (fields or {}).get(loc[-1]) if loc else None  # the field's description
     if len(errs) > 1:
         msg += f" (and {len(errs) - 1} more error{'s' if len(errs) > 2 else ''})"
-    return where.error(msg, key or None, _hint_for(err, model, loc))
+    return where.error(msg, key or None, hint or None)
 
 
 def _pydantic_error(exc: ValidationError, f: _File, table: list[str], model: type[BaseModel]) -> MoptError:
     return _invalid(exc, model, lambda loc: (f.where(table, loc[0] if loc else None), ".".join(loc)))
-
-
-def _hint_for(err: Any, model: type[BaseModel], loc: list[str]) -> str | None:
-    fields = _fields_at(model, loc[:-1])
-    if err["type"] == "extra_forbidden" and fields is not None:
-        return did_you_mean(loc[-1], fields, "keys")
-    if err["type"] == "missing":
-        return "add it"
-    if fields is None or not loc:
-        return None
-    return fields.get(loc[-1]) or None
 
 
 def _fields_at(model: type[BaseModel], path: list[str]) -> dict[str, str] | None:
@@ -789,22 +778,19 @@ def _fields_at(model: type[BaseModel], path: list[str]) -> dict[str, str] | None
 
 def json_schema(registry: Registry) -> dict[str, Any]:
     """A JSON Schema of the recipe format (for editors), from the registered models."""
+    kind = {"type": "string", "enum": sorted(registry.targets)}
     kinds = {}
     for name, cls in sorted(registry.targets.items()):
         s = cls.Params.model_json_schema()
         props = dict(s.get("properties", {}))
-        props["kind"] = {"type": "string", "enum": sorted(registry.targets)}
+        props["kind"] = kind
         props["input"] = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}
         s["properties"] = props
         s["additionalProperties"] = False
         if cls.description:
             s["description"] = cls.description
         kinds[name] = s
-    named_target = {
-        "type": "object",
-        "properties": {"kind": {"type": "string", "enum": sorted(registry.targets)}},
-        "required": ["kind"],
-    }
+    named_target = {"type": "object", "properties": {"kind": kind}, "required": ["kind"]}
     sources = [cls.Params.model_json_schema() for _, cls in sorted(registry.sources.items())]
     model_schema = ModelSpec.model_json_schema()
     model_schema["properties"]["family"]["enum"] = sorted(registry.families)
