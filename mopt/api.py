@@ -712,20 +712,16 @@ class Core(Protocol):
     def registry(self, project_dir: Path | None = None) -> Any:
         """The registry of installed plugins, less those the project at `project_dir`
         (default: the current folder) disables: `.targets`, `.families`, `.hardware`, ..."""
-        ...
 
     def probe_gpus(self) -> Any:
         """The NVIDIA GPUs visible here: `.visible` (each with `.index`, `.name`, `.cc`) and
         `.error` (why none, if none)."""
-        ...
 
     def gpu_matches(self, gpu: Any, profile: HardwareProfile) -> str | None:
         """None when `gpu` (from `probe_gpus`) is what `profile` describes, else why not."""
-        ...
 
     def built_target(self, recipe: Path, selector: str, *, kind: str | None = None) -> BuiltTarget:
         """The one built target of `recipe` that `selector` (model.hardware:target) names, of
         `kind` when given (`mopt image load` hands its archive on). Raises `MoptError` when
         the selector names no or several such targets, or the target is not built for its
         current key (a stale build is never returned)."""
-        ...

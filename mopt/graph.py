@@ -166,10 +166,8 @@ def _wire(section: Section, registry: Registry) -> dict[str, dict[str, list[str]
                     )
                 slots[slot.name].append(inp)
         for slot in cls.consumes:
-            if slots[slot.name]:
-                continue
-            if "*" in slot.kinds:
-                continue  # wildcard slots are only ever explicit
+            if slots[slot.name] or "*" in slot.kinds:
+                continue  # filled by `input`; wildcard slots are only ever explicit
             cands = _candidates(slot, section, t, registry)
             if not cands:
                 if slot.required:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import pickle
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -258,8 +259,7 @@ def _merge_models(chain: list[_File], registry: Registry) -> dict[str, Model]:
     decl: dict[str, _File] = {}
     for f in chain:
         for name, body in f.data.get("models", {}).items():
-            bad = check_name(name)
-            if bad:
+            if bad := check_name(name):
                 raise f.error(bad, ["models"], name, hint="rename the model")
             if name in RESERVED_TOP:
                 raise f.error(
@@ -389,8 +389,7 @@ def _collect_sections(chain: list[_File], models: dict[str, Model], registry: Re
         for key, body in f.data.items():
             if key in RESERVED_TOP:
                 continue
-            bad = check_name(key)
-            if bad:
+            if bad := check_name(key):
                 raise f.error(bad, [], key, hint="a build section is [<model>.<section>]; rename it")
             if key not in models:
                 raise f.error(
@@ -405,8 +404,7 @@ def _collect_sections(chain: list[_File], models: dict[str, Model], registry: Re
                         [key],
                         hw,
                     )
-                bad = check_name(hw)
-                if bad:
+                if bad := check_name(hw):
                     raise f.error(bad, [key], hw, hint="rename the section")
                 order.setdefault((key, hw))
     # Section ids join model and section with a dot, and names may hold dots: two tables
@@ -429,7 +427,7 @@ def _collect_sections(chain: list[_File], models: dict[str, Model], registry: Re
                     f"{k!r} belongs in a build section, not in [defaults]", ["defaults"], k
                 )
     memo: dict[Any, list[_Resolved]] = {}
-    return [_section(chain, models, registry, m, hw, memo) for m, hw in order]
+    return [_section(chain, registry, m, hw, memo) for m, hw in order]
 
 
 def lookup_key(key: str, layers: list[_Layer]) -> tuple[Any, _Layer | None]:
@@ -441,12 +439,7 @@ def lookup_key(key: str, layers: list[_Layer]) -> tuple[Any, _Layer | None]:
 
 
 def _section(
-    chain: list[_File],
-    models: dict[str, Model],
-    registry: Registry,
-    model: str,
-    hw: str,
-    memo: dict[Any, list[_Resolved]],
+    chain: list[_File], registry: Registry, model: str, hw: str, memo: dict[Any, list[_Resolved]]
 ) -> Section:
     layers: list[_Layer] = []  # lowest priority first
     for f in chain:
@@ -499,22 +492,12 @@ def _section(
     )
 
 
-def _freeze(v: Any) -> Any:
-    """A hashable value equal for equal TOML values, types and key order (a sweep's order
-    names its variants; 1 is not 1.0 or true)."""
-    if isinstance(v, dict):
-        return ("t", tuple((k, _freeze(x)) for k, x in v.items()))
-    if isinstance(v, list):
-        return ("a", tuple(_freeze(x) for x in v))
-    return (type(v).__name__, v)
-
-
 def _layers_key(layers: list[_Layer]) -> Any:
-    """What a section's targets are made of: each layer's file and values."""
+    """What a section's targets are made of: each layer's file and values. Equal pickles
+    are equal values of equal types in the same key order (a sweep's order names its
+    variants; 1 is not 1.0 or true); [defaults] is one object shared by every section."""
     return tuple(
-        (id(lay.file), True, id(lay.body))
-        if lay.table[0] == "defaults"
-        else (id(lay.file), False, _freeze(lay.body))
+        (id(lay.file), id(lay.body)) if lay.table[0] == "defaults" else (id(lay.file), pickle.dumps(lay.body))
         for lay in layers
     )
 
@@ -532,8 +515,7 @@ def _section_targets(layers: list[_Layer], decl: _Layer, registry: Registry) -> 
     if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
         raise t_layer.file.error("must be a list of target names", t_layer.table, "targets")
     for t in targets:
-        bad = check_name(t)
-        if bad:
+        if bad := check_name(t):
             raise t_layer.file.error(bad, t_layer.table, "targets", hint="rename the target")
     dup = {t for t in targets if targets.count(t) > 1}
     if dup:
