@@ -20,7 +20,7 @@ from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import ExitStack, contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field
-from pathlib import Path, PurePath
+from pathlib import Path
 from typing import Any
 
 from mopt import buildlog, procs
@@ -29,7 +29,7 @@ from mopt.digest import canonical_json, hash_bytes
 from mopt.errors import MoptError
 from mopt.filehash import file_stat
 from mopt.graph import Node
-from mopt.keys import KEY_FORMAT, Layout, diff_parts, member
+from mopt.keys import action_key, diff_parts
 from mopt.runner import InputWatch, ProcessRunner, SpawnRunner, action_logger, close_logger
 from mopt.schedule import NodeState, Reporter, built_inputs, missing_inputs, readiness
 from mopt.spawn import Spawn
@@ -95,39 +95,11 @@ def _check_input_files(kind: TargetKind) -> None:
     kind.input_files = input_files  # type: ignore[method-assign]
 
 
-def _abspath(p: Any) -> str:
-    """`os.path.abspath(p)`; for an absolute pathlib path that `normpath` leaves as it is
-    (pathlib writes no `.` part, no doubled or trailing slash: only a `..` part or a
-    leading `//` could change), its string without the work."""
-    if isinstance(p, PurePath):
-        s = str(p)
-        if s.startswith("/") and not s.startswith("//") and "/.." not in s:
-            return s
-    return os.path.abspath(p)
-
-
-def _relative(path: str, base: str) -> str:
-    """`str(PurePosixPath(path).relative_to(base))`, else `path` (it is not under `base`),
-    for the strings of two pathlib paths (no trailing, doubled or `.` parts): the same
-    lexical rule, with no exception raised for the usual case of a file outside the project."""
-    if path == base:
-        return "."
-    if path.startswith("//") != base.startswith("//") or base == ".":  # another root
-        return path
-    prefix = base if base.endswith("/") else base + "/"
-    return path[len(prefix) :] if path.startswith(prefix) else path
-
-
-def _gathers(kind: TargetKind) -> list[str]:
-    """The names of `kind`'s gathering slots (asked once per node when keying)."""
-    consumes = kind.consumes
-    hit = _GATHERS.get(id(consumes))
-    if hit is None or hit[0] is not consumes:  # held with its tuple: an id is never reused
-        hit = _GATHERS[id(consumes)] = (consumes, [slot.name for slot in consumes if slot.gather])
-    return hit[1]
-
-
-_GATHERS: dict[int, tuple[Any, list[str]]] = {}
+def _relative(path: Path, base: Path) -> str:
+    try:
+        return str(path.relative_to(base))
+    except ValueError:
+        return str(path)
 
 
 def usable_cpus() -> int:
@@ -191,10 +163,10 @@ class Engine:
         self._meta: dict[str, dict[str, Any]] = {}  # output tree → its action's run() result
         self._source_errors: dict[str, MoptError] = {}
         self._source_files: list[str] = []
-        self._prefetched = False
         self._prefetched_dirs: set[str] = set()
         self._node_files: dict[str, list[Path]] = {}
-        self._files_by_params: dict[tuple[str, int], tuple[Any, list[Path]]] = {}
+        #: section id → (model, section name): the folders of build/<model>/<section>/<target>
+        self._section_names = {sec.id: (sec.model, sec.key) for sec in self.recipe.sections}
         self._pass_thread: int | None = None  # the driver's thread while it is in a pass
         self.planning = False  # plan never downloads a source
         #: the runner `prestart` started, until `build` takes it
@@ -458,19 +430,8 @@ class Engine:
     def keyed(
         self, node: Node, inputs: dict[str, list[str]], missing: dict[str, list[Missing]] | None = None
     ) -> tuple[dict[str, Any], str]:
-        """`(parts, action_key(parts))` of the node, the key written from the parts' members
-        (`keys.Layout`): those that many nodes share (the format, the kind's names, versions
-        and fingerprint, a params object's dump, a model's family and task, a profile's
-        dump: all frozen) encoded once a build, the rest for each node."""
+        """`(parts, action_key(parts))` of the node."""
         kind = self.kind(node.kind)
-        params = node.target.params
-        gathers = _gathers(kind)
-        env_values = getattr(kind, "env_values", None)
-        has_env = callable(env_values)
-        files = self._node_files_of(node)
-        fixed = self._fixed_members(node, kind, bool(missing), bool(files), has_env)
-        layout, fam = fixed[0], fixed[1]
-        platform = kind.platform(node.hardware)
         parts: dict[str, Any] = {
             "kind": node.kind,
             "kind_version": node.kind_version,
@@ -478,113 +439,32 @@ class Engine:
             "plugin_version": node.plugin_version,
             "params": node.params_json(),
             "inputs": inputs,
-            "model": fam[0],
-            "fingerprint": fixed[2],
-            "platform": platform,
+            "model": {"family": node.model.spec.family, "task": node.model.spec.task},
+            "fingerprint": self.fingerprint(node.kind),
+            "platform": kind.platform(node.hardware),
             "salt": self.salt,
         }
-        # in the order of `_fixed_members`'s holes
-        members = [
-            self._params_member(node),
-            fam[1],
-            member("inputs", inputs),
-            member("platform", platform),
-            member("salt", self.salt),
-        ]
         if kind.uses_source:
             parts["source"] = self.source_key(node.model.name)
-            members.append(member("source", parts["source"]))
+        gathers = [slot.name for slot in kind.consumes if slot.gather]
         if gathers:  # a gathering kind names what it took: its output may say so
             gone = {(s, m.label) for s, ms in (missing or {}).items() for m in ms}
+            labels = self.graph.nodes
             parts["input_labels"] = {
-                s: [
-                    self.graph.nodes[d].label
-                    for d in node.inputs.get(s, [])
-                    if (s, self.graph.nodes[d].label) not in gone
-                ]
+                s: [labels[d].label for d in node.inputs.get(s, []) if (s, labels[d].label) not in gone]
                 for s in gathers
             }
-            members.append(member("input_labels", parts["input_labels"]))
         if missing:
             parts["missing"] = {s: [[m.label, m.status] for m in ms] for s, ms in sorted(missing.items())}
-            members.append(member("missing", parts["missing"]))
-        if files:
-            parts["files"] = {self._rel(f): self.file_digest(f) for f in files}
-            members.append(member("files", parts["files"]))
+        files = self.node_files(node)
+        if files:  # named relative to the project (else absolute): keys do not hold paths
+            parts["files"] = {_relative(f, self.recipe.project_dir): self.file_digest(f) for f in files}
         if kind.per_hardware:
-            parts["hardware"], hw_member = self._hardware_member(node.hardware)
-            members.append(hw_member)
-        if has_env:
-            assert env_values is not None
-            parts["env"] = env_values(params)
-            members.append(member("env", parts["env"]))
-        return parts, hash_bytes(layout.join(*members))
-
-    def _fixed_members(
-        self, node: Node, kind: TargetKind, missing: bool, files: bool, env: bool
-    ) -> tuple[Layout, tuple[Any, str], Any]:
-        """(the layout of the node's parts, (the model's family/task, its member), the
-        fingerprint) for `keyed`, each made once (per kind, fingerprint and which optional
-        parts there are; per model object)."""
-        memo: dict[Any, Any] = self.__dict__.setdefault("_members", {})
-        shape = (node.kind, missing, files, env)
-        hit = memo.get(shape)
-        fp = self.fingerprint(node.kind)
-        if hit is None or hit[1] is not fp or hit[3] != (node.kind_version, node.plugin, node.plugin_version):
-            fixed = {
-                "format": KEY_FORMAT,
-                "kind": node.kind,
-                "kind_version": node.kind_version,
-                "plugin": node.plugin,
-                "plugin_version": node.plugin_version,
-                "fingerprint": fp,
-            }
-            holes = ["params", "model", "inputs", "platform", "salt"]
-            for name, present in (
-                ("source", kind.uses_source),
-                ("input_labels", bool(_gathers(kind))),
-                ("missing", missing),
-                ("files", files),
-                ("hardware", kind.per_hardware),
-                ("env", env),
-            ):
-                if present:
-                    holes.append(name)
-            layout = Layout({k: member(k, v) for k, v in fixed.items()}, tuple(holes))
-            names = (node.kind_version, node.plugin, node.plugin_version)
-            hit = memo[shape] = (layout, fp, {}, names)
-        models: dict[int, Any] = hit[2]
-        m = models.get(id(node.model))
-        if m is None or m[0] is not node.model:
-            fam = {"family": node.model.spec.family, "task": node.model.spec.task}
-            m = models[id(node.model)] = (node.model, (fam, member("model", fam)))
-        return hit[0], m[1], hit[1]
-
-    def _params_member(self, node: Node) -> str:
-        """`member("params", node.params_json())`, once per params object (frozen; its dump
-        is shared by the nodes that share it and read-only)."""
-        memo: dict[int, Any] = self.__dict__.setdefault("_params_members", {})
-        params = node.target.params
-        hit = memo.get(id(params))
-        if hit is None or hit[0] is not params or hit[1] is not node.params_json():
-            hit = memo[id(params)] = (params, node.params_json(), member("params", node.params_json()))
-        return str(hit[2])
-
-    def _hardware_member(self, hw: Any) -> tuple[Any, str]:
-        """(the profile's dump, its member), once per profile object (frozen)."""
-        memo: dict[int, Any] = self.__dict__.setdefault("_hw_members", {})
-        hit = memo.get(id(hw))
-        if hit is None or hit[0] is not hw:
-            dumped = hw.model_dump(mode="json")
-            hit = memo[id(hw)] = (hw, dumped, member("hardware", dumped))
-        return hit[1], hit[2]
-
-    def _rel(self, p: Path) -> str:
-        rels: dict[Path, str] = self.__dict__.setdefault("_rels", {})  # 10,000 nodes, few files each
-        rel = rels.get(p)
-        if rel is None:
-            rel = rels[p] = _relative(str(p), str(self.recipe.project_dir))
-        return rel
+            parts["hardware"] = node.hardware.model_dump(mode="json")
+        env_values = getattr(kind, "env_values", None)
+        if callable(env_values):
+            parts["env"] = env_values(node.target.params)
+        return parts, action_key(parts)
 
     # ------------------------------------------------------------------ the last build
 
@@ -1265,7 +1145,7 @@ class Engine:
                     # an unchanged file is in the log or a stat-cache row (prefetched above)
                     known = None if self.log is None or self.log_miss else self.log.digest_of(str(p), file_stat(st))
                     if known is None:
-                        known = self.store.state.lookup(_abspath(p), st)
+                        known = self.store.state.lookup(os.path.abspath(p), st)
                     if known is not None:
                         self._file_digests[p] = known
                         self.store.state.hits += 1
@@ -1279,36 +1159,16 @@ class Engine:
 
     def node_files(self, node: Node) -> list[Path]:
         """The declared input files of `node` (its kind's `input_files`, asked once a build)."""
-        return list(self._node_files_of(node))
-
-    def _node_files_of(self, node: Node) -> list[Path]:
-        """`node_files`, not copied: the caller only reads it. Asked once per kind and
-        params object (frozen: the nodes that share one declare the same files)."""
         files = self._node_files.get(node.id)
         if files is None:
-            params = node.target.params
-            shared = self._files_by_params.get((node.kind, id(params)))
-            if shared is None or shared[0] is not params:
-                found = list(self.kind(node.kind).input_files(params, self.recipe.project_dir))
-                shared = self._files_by_params[(node.kind, id(params))] = (params, found)
-            files = self._node_files[node.id] = shared[1]
+            files = self._node_files[node.id] = self.kind(node.kind).input_files(node.target.params, self.recipe.project_dir)
         return files
 
     def _prefetch_dirs(self, paths: Any) -> None:
         """The stat records under the folders of `paths` in one query per folder."""
-        for d in sorted({os.path.dirname(_abspath(p)) for p in paths} - self._prefetched_dirs):
+        for d in sorted({os.path.dirname(os.path.abspath(p)) for p in paths} - self._prefetched_dirs):
             self._prefetched_dirs.add(d)
             self.store.state.prefetch(d)
-
-    def _prefetch(self) -> None:
-        """One query for the stat records of every blob and every materialized file (a plan
-        checks no build/ file: the blobs' only): hits then cost a stat each (not a SELECT
-        each)."""
-        if not self._prefetched:
-            self._prefetched = True
-            self.store.state.prefetch(self.store.cas_dir)
-            if not self.planning:
-                self.store.state.prefetch(self.build_dir)
 
     def hit(self, key: str, *, node: Node | None = None, fetch: bool = True) -> ActionEntry | None:
         """The cache entry for `key` if it and every blob it names are intact.
@@ -1331,8 +1191,6 @@ class Engine:
                     self._touched[node.id] = touched  # type: ignore[union-attr]
             self._from_log[node.id] = rec  # type: ignore[union-attr]
             return entry
-        if not self._prefetched:
-            self._prefetch()
         entry = self.store.ac_entry(key, check_blobs=False)
         if entry is None:
             if self.remote is None:
@@ -1408,28 +1266,11 @@ class Engine:
 
     def address_path(self, address: str) -> Path:
         """build/<model>/<section>/<target> of `address` in this recipe."""
-        cache = self.__dict__.setdefault("_address_paths", {})
-        if address not in cache:
-            names = self.__dict__.get("_section_names")
-            if names is None:  # one dict, not a scan of 10,000 sections per address
-                names = self._section_names = {sec.id: (sec.model, sec.key) for sec in self.recipe.sections}
-            cache[address] = address_path(self.build_dir, address, names)
-        return cache[address]
+        return address_path(self.build_dir, address, self._section_names)
 
     def address_str(self, address: str) -> str:
-        """`address_path` as an absolute path string (the hit path avoids pathlib)."""
-        cache = self.__dict__.setdefault("_address_strs", {})
-        s = cache.get(address)
-        if s is None:
-            names = self.__dict__.get("_section_names")
-            if names is None:
-                names = self._section_names = {sec.id: (sec.model, sec.key) for sec in self.recipe.sections}
-            base = self.__dict__.get("_build_str")
-            if base is None:
-                base = self._build_str = os.path.abspath(self.build_dir)
-            m, h, label = address_parts(self.build_dir, address, names)
-            s = cache[address] = f"{base}/{m}/{h}/{label}"
-        return s
+        """`address_path` as an absolute path string."""
+        return os.path.abspath(self.address_path(address))
 
     def _materialize(self, node: Node, tree: str, *, blobs_checked: bool = False) -> None:
         if node.id not in getattr(self, "_want", {node.id}):
