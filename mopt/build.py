@@ -27,7 +27,7 @@ from mopt import buildlog, procs
 from mopt.api import Artifact, Missing, SourceContext, SourceError, TargetKind
 from mopt.digest import canonical_json, hash_bytes
 from mopt.errors import MoptError
-from mopt.filehash import file_stat
+from mopt.filehash import FileStat, file_stat
 from mopt.graph import Node
 from mopt.keys import action_key, diff_parts
 from mopt.runner import InputWatch, ProcessRunner, SpawnRunner, action_logger, close_logger
@@ -823,22 +823,49 @@ class Engine:
             logging.getLogger("mopt").warning("mopt: the build log %s was not written: %s", self.log_path, exc)
 
     def _write_log(self, states: dict[str, NodeState]) -> None:
-        from mopt import tomlfile
-        from mopt.digest import hash_bytes, mode_of
-
         w = buildlog.Writer()
-        old = self.log
-        # the modules' digests, where the log's word is taken: as the last build read them
-        known = old.index if old is not None and not self.log_miss else {}
         off = [] if all(st.status in ("built", "cached") for st in states.values()) else ["the build did not succeed"]
         if self.fast_path_off(states):
             off.append(self.fast_path_off(states))
+        absent = self._log_head(w, off)
+        self._log_inputs(w, off)
+        env_names = self._log_nodes(w, states)
+        w.save(
+            self.log_path,
+            ident=self.ident,
+            store=str(self.store.root),
+            env=buildlog.environment(env_names),
+            env_names=env_names,
+            absent=absent,
+            noop="; ".join(off),
+            result={
+                "recipe": str(self.recipe.path),
+                "ids": list(states),
+                # what `mopt build --json` lists of each node on a no-op
+                "nodes": [
+                    [st.node.kind, st.key, st.entry.outputs_tree, round(st.entry.duration_s, 3)]
+                    if st.entry is not None
+                    else None
+                    for st in states.values()
+                ],
+                "selected": self.selected(states),
+                "build_dir": str(self.build_dir),
+            },
+        )
 
-        def watch(path: str, st: Any = None, digest: Any = None, taken: int | None = None) -> None:
-            if w.file(path, st, digest, touchable=True, taken=taken) is None:
+    def _log_head(self, w: buildlog.Writer, off: list[str]) -> list[str]:
+        """Record the recipe files and settings as they were read, the lock file as it is now
+        and the code that ran (every loaded module: one changed since this process loaded it
+        is not what ran); the files that must not appear (a mopt.toml nearer the recipe, the
+        lock file when there is none)."""
+        import mopt
+        from mopt import tomlfile
+        from mopt.digest import hash_bytes, mode_of
+
+        def watch(path: str, fs: FileStat, digest: tuple[str, int], taken: int | None = None) -> None:
+            if w.file(path, fs, digest, touchable=True, taken=taken) is None:
                 off.append(f"{path} changed while the build read it")
 
-        # the head: recipe files and settings as they were read, the lock file as it is now
         head = [str(p) for p in self.recipe.files]
         if self.project.config_file is not None:
             head.append(str(self.project.config_file))
@@ -847,8 +874,8 @@ class Engine:
             if read is None:  # read twice with two stats, or not read through tomlfile
                 off.append(f"{name} changed while the build read it")
                 continue
-            st, data, at = read
-            watch(name, file_stat(st), (hash_bytes(data), mode_of(st.st_mode)), at)
+            rst, data, at = read
+            watch(name, file_stat(rst), (hash_bytes(data), mode_of(rst.st_mode)), at)
         absent = []
         lock = str(lock_path(self.recipe.path))
         try:
@@ -857,15 +884,11 @@ class Engine:
                 watch(lock, file_stat(lst), (hash_bytes(fh.read()), mode_of(lst.st_mode)))
         except FileNotFoundError:
             absent.append(lock)
-        # a mopt.toml appearing nearer the recipe would change the settings
         for d in [self.recipe.path.parent, *self.recipe.path.parent.parents]:
             if self.project.config_file is not None and d == self.project.config_file.parent:
                 break
             absent.append(str(d / "mopt.toml"))
-        # the code that ran (a module changed since this process loaded it: its new bytes
-        # are not what ran), the folders a plugin would be installed into
-        import mopt
-
+        old = self.log if not self.log_miss else None
         for mod in buildlog.loaded_modules():
             try:
                 mst = os.stat(mod)
@@ -874,10 +897,9 @@ class Engine:
             if mst.st_ctime_ns >= mopt.STARTED_NS:
                 off.append(f"{mod} changed while the build ran")
                 continue
-            k = known.get(mod)
-            fs = file_stat(mst)
-            if old is not None and k is not None and old.stats[k] == fs and k not in old.racy and k in old.digests:
-                watch(mod, fs, old.digests[k])  # as the last build read it
+            k = old.index.get(mod) if old is not None else None
+            if old is not None and k is not None and old.stats[k] == file_stat(mst) and k in old.digests and k not in old.racy:
+                watch(mod, file_stat(mst), old.digests[k])  # as the last build read it
                 continue
             try:
                 with open(mod, "rb") as fh:
@@ -886,51 +908,67 @@ class Engine:
             except OSError:
                 continue
             watch(mod, file_stat(mst), (hash_bytes(data), mode_of(mst.st_mode)))
+        return absent
+
+    def _log_inputs(self, w: buildlog.Writer, off: list[str]) -> None:
+        """Record what the build read besides the recipe: the declared input files and folders
+        (every file and folder in them: a folder's own stat changes when an entry directly in
+        it comes or goes), the model sources it made or read, and the folders of sys.path (a
+        plugin installed or removed changes their listing)."""
+        from mopt.digest import hash_bytes, mode_of
+
+        files = list(self._source_files)
         folders = buildlog.path_dirs()
-        # the inputs: declared files and folders (every file and folder in them: a folder's
-        # own stat changes when an entry directly in it comes or goes), the model sources
-        inputs = list(self._source_files)
         for path, _digest, _info in self._sources.values():
             folders.extend(f for f, _sub, _files in os.walk(path, followlinks=True))
         for declared in self._file_digests:
             if not declared.is_dir():
-                inputs.append(str(declared))
+                files.append(str(declared))
                 continue
             for folder, _sub, names in os.walk(declared):
                 folders.append(folder)
-                inputs.extend(os.path.join(folder, n) for n in names)
-        self._prefetch_dirs(inputs)
-        for name in sorted(set(inputs)):
+                files.extend(os.path.join(folder, n) for n in names)
+        self._prefetch_dirs(files)
+        for name in sorted(set(files)):
             try:
                 ist = os.stat(name)
             except OSError:
                 off.append(f"{name} is gone")
                 continue
             d = self.store.state.lookup(os.path.abspath(name), ist)
-            if d is not None:  # a touch of it with the same bytes is then no change
-                watch(name, file_stat(ist), (d, mode_of(ist.st_mode)))
-            elif w.file(name, file_stat(ist)) is None:  # the stat cache did not keep it (just written)
+            # with its digest, a touch of it with the same bytes is no change; the stat cache
+            # may have no digest of a file written just before it was read: its stat then
+            i = w.file(name, file_stat(ist), None if d is None else (d, mode_of(ist.st_mode)), touchable=d is not None)
+            if i is None:
                 off.append(f"{name} changed while the build read it")
         for folder in sorted(set(folders)):
             try:
                 fst = os.stat(folder)
-                names = "\0".join(sorted(os.listdir(folder)))
+                listing = "\0".join(sorted(os.listdir(folder)))
             except OSError:
                 continue
-            watch(folder, file_stat(fst), (hash_bytes(names.encode("utf-8", "surrogateescape")), 0))
-        # per node: its entry file and blobs, then its build/ files and folders
-        env_names: list[str] = []
+            digest = (hash_bytes(listing.encode("utf-8", "surrogateescape")), 0)
+            if w.file(folder, file_stat(fst), digest, touchable=True) is None:
+                off.append(f"{folder} changed while the build read it")
+
+    def _log_nodes(self, w: buildlog.Writer, states: dict[str, NodeState]) -> list[str]:
+        """Record each node this build built or found: its key, its entry, its entry file and
+        blobs, and its build/ files and folders (as the old log recorded them where this build
+        took the node from it and found them holding). A node that failed keeps its last
+        record (plan's "why"). Returns the kinds' environment variable names."""
+        env_names: set[str] = set()
+        old = self.log
         for i, st in states.items():
-            kind = self.kind(st.node.kind)
-            env_values = getattr(kind, "env_values", None)
+            env_values = getattr(self.kind(st.node.kind), "env_values", None)
             if callable(env_values):
-                env_names.extend(env_values(st.node.target.params))
-            if st.status not in ("built", "cached") or st.entry is None or st.key is None:
-                rec = old.nodes.get(i) if old is not None else None
-                if rec is not None:  # the last good build of it: plan's "why", a hit once more
-                    w.nodes[i] = [rec[0], rec[1], _carry(w, old, rec[2]), [], []]  # type: ignore[arg-type]
-                continue
+                env_names.update(env_values(st.node.target.params))
             rec = self._from_log.get(i)
+            if st.status not in ("built", "cached") or st.entry is None or st.key is None:
+                last = old.nodes.get(i) if old is not None else None
+                store_files = _carry(w, old, last[2]) if old is not None and last is not None else None
+                if last is not None and store_files is not None:
+                    w.nodes[i] = [last[0], last[1], store_files, [], []]
+                continue
             if rec is not None and old is not None:
                 store_files = _carry(w, old, rec[2])
                 if i in self._touched and store_files:  # its entry file: a new stat, the same bytes
@@ -942,39 +980,16 @@ class Engine:
                 fields["meta"] = {k: v for k, v in fields["meta"].items() if k != "parts"}
             if store_files is None:
                 continue
-            bases: list[str] = []
-            build_files: list[int] = []
-            if i in self._want:
-                bases = [self.address_str(a) for a in st.node.addresses]
-                if rec is not None and old is not None and rec[4] == bases:
-                    build_files = _carry(w, old, rec[3]) or []
-                else:
-                    build_files = self._build_files(w, st.entry.outputs_tree, bases) or []
-                if not build_files:
-                    bases = []
+            bases = [self.address_str(a) for a in st.node.addresses] if i in self._want else []
+            build_files = None
+            if bases and rec is not None and old is not None and rec[4] == bases:
+                build_files = _carry(w, old, rec[3])
+            if bases and build_files is None:
+                build_files = self._build_files(w, st.entry.outputs_tree, bases)
+            if build_files is None:  # not laid out, or not recorded: laid out again next time
+                build_files, bases = [], []
             w.nodes[i] = [st.key, fields, store_files, build_files, bases]
-        selected = self.selected(states)
-        w.save(
-            self.log_path,
-            ident=self.ident,
-            store=str(self.store.root),
-            env=buildlog.environment(env_names),
-            env_names=sorted(set(env_names)),
-            absent=absent,
-            noop="; ".join(off),
-            result={
-                "recipe": str(self.recipe.path),
-                "ids": list(states),
-                # what `mopt build --json` lists of each node on a no-op
-                "nodes": [
-                    [st.node.kind, st.key, st.entry.outputs_tree, round(st.entry.duration_s, 3)]
-                    if st.entry is not None else None
-                    for st in states.values()
-                ],
-                "selected": selected,
-                "build_dir": str(self.build_dir),
-            },
-        )
+        return sorted(env_names)
 
     def _store_files(self, w: buildlog.Writer, key: str, entry: ActionEntry) -> list[int] | None:
         """Record the entry file and blobs of a node this build built or checked in the store."""
@@ -1183,14 +1198,14 @@ class Engine:
         """
         rec = self._logged(node, key) if node is not None else None
         if rec is not None:
-            entry = _entry_from_row(rec[1])
+            logged = _entry_from_row(rec[1])
             if not self.read_only:
                 self.store.use(key)
                 touched = self.store.touch_if_due(key, self.log.stat_now(rec[2][0]))  # type: ignore[union-attr]
                 if touched is not None:
                     self._touched[node.id] = touched  # type: ignore[union-attr]
             self._from_log[node.id] = rec  # type: ignore[union-attr]
-            return entry
+            return logged
         entry = self.store.ac_entry(key, check_blobs=False)
         if entry is None:
             if self.remote is None:
