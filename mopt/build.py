@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import marshal
 import os
 import socket
 import threading
@@ -850,6 +851,12 @@ class Engine:
                 ],
                 "selected": self.selected(states),
                 "build_dir": str(self.build_dir),
+                # what `mopt plan` prints of each node when the log holds (its table)
+                "plan": marshal.dumps(
+                    [[st.node.id, len(st.node.addresses), st.node.kind, st.node.input_ids(), st.node.section.id]
+                     for st in states.values()]
+                ),
+                "warnings": list(self.registry.warnings),
             },
         )
 

@@ -450,14 +450,19 @@ def _join(pid: int, fd: int) -> Any:
 # --------------------------------------------------------------------------- the no-op
 
 
-def noop(recipe: str, selectors: list[str] | tuple[str, ...], offline: bool) -> tuple[Log | None, str]:
+def noop(
+    recipe: str, selectors: list[str] | tuple[str, ...], offline: bool, *, learn: bool = True
+) -> tuple[Log | None, str]:
     """(the log of the last build, "") if `mopt build RECIPE SELECTORS` would do nothing now,
-    else (None, why not). Files found holding under a new stat are learnt (`Log.learn`)."""
+    else (None, why not). With `learn`, files found holding under a new stat are recorded so
+    (`Log.learn`); `mopt plan` learns nothing: it writes nothing."""
     ident = ident_of(recipe, selectors, offline)
-    if _asked.get("ident") == ident:  # `python -m mopt` asked before click: the same answer
-        return _asked["answer"]
-    _asked["ident"], _asked["answer"] = ident, _noop(recipe, ident)
-    return _asked["answer"]
+    if _asked.get("ident") != ident:  # `python -m mopt` asked before click: the same answer
+        _asked["ident"], _asked["answer"] = ident, _noop(recipe, ident)
+    log, why = _asked["answer"]
+    if log is not None and learn:
+        log.learn()
+    return log, why
 
 
 #: the last `noop` in this process: its ident and answer
@@ -483,7 +488,6 @@ def _noop(recipe: str, ident: tuple[str, tuple[str, ...], bool]) -> tuple[Log | 
             why = "unreadable log"
             continue
         if not why:
-            log.learn()
             return log, ""
     return None, why
 
