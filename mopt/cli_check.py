@@ -1,8 +1,5 @@
-"""`mopt check` and `mopt doctor` (registered on the main app by `mopt.cli`).
-
-`run_check(session, ids)` returns the findings; `run_check_for_build(session, ids)` is what
-`mopt build` runs first (prints errors and warnings to stderr, stops on errors).
-"""
+"""`mopt check` and `mopt doctor` (registered on the main app by `mopt.cli`), and the check
+`mopt build` runs first (`run_check_for_build`)."""
 
 from __future__ import annotations
 
@@ -21,24 +18,13 @@ if TYPE_CHECKING:
 _ORDER = {"error": 0, "warning": 1, "info": 2}
 
 
-def run_check(session: Any, ids: list[str] | None = None) -> list[Finding]:
-    """`mopt check` on the session's graph (the selected nodes, all when None)."""
-    return check_report(session, ids).findings
-
-
-def check_report(session: Any, ids: list[str] | None = None) -> CheckReport:
-    """Findings plus the memory estimates behind them."""
-    from mopt.check import run_checks
-
-    return run_checks(session.graph, ids)
-
-
 def run_check_for_build(session: Any, ids: list[str]) -> None:
     """The first step of `mopt build`: print errors and warnings to stderr; raise `MoptError`
     (exit 2) when there is any error, before anything is built."""
+    from mopt.check import run_checks
     from mopt.cli import err
 
-    findings = [f for f in run_check(session, ids) if f.severity in ("error", "warning")]
+    findings = [f for f in run_checks(session.graph, ids).findings if f.severity in ("error", "warning")]
     if not findings:
         return
     for line in finding_lines(findings, with_section=True):
@@ -204,11 +190,11 @@ def register(app: click.Group) -> None:
         Exit 2 on errors.
 
         SELECTORS are model.hardware:target, globs allowed ('*.h200', '*:trt-engine')."""
+        from mopt.check import run_checks
         from mopt.cli import Session, _print_json
 
         s = Session(recipe)
-        ids = s.graph.select(list(selectors))
-        report = check_report(s, ids)
+        report = run_checks(s.graph, s.graph.select(list(selectors)))
         if as_json:
             _print_json({"recipe": str(s.recipe.path), **report.to_json()})
         else:

@@ -111,48 +111,18 @@ BYTES: dict[str, float] = {
 #: extra bytes per value for quantization scales (int4: fp16 scale / 128; nvfp4: fp8 scale / 16)
 SCALE_BYTES: dict[str, float] = {"int4": 2.0 / 128, "nvfp4": 1.0 / 16}
 
-_ALIASES: dict[str, str] = {
-    "fp32": "fp32",
-    "float32": "fp32",
-    "float": "fp32",
-    "f32": "fp32",
-    "full": "fp32",
-    "tf32": "fp32",
-    "fp16": "fp16",
-    "float16": "fp16",
-    "half": "fp16",
-    "f16": "fp16",
-    "bf16": "bf16",
-    "bfloat16": "bf16",
-    "fp8": "fp8",
-    "float8": "fp8",
-    "fp8_e4m3": "fp8",
-    "fp8_e5m2": "fp8",
-    "fp8_e4m3fn": "fp8",
-    "float8_e4m3fn": "fp8",
-    "e4m3": "fp8",
-    "e5m2": "fp8",
-    "w8a8_fp8": "fp8",
-    "int8": "int8",
-    "qint8": "int8",
-    "w8a8": "int8",
-    "int8_sq": "int8",
-    "smoothquant": "int8",
-    "int8_weight_only": "int8",
-    "w8a16": "int8",
-    "int4": "int4",
-    "int4_awq": "int4",
-    "w4a16": "int4",
-    "w4a16_awq": "int4",
-    "w4a8_awq": "int4",
-    "awq": "int4",
-    "gptq": "int4",
-    "int4_weight_only": "int4",
-    "nvfp4": "nvfp4",
-    "fp4": "nvfp4",
-    "modelopt_fp4": "nvfp4",
-    "mxfp4": "nvfp4",
+#: canonical precision → the names recipes, configs and quantization tools give it
+_NAMES: dict[str, str] = {
+    "fp32": "fp32 float32 float f32 full tf32",
+    "fp16": "fp16 float16 half f16",
+    "bf16": "bf16 bfloat16",
+    "fp8": "fp8 float8 fp8_e4m3 fp8_e5m2 fp8_e4m3fn float8_e4m3fn e4m3 e5m2 w8a8_fp8",
+    "int8": "int8 qint8 w8a8 int8_sq smoothquant int8_weight_only w8a16",
+    "int4": "int4 int4_awq w4a16 w4a16_awq w4a8_awq awq gptq int4_weight_only",
+    "nvfp4": "nvfp4 fp4 modelopt_fp4 mxfp4",
 }
+_ALIASES = {name: canonical for canonical, names in _NAMES.items() for name in names.split()}
+
 
 def normalize_precision(value: Any) -> str | None:
     """Canonical precision name (fp32, fp16, bf16, fp8, int8, int4, nvfp4), or None when
@@ -549,9 +519,3 @@ def largest_fitting(
             hi = mid - 1
     return lo
 
-
-def fraction_needed(e: MemoryEstimate) -> float | None:
-    """The gpu_memory_utilization at which every sequence's KV cache would fit."""
-    if e.capacity is None or e.capacity <= 0:
-        return None
-    return e.total / e.capacity

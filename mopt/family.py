@@ -253,19 +253,13 @@ def model_dims(config: Mapping[str, Any], family: Any = None) -> ModelDims:
     raise `ConfigError` naming the missing keys. The estimator has no knowledge of model
     types of its own: without a family, the config is read as `Family`'s defaults do (a
     decoder with a gated MLP, the larger of the usual cases)."""
-    if family is None or isinstance(family, str):
+    if family is None:
         family = Family
     fam = family() if isinstance(family, type) else family
     dims = fam.dims(config)
     if not isinstance(dims, ModelDims):
         raise TypeError(f"{type(fam).__name__}.dims() returned {type(dims).__name__}, not ModelDims")
     return dims
-
-
-def implemented(family: Any, methods: Sequence[str]) -> list[str]:
-    """Which of `methods` the family leaves as `Family`'s stubs (for error messages)."""
-    cls = family if isinstance(family, type) else type(family)
-    return [m for m in methods if getattr(cls, m, None) is getattr(Family, m)]
 
 
 class TransformersFamily(Family):
@@ -275,8 +269,6 @@ class TransformersFamily(Family):
 
     #: transformers attention implementation for export and reference runs
     attn_implementation: ClassVar[str] = "eager"
-    #: the tokenizer's padding side when a checkpoint does not say
-    default_padding_side: ClassVar[str] = "right"
 
     def load(
         self, path: Path | str, *, task: str = EMBEDDING, dtype: str | None = None,
