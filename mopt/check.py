@@ -8,11 +8,8 @@ model's shape comes from its family's `dims()` over its config.json (`[models.X]
 the local `path` / `package` / cached `hf` checkpoint, or a synthetic source's `config` over
 the family's `synthetic_defaults`).
 
-A serving kind describes its runtime's KV-cache pool and that runtime's defaults with
-`kv_pool()` (a share of the GPU, vLLM's way, or of what the model leaves free, TensorRT-LLM's);
-the core knows no runtime. Other kinds may set `memory_model` = "engine" (batch × sequence
-through one forward pass, no KV cache) or "none"; without one, "engine" is inferred from the
-roles present.
+Memory is sized by a kind's runtime `kv_pool()` (the core knows no runtime), else by its
+`memory_model` ("engine", "none"; inferred from the roles when absent): docs/plugins.md.
 """
 
 from __future__ import annotations
@@ -47,20 +44,14 @@ from mopt.estimate import (
     largest_fitting,
     normalize_precision,
 )
-from mopt.family import model_dims
+from mopt.family import TEXT_GENERATION, model_dims
 from mopt.graph import Graph, Node
 from mopt.recipe import Model, Recipe, Section
 
 #: the lowest compute capability with hardware support for each precision
-MIN_CC: dict[str, tuple[int, int]] = {
-    "fp32": (0, 0),
-    "fp16": (5, 3),
-    "int8": (6, 1),
-    "int4": (7, 5),
-    "bf16": (8, 0),
-    "fp8": (8, 9),
-    "nvfp4": (10, 0),
-}
+MIN_CC: dict[str, str] = {
+    "fp32": "0.0", "fp16": "5.3", "int8": "6.1", "int4": "7.5", "bf16": "8.0", "fp8": "8.9", "nvfp4": "10.0"
+}  # fmt: skip
 #: roles that describe a memory workload (a kind with none of them gets no estimate)
 MEMORY_ROLES = frozenset(
     {
@@ -96,8 +87,6 @@ def _first(rv: RoleValues, *roles: Role) -> tuple[str | None, Any]:
 
 #: the sequence length assumed for an engine whose params set none
 ENGINE_DEFAULT_SEQ = 512
-#: the model task whose sections keep a KV cache in every runtime
-GENERATION = "text-generation"
 #: vocabulary assumed for a synthetic model whose tokenizer is not built yet
 SYNTHETIC_VOCAB_GUESS = 32000
 
@@ -138,12 +127,14 @@ class CheckReport:
     def errors(self) -> list[Finding]:
         return [f for f in self.findings if f.severity == "error"]
 
+    @property
+    def counts(self) -> dict[str, int]:
+        return {s: sum(1 for f in self.findings if f.severity == s) for s in ("error", "warning", "info")}
+
     def to_json(self) -> dict[str, Any]:
         return {
             "ok": not self.errors,
-            "counts": {
-                s: sum(1 for f in self.findings if f.severity == s) for s in ("error", "warning", "info")
-            },
+            "counts": self.counts,
             "findings": [finding_json(f) for f in self.findings],
             "estimates": [e.to_json() for e in self.estimates],
             "model_configs": self.configs,
@@ -406,7 +397,6 @@ class _Checker:
                     f'use {key} = "fp32" (or int8 quantization) for CPU targets',
                 )
                 continue
-            need = MIN_CC[p]
             others = [n for n in _profiles_with(self.registry, p) if n != hw.name]
             alt = "fp16 or bf16" if "bf16" in hw.precisions else "fp16"
             if p == "int4":
@@ -415,7 +405,7 @@ class _Checker:
                 "error",
                 "precision-unsupported",
                 key,
-                f"{key} = {value!r} needs compute capability ≥ {need[0]}.{need[1]}; "
+                f"{key} = {value!r} needs compute capability ≥ {MIN_CC[p]}; "
                 f"{hw.name} ({hw.gpu_name}) has {_cc(hw)} (supports {', '.join(hw.precisions)})",
                 f"use {alt} on {hw.name}, or build for a profile with {p}: {', '.join(others[:6])}",
             )
@@ -432,12 +422,11 @@ class _Checker:
                     "keep it for the memory saving, or use int8 (W8A8) for faster math on this GPU",
                 )
             else:
-                need = MIN_CC[qp]
                 self.add(
                     "error",
                     "precision-unsupported",
                     qkey,
-                    f"{qkey} = {q!r} ({qp}) needs compute capability ≥ {need[0]}.{need[1]}; "
+                    f"{qkey} = {q!r} ({qp}) needs compute capability ≥ {MIN_CC[qp]}; "
                     f"{hw.name} has {_cc(hw)}",
                     f"use awq / gptq (int4) or fp8 on {hw.name}, or a profile with {qp}: "
                     + ", ".join(_profiles_with(self.registry, qp)[:6]),
@@ -450,7 +439,7 @@ class _Checker:
                 "precision-unsupported",
                 kvkey,
                 f"{kvkey} = {kv!r} on {hw.name} (CC {_cc(hw)}): no hardware {kp} "
-                f"(needs CC ≥ {MIN_CC[kp][0]}.{MIN_CC[kp][1]}); only some attention backends can "
+                f"(needs CC ≥ {MIN_CC[kp]}); only some attention backends can "
                 "store the cache in it and compute in fp16",
                 f'use {kvkey} = "auto" on this GPU, or check that your runtime version '
                 "supports an fp8 KV cache on it",
@@ -506,33 +495,10 @@ class _Checker:
             )
         if dims is None or tp == 1:
             return
-        valid = [t for t in range(1, max(dims.heads, 1) + 1) if _tp_ok(dims, t)]
+        valid = [t for t in range(1, max(dims.heads, 1) + 1) if not _tp_problems(dims, t)]
         fix_tp = f"use {tp_key} in {{{', '.join(map(str, valid[:8]))}}} for {model}"
-        if dims.heads % tp:
-            self.add(
-                "error",
-                "tp-heads",
-                tp_key,
-                f"{tp_key} = {tp} does not divide the {dims.heads} attention heads of {model}",
-                fix_tp,
-            )
-        if dims.kv_heads % tp and tp % dims.kv_heads:
-            self.add(
-                "error",
-                "tp-kv-heads",
-                tp_key,
-                f"{tp_key} = {tp} and the {dims.kv_heads} KV heads of {model}: neither divides the "
-                "other, so KV heads can be neither split nor replicated evenly",
-                fix_tp,
-            )
-        if dims.intermediate % tp:
-            self.add(
-                "error",
-                "tp-intermediate",
-                tp_key,
-                f"{tp_key} = {tp} does not divide the MLP width {dims.intermediate} of {model}",
-                fix_tp,
-            )
+        for code, why in _tp_problems(dims, tp, model):
+            self.add("error", code, tp_key, f"{tp_key} = {tp} {why}", fix_tp)
 
     def _seq_lengths(self, params: RoleValues, dims: ModelDims, model: str, origin: str) -> None:
         limit = dims.max_sequence
@@ -572,7 +538,7 @@ class _Checker:
         w, keys = spec
         if pool is not None:
             w = replace(w, runtime=kind.name)
-        elif task == GENERATION:
+        elif task == TEXT_GENERATION:
             # a generation engine keeps every sequence's KV cache: batch × seq of it must fit
             w = replace(w, kv_cache=True)
         assert hw.memory_gb is not None
@@ -683,7 +649,7 @@ class _Checker:
         dims = self.model(section.model).dims
         if dims is None:
             return
-        if self._task(section) == GENERATION:
+        if self._task(section) == TEXT_GENERATION:
             self._generation_baseline(section, hw, dims)
             return
         seq = min(ENGINE_DEFAULT_SEQ, dims.max_sequence or ENGINE_DEFAULT_SEQ)
@@ -692,9 +658,7 @@ class _Checker:
             basis = f"fp32 on CPU, batch 1 × {seq} tokens (no target sets limits)"
             self.estimates.append(NodeEstimate(section.id, "(model)", hw.name, estimate(dims, w), basis))
             return
-        prec = dims.config_dtype if dims.config_dtype in ("fp16", "bf16") else "fp16"
-        if prec not in hw.precisions:
-            prec = "fp16"
+        prec = _sixteen_bit(dims, hw)
         w = Workload(precision=prec, batch=1, seq_len=seq)
         e = estimate(dims, w, hw.memory_gb)
         ne = NodeEstimate(
@@ -765,7 +729,7 @@ class _Checker:
             if cls.kv_pool is TargetKind.kv_pool:
                 continue
             try:
-                pool = cls().kv_pool(hw, GENERATION)
+                pool = cls().kv_pool(hw, TEXT_GENERATION)
             except Exception:  # a plugin's bug: that kind gives no baseline
                 continue
             if pool is not None and pool.baseline:
@@ -801,12 +765,22 @@ def kv_fit_text(
     )
 
 
-def _tp_ok(dims: ModelDims, tp: int) -> bool:
-    return (
-        dims.heads % tp == 0
-        and (dims.kv_heads % tp == 0 or tp % dims.kv_heads == 0)
-        and dims.intermediate % tp == 0
-    )
+def _tp_problems(dims: ModelDims, tp: int, model: str = "") -> list[tuple[str, str]]:
+    """(code, what) for each part of `model` that tensor-parallel size `tp` cannot split evenly."""
+    out = []
+    if dims.heads % tp:
+        out.append(("tp-heads", f"does not divide the {dims.heads} attention heads of {model}"))
+    if dims.kv_heads % tp and tp % dims.kv_heads:
+        out.append(
+            (
+                "tp-kv-heads",
+                f"and the {dims.kv_heads} KV heads of {model}: neither divides the other, so KV heads "
+                "can be neither split nor replicated evenly",
+            )
+        )
+    if dims.intermediate % tp:
+        out.append(("tp-intermediate", f"does not divide the MLP width {dims.intermediate} of {model}"))
+    return out
 
 
 def _seq_values(params: RoleValues) -> list[tuple[str, int, str]]:
@@ -877,6 +851,13 @@ def _smaller_precisions(dims: ModelDims, w: Workload, hw: HardwareProfile, key: 
     return out
 
 
+def _sixteen_bit(dims: ModelDims, hw: HardwareProfile) -> str:
+    """The precision a GPU target runs at when no param sets one: the config's 16-bit dtype
+    where the GPU has it, else fp16."""
+    prec = dims.config_dtype if dims.config_dtype in ("fp16", "bf16") else "fp16"
+    return prec if prec in hw.precisions else "fp16"
+
+
 #: roles of a KV-cache pool: a kind that marks them is sized only through its `kv_pool()`
 POOL_ROLES = frozenset({Role.memory_fraction, Role.kv_cache_fraction, Role.kv_block_tokens})
 
@@ -903,11 +884,7 @@ def workload_for(
     assumed: list[str] = []
 
     pkey, pval = _first(params, Role.precision)
-    prec = normalize_precision(pval)
-    if prec is None:
-        prec = dims.config_dtype if dims.config_dtype in ("fp16", "bf16") else "fp16"
-        if prec == "bf16" and "bf16" not in hw.precisions:
-            prec = "fp16"
+    prec = normalize_precision(pval) or _sixteen_bit(dims, hw)
     if pkey:
         keys["precision"] = pkey
     qkey, qval = _first(params, Role.quantization)
@@ -948,33 +925,19 @@ def workload_for(
         else:
             keys["fraction"] = fk
         frac = frac_v if frac_v is not None and 0 < frac_v <= 1 else pool.fraction
-        w = Workload(
-            precision=prec,
-            kv_dtype=kv_dtype,
-            batch=batch,
-            seq_len=seq,
-            num_tokens=tokens,
-            kv_cache=True,
-            tp=tp,
-            pp=pp,
-            memory_fraction=frac if of_gpu else None,
-            kv_fraction=None if of_gpu else frac,
-            runtime="kv-pool",
-        )
+        sizing: dict[str, Any] = {
+            "num_tokens": tokens,
+            "kv_cache": True,
+            "memory_fraction": frac if of_gpu else None,
+            "kv_fraction": None if of_gpu else frac,
+            "runtime": "kv-pool",
+        }
     else:
         batch, bk = pick(Role.batch_size, 1, "batch")
         seq, sk = pick(Role.seq_len, min(ENGINE_DEFAULT_SEQ, max_pos), "seq")
-        ws = _num(_first(params, Role.workspace_gb)[1]) or 0.0
-        w = Workload(
-            precision=prec,
-            kv_dtype=kv_dtype,  # used when a generation engine keeps a KV cache
-            batch=batch,
-            seq_len=seq,
-            tp=tp,
-            pp=pp,
-            workspace_gb=ws,
-            runtime="engine",
-        )
+        sizing = {"workspace_gb": _num(_first(params, Role.workspace_gb)[1]) or 0.0, "runtime": "engine"}
+    # kv_dtype matters to an engine too: a generation engine keeps a KV cache
+    w = Workload(precision=prec, kv_dtype=kv_dtype, batch=batch, seq_len=seq, tp=tp, pp=pp, **sizing)
     if bk:
         keys["batch"] = bk
     if sk:

@@ -104,37 +104,31 @@ def _print_check(s: Any, report: CheckReport) -> None:
     )
     for sec_id in order:
         sec = sections.get(sec_id)
+        hw = reg.hardware[sec.hardware] if sec is not None else None
         out.print()
-        if sec is not None:
-            hw = reg.hardware[sec.hardware]
-            if hw.is_gpu:
-                cc = ".".join(map(str, hw.compute_capability)) if hw.compute_capability else "?"
-                desc = f"{hw.gpu_name or hw.name} · CC {cc} · {hw.memory_gb:g} GiB" + (
-                    f" × {hw.gpu_count}" if hw.gpu_count > 1 else ""
-                )
-            else:
-                desc = hw.description
-            out.print(f"{sec_id}  ({hw.name}: {desc})")
-        else:
+        if hw is None:
             out.print(sec_id)
+        elif hw.is_gpu:
+            cc = ".".join(map(str, hw.compute_capability)) if hw.compute_capability else "?"
+            gpus = f"{hw.memory_gb:g} GiB" + (f" × {hw.gpu_count}" if hw.gpu_count > 1 else "")
+            out.print(f"{sec_id}  ({hw.name}: {hw.gpu_name or hw.name} · CC {cc} · {gpus})")
+        else:
+            out.print(f"{sec_id}  ({hw.name}: {hw.description})")
         fs = by_sec.get(sec_id, [])
         for line in finding_lines(fs) if fs else ["  no findings"]:
             out.print(line)
         ests = [e for e in report.estimates if e.section == sec_id]
         if ests:
             cfg = report.configs.get(sec.model, "") if sec is not None else ""
-            hw = reg.hardware[sec.hardware] if sec is not None else None
             per = "per GPU" if hw is not None and hw.is_gpu else "in the process"
             out.print(f"  memory, estimated {per} (model config: {_short_path(cfg)}):")
             cols, rows = estimate_rows(ests)
             _indented_table(out, cols, rows, "    ")
             for ne in ests:
                 out.print(f"    {ne.target}: {ne.basis}")
-    counts = {
-        sev: sum(1 for f in report.findings if f.severity == sev) for sev in ("error", "warning", "info")
-    }
     out.print()
-    out.print(", ".join(f"{n} {sev}{'s' if n != 1 and sev != 'info' else ''}" for sev, n in counts.items()))
+    counts = report.counts.items()
+    out.print(", ".join(f"{n} {sev}{'s' if n != 1 and sev != 'info' else ''}" for sev, n in counts))
 
 
 def _indented_table(out: Any, cols: list[str], rows: list[list[str]], indent: str) -> None:

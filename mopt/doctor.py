@@ -7,6 +7,7 @@ broken). Every missing / warn / fail check carries a cause and a fix.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -104,10 +105,7 @@ def diagnose(m: Machine) -> list[DoctorCheck]:
 
     g = m.gpu
     if g.visible:
-        names: dict[str, int] = {}
-        for gpu in g.visible:
-            key = f"{gpu.name} (CC {gpu.cc}, {_gib(gpu.memory_gib)})"
-            names[key] = names.get(key, 0) + 1
+        names = Counter(f"{gpu.name} (CC {gpu.cc}, {_gib(gpu.memory_gib)})" for gpu in g.visible)
         desc = ", ".join(f"{n} × {k}" for k, n in names.items())
         driver = g.visible[0].driver
         add(

@@ -1,22 +1,9 @@
-"""The model-family contract: what a family tells mopt about an architecture.
+"""The model-family contract: what a family tells mopt about an architecture (plugins import
+`mopt.api.Family` / `mopt.api.TransformersFamily`; docs/plugins.md, "Model families").
 
-A family is how mopt knows one architecture (qwen3, bert, distilbert, ...): the dimensions
-the memory estimator needs (`dims`, read from a config.json dict, no heavy imports), and how
-the ML kinds load, tokenize, pool, export and sanitize a model of it, and build a small
-random one for the `synthetic` source. Plugins import it as `mopt.api.Family` /
-`mopt.api.TransformersFamily`.
-
-Families are task-aware: `tasks` lists what the family supports ("embedding",
-"text-generation"), and every method that depends on the task takes it (`task=` keyword,
-"embedding" by default), so a new task is a new branch of the same methods, not a second
-family. For "text-generation", `load` gives an `AutoModelForCausalLM` and `export_spec` the
-KV-cache graph (past key values in, present key values out; see `ExportSpec`).
-
-`Family` holds the light part (class attributes and `dims`); its heavy methods raise
-`NotImplementedError` naming themselves. `TransformersFamily` implements them for a Hugging
-Face `AutoModel` architecture with mean pooling: a family of a standard encoder needs only
-class attributes (see tests/thirdparty_plugin for a DistilBERT family). torch, transformers
-and tokenizers are imported inside the methods, never at import.
+Methods that depend on the task take it (`task=`, "embedding" by default): a new task is a new
+branch of the same methods, not a second family. torch, transformers and tokenizers are
+imported inside the methods, never at import.
 """
 
 from __future__ import annotations

@@ -145,21 +145,10 @@ class Machine:
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
-        d["gpu"]["gpus"] = [_gpu_json(g) for g in self.gpu.gpus]
+        d["gpu"]["gpus"] = [{**asdict(g), "compute_capability": g.cc} for g in self.gpu.gpus]
         d["gpu"]["visible"] = [g.index for g in self.gpu.visible]
         d["docker"]["nvidia_runtime"] = self.docker.nvidia_runtime
         return d
-
-
-def _gpu_json(g: GPU) -> dict[str, Any]:
-    return {
-        "index": g.index,
-        "name": g.name,
-        "compute_capability": g.cc,
-        "memory_mib": g.memory_mib,
-        "driver": g.driver,
-        "uuid": g.uuid,
-    }
 
 
 # --------------------------------------------------------------------------- probes
