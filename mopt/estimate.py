@@ -16,10 +16,8 @@ Parameters
     Checked against transformers' own parameter count (tests/test_estimate.py).
 
 Weights
-    linear layers × bytes of the precision (+ quantization scales), everything else
-    (embeddings, norms, biases) × bytes of the activation dtype. Bytes per value: fp32 4,
-    fp16/bf16 2, fp8/int8 1, int4 0.5 + one fp16 scale per group of 128 (0.516), nvfp4
-    0.5 + one fp8 scale per 16 values (0.5625).
+    linear layers × bytes of the precision (+ quantization scales: `BYTES`, `SCALE_BYTES`),
+    everything else (embeddings, norms, biases) × bytes of the activation dtype.
 
 KV cache (runtimes that keep one: vLLM, TensorRT-LLM)
     2 (K and V) × layers × kv_heads × head_dim × bytes × tokens, per GPU divided by the
