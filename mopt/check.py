@@ -270,7 +270,6 @@ def _needs_gpu(reqs: list[str]) -> list[str]:
 
 class _Checker:
     def __init__(self, graph: Graph) -> None:
-        self.graph = graph
         self.registry = graph.registry
         self.recipe = graph.recipe
         self.findings: list[Finding] = []
