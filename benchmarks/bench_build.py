@@ -33,6 +33,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -47,10 +48,10 @@ PEERS = (HERE.parent.parent / "shared" / "bench" / "peers").resolve()
 ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
 
 
-def mopt(recipe: Path) -> tuple[float, dict]:
+def mopt(recipe: Path, python: str = sys.executable) -> tuple[float, dict]:
     t0 = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "mopt", "build", recipe.name, "--json", "--no-check", "-q"],
+        [python, "-m", "mopt", "build", recipe.name, "--json", "--no-check", "-q"],
         cwd=recipe.parent, capture_output=True, text=True, env=ENV,
     )
     dt = time.perf_counter() - t0
@@ -59,10 +60,10 @@ def mopt(recipe: Path) -> tuple[float, dict]:
     return dt, json.loads(proc.stdout)
 
 
-def mopt_plan(recipe: Path) -> float:
+def mopt_plan(recipe: Path, python: str = sys.executable) -> float:
     t0 = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "mopt", "plan", recipe.name],
+        [python, "-m", "mopt", "plan", recipe.name],
         cwd=recipe.parent, capture_output=True, text=True, env=ENV,
     )
     dt = time.perf_counter() - t0
@@ -80,46 +81,53 @@ def was_noop(data: dict) -> int:
     return int(bool(data["io"].get("noop")))
 
 
-def bench_mopt(root: Path, m: int, reps: int, full_phases: bool, fresh: bool = True) -> dict[str, list]:
-    recipe = write_recipe(root, m)
-    if fresh:
-        for d in (recipe.parent / ".mopt", recipe.parent / "build"):
-            shutil.rmtree(d, ignore_errors=True)
-    res: dict[str, list] = {}
+def bench_mopt(
+    root: Path, m: int, reps: int, full_phases: bool, fresh: bool = True, before: str | None = None
+) -> dict[str, dict[str, list]]:
+    """The phases for this mopt ("mopt") and, with `before` (another installation's Python),
+    for that one too ("mopt-before", in a copy of the project beside it, on the same weights):
+    side by side, each phase run by one and then the other, so both see the same machine."""
+    sides = [("mopt", sys.executable, write_recipe(root, m))]
+    if before:
+        sides.append(("mopt-before", before, write_recipe(root, m, "mopt-before")))
+    res: dict[str, dict[str, list]] = {name: {} for name, _py, _recipe in sides}
+    for _name, _py, recipe in sides:
+        if fresh:
+            for d in (recipe.parent / ".mopt", recipe.parent / "build"):
+                shutil.rmtree(d, ignore_errors=True)
 
-    def run(phase: str) -> dict:
-        dt, data = mopt(recipe)
-        res.setdefault(phase, []).append((dt, built(data), data["io"]["hashed_bytes"]))
-        return data
+    def run(phase: str, edit: Any = None, plan: str | None = None) -> None:
+        """The phase on each side: `edit(recipe)` first, then `plan` (a plan phase's name)."""
+        for name, py, recipe in sides:
+            if edit is not None:
+                edit(recipe)
+            if plan is not None:
+                res[name].setdefault(plan, []).append((mopt_plan(recipe, py), 0, 0))
+            dt, data = mopt(recipe, py)
+            res[name].setdefault(phase, []).append((dt, built(data), data["io"]["hashed_bytes"], was_noop(data)))
 
-    if fresh or not (recipe.parent / ".mopt").is_dir():
+    if fresh or not all((recipe.parent / ".mopt").is_dir() for _n, _p, recipe in sides):
         run("full")
-    run("warm")  # first no-op records blob stats; not reported
+    run("warm")  # a first build after the store was made or copied; not reported
     for _ in range(reps):
         run("noop")
     for _ in range(reps):
-        res.setdefault("plan", []).append((mopt_plan(recipe), 0, 0))
+        for name, py, recipe in sides:
+            res[name].setdefault("plan", []).append((mopt_plan(recipe, py), 0, 0))
     for _ in range(reps):
-        os.utime(recipe)  # new mtime, same bytes: the stamp's recipe stat is stale
-        run("all_cached")
+        run("all_cached", os.utime)  # new mtime, same bytes
     for i in range(reps):
         # the recipe's bytes change (a comment), its targets do not: `plan` and `build` must
         # read the recipe, build the graph and key every node again; every key hits
-        with open(recipe, "a") as fh:
-            fh.write(f"\n# bench edit {i}\n")
-        res.setdefault("plan_edited", []).append((mopt_plan(recipe), 0, 0))
-        run("edited")
+        run("edited", lambda r, i=i: _append(r, f"\n# bench edit {i}\n"), plan="plan_edited")
     nonce = time.time_ns()  # a new argv each run (the kept 10,000-node store holds the last run's)
     for i in range(reps):
         # one section's content changes: the last stage of model i gets its own argv (a new
         # key for that one node: it is built; every other key hits, as in `edited`)
-        with open(recipe, "a") as fh:
-            argv = f'["sh", "-c", "sha1sum {{in}}/out > {{out}}/out # edit {i} {nonce}"]'
-            fh.write(f"\n[{model_name(m, i)}.cpu.bench]\nargv = {argv}\n")
-        res.setdefault("plan_one_edited", []).append((mopt_plan(recipe), 0, 0))
-        run("one_edited")
-        data = run("again")  # at once: the build typed twice
-        res.setdefault("again_noop", []).append((0.0, was_noop(data), 0))
+        argv = f'["sh", "-c", "sha1sum {{in}}/out > {{out}}/out # edit {i} {nonce}"]'
+        run("one_edited", lambda r, i=i, a=argv: _append(r, f"\n[{model_name(m, i)}.cpu.bench]\nargv = {a}\n"),
+            plan="plan_one_edited")
+        run("again")  # at once: the build typed twice
     if full_phases:
         weights = sorted(glob.glob(str(root / "weights" / "*.bin")))
         for w in weights:
@@ -132,6 +140,11 @@ def bench_mopt(root: Path, m: int, reps: int, full_phases: bool, fresh: bool = T
         for _ in range(reps):
             run("after_change")
     return res
+
+
+def _append(recipe: Path, text: str) -> None:
+    with open(recipe, "a") as fh:
+        fh.write(text)
 
 
 def bench_peers(m: int, s: int, reps: int, noop_only: bool, tools: str = "dvc snakemake") -> dict[str, dict[str, list]]:
@@ -199,6 +212,7 @@ def main() -> None:
     ap.add_argument("--xlarge-peers", action="store_true", help="run Snakemake at 10,000 nodes too")
     ap.add_argument("--fresh", action="store_true", help="rebuild the kept 10,000-node store from empty")
     ap.add_argument("--root", default="/tmp/peers", help="where the DAGs live (default /tmp/peers)")
+    ap.add_argument("--before", metavar="PYTHON", help="another mopt installation's Python: measured side by side")
     a = ap.parse_args()
     hashing()
     configs = [("small", 40, 64, True), ("large", 400, 1, False), ("xlarge", 2000, 1, False)]
@@ -209,7 +223,7 @@ def main() -> None:
         subprocess.run([sys.executable, str(PEERS / "gen_dag.py"), str(root), "-M", str(m), "-S", str(s),
                         "--tools", "make"], check=True, stdout=subprocess.DEVNULL)
         keep = name == "xlarge" and not a.fresh
-        res = {"mopt": bench_mopt(root, m, a.r, full, fresh=not keep)}
+        res: dict[str, dict[str, list]] = bench_mopt(root, m, a.r, full, fresh=not keep, before=a.before)
         peers = not a.no_peers and (name != "xlarge" or a.xlarge_peers)
         if peers:
             tools = "snakemake" if name == "xlarge" else "dvc snakemake"
@@ -226,9 +240,10 @@ def main() -> None:
             cells = [fmt(ph.get(p) or (ph.get("full_commit") if p == "full" else None)) for p in phases]
             print(f"| {tool} | " + " | ".join(cells) + " |")
         mo = res["mopt"]
-        if "again_noop" in mo:
-            hits = sum(x[1] for x in mo["again_noop"])
-            print(f"mopt again (the build typed twice): the no-op in {hits} of {len(mo['again_noop'])} runs")
+        for tool in ("mopt", "mopt-before"):
+            again = res.get(tool, {}).get("again")
+            if again:
+                print(f"{tool} again (the build typed twice): the no-op in {sum(x[3] for x in again)} of {len(again)} runs")
         noop = min(x[0] for x in mo["noop"])
         read = max(x[2] for x in mo["noop"])
         print(f"mopt no-op: {noop:.3f} s, artifact bytes hashed during no-op: {read}")

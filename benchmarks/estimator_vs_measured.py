@@ -36,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from mopt.api import Family  # noqa: E402
-from mopt.estimate import ModelDims, Workload, estimate  # noqa: E402
+from mopt.estimate import Workload, estimate  # noqa: E402
 
 
 class Qwen3Shape(Family):
@@ -172,7 +172,7 @@ def run_case(name: str, batch: int, seq: int, device: str, dtype: str, attn: str
         live = _child(arg, {"MALLOC_MMAP_THRESHOLD_": "65536"}) if device == "cpu" else measured
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
         return {"failed": str(exc)}
-    dims = ModelDims.from_config(cfg, Qwen3Shape)
+    dims = Qwen3Shape().dims(cfg)
     precision = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
     w = Workload(
         precision=precision,

@@ -17,8 +17,8 @@ def model_name(models: int, i: int) -> str:
     return f"m{i:0{width}d}"
 
 
-def write(root: Path, models: int) -> Path:
-    d = root / "mopt"
+def write(root: Path, models: int, folder: str = "mopt") -> Path:
+    d = root / folder
     d.mkdir(parents=True, exist_ok=True)
     names = [model_name(models, i) for i in range(models)]
     lines = ["schema = 1", "", "[defaults]", f"targets = {STAGES!r}".replace("'", '"'), ""]
@@ -27,7 +27,7 @@ def write(root: Path, models: int) -> Path:
         lines.append(f"[defaults.{s}]")
         lines.append('kind = "command"')
         if prev is None:
-            lines.append('files = ["../weights/{model}.bin"]')
+            lines.append('files = ["../weights/{model}.bin"]')  # beside every folder
             lines.append('argv = ["sh", "-c", "sha1sum {file} > {out}/out"]')
         else:
             lines.append(f'input = "{prev}"')

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import marshal
 import os
 import socket
 import threading
@@ -20,16 +21,16 @@ from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import ExitStack, contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field
-from pathlib import Path, PurePath
+from pathlib import Path
 from typing import Any
 
 from mopt import buildlog, procs
 from mopt.api import Artifact, Missing, SourceContext, SourceError, TargetKind
 from mopt.digest import canonical_json, hash_bytes
 from mopt.errors import MoptError
-from mopt.filehash import file_stat
+from mopt.filehash import FileStat, file_stat
 from mopt.graph import Node
-from mopt.keys import KEY_FORMAT, Layout, diff_parts, member
+from mopt.keys import action_key, diff_parts
 from mopt.runner import InputWatch, ProcessRunner, SpawnRunner, action_logger, close_logger
 from mopt.schedule import NodeState, Reporter, built_inputs, missing_inputs, readiness
 from mopt.spawn import Spawn
@@ -95,39 +96,11 @@ def _check_input_files(kind: TargetKind) -> None:
     kind.input_files = input_files  # type: ignore[method-assign]
 
 
-def _abspath(p: Any) -> str:
-    """`os.path.abspath(p)`; for an absolute pathlib path that `normpath` leaves as it is
-    (pathlib writes no `.` part, no doubled or trailing slash: only a `..` part or a
-    leading `//` could change), its string without the work."""
-    if isinstance(p, PurePath):
-        s = str(p)
-        if s.startswith("/") and not s.startswith("//") and "/.." not in s:
-            return s
-    return os.path.abspath(p)
-
-
-def _relative(path: str, base: str) -> str:
-    """`str(PurePosixPath(path).relative_to(base))`, else `path` (it is not under `base`),
-    for the strings of two pathlib paths (no trailing, doubled or `.` parts): the same
-    lexical rule, with no exception raised for the usual case of a file outside the project."""
-    if path == base:
-        return "."
-    if path.startswith("//") != base.startswith("//") or base == ".":  # another root
-        return path
-    prefix = base if base.endswith("/") else base + "/"
-    return path[len(prefix) :] if path.startswith(prefix) else path
-
-
-def _gathers(kind: TargetKind) -> list[str]:
-    """The names of `kind`'s gathering slots (asked once per node when keying)."""
-    consumes = kind.consumes
-    hit = _GATHERS.get(id(consumes))
-    if hit is None or hit[0] is not consumes:  # held with its tuple: an id is never reused
-        hit = _GATHERS[id(consumes)] = (consumes, [slot.name for slot in consumes if slot.gather])
-    return hit[1]
-
-
-_GATHERS: dict[int, tuple[Any, list[str]]] = {}
+def _relative(path: Path, base: Path) -> str:
+    try:
+        return str(path.relative_to(base))
+    except ValueError:
+        return str(path)
 
 
 def usable_cpus() -> int:
@@ -191,10 +164,10 @@ class Engine:
         self._meta: dict[str, dict[str, Any]] = {}  # output tree → its action's run() result
         self._source_errors: dict[str, MoptError] = {}
         self._source_files: list[str] = []
-        self._prefetched = False
         self._prefetched_dirs: set[str] = set()
         self._node_files: dict[str, list[Path]] = {}
-        self._files_by_params: dict[tuple[str, int], tuple[Any, list[Path]]] = {}
+        #: section id → (model, section name): the folders of build/<model>/<section>/<target>
+        self._section_names = {sec.id: (sec.model, sec.key) for sec in self.recipe.sections}
         self._pass_thread: int | None = None  # the driver's thread while it is in a pass
         self.planning = False  # plan never downloads a source
         #: the runner `prestart` started, until `build` takes it
@@ -458,19 +431,8 @@ class Engine:
     def keyed(
         self, node: Node, inputs: dict[str, list[str]], missing: dict[str, list[Missing]] | None = None
     ) -> tuple[dict[str, Any], str]:
-        """`(parts, action_key(parts))` of the node, the key written from the parts' members
-        (`keys.Layout`): those that many nodes share (the format, the kind's names, versions
-        and fingerprint, a params object's dump, a model's family and task, a profile's
-        dump: all frozen) encoded once a build, the rest for each node."""
+        """`(parts, action_key(parts))` of the node."""
         kind = self.kind(node.kind)
-        params = node.target.params
-        gathers = _gathers(kind)
-        env_values = getattr(kind, "env_values", None)
-        has_env = callable(env_values)
-        files = self._node_files_of(node)
-        fixed = self._fixed_members(node, kind, bool(missing), bool(files), has_env)
-        layout, fam = fixed[0], fixed[1]
-        platform = kind.platform(node.hardware)
         parts: dict[str, Any] = {
             "kind": node.kind,
             "kind_version": node.kind_version,
@@ -478,113 +440,32 @@ class Engine:
             "plugin_version": node.plugin_version,
             "params": node.params_json(),
             "inputs": inputs,
-            "model": fam[0],
-            "fingerprint": fixed[2],
-            "platform": platform,
+            "model": {"family": node.model.spec.family, "task": node.model.spec.task},
+            "fingerprint": self.fingerprint(node.kind),
+            "platform": kind.platform(node.hardware),
             "salt": self.salt,
         }
-        # in the order of `_fixed_members`'s holes
-        members = [
-            self._params_member(node),
-            fam[1],
-            member("inputs", inputs),
-            member("platform", platform),
-            member("salt", self.salt),
-        ]
         if kind.uses_source:
             parts["source"] = self.source_key(node.model.name)
-            members.append(member("source", parts["source"]))
+        gathers = [slot.name for slot in kind.consumes if slot.gather]
         if gathers:  # a gathering kind names what it took: its output may say so
             gone = {(s, m.label) for s, ms in (missing or {}).items() for m in ms}
+            labels = self.graph.nodes
             parts["input_labels"] = {
-                s: [
-                    self.graph.nodes[d].label
-                    for d in node.inputs.get(s, [])
-                    if (s, self.graph.nodes[d].label) not in gone
-                ]
+                s: [labels[d].label for d in node.inputs.get(s, []) if (s, labels[d].label) not in gone]
                 for s in gathers
             }
-            members.append(member("input_labels", parts["input_labels"]))
         if missing:
             parts["missing"] = {s: [[m.label, m.status] for m in ms] for s, ms in sorted(missing.items())}
-            members.append(member("missing", parts["missing"]))
-        if files:
-            parts["files"] = {self._rel(f): self.file_digest(f) for f in files}
-            members.append(member("files", parts["files"]))
+        files = self.node_files(node)
+        if files:  # named relative to the project (else absolute): keys do not hold paths
+            parts["files"] = {_relative(f, self.recipe.project_dir): self.file_digest(f) for f in files}
         if kind.per_hardware:
-            parts["hardware"], hw_member = self._hardware_member(node.hardware)
-            members.append(hw_member)
-        if has_env:
-            assert env_values is not None
-            parts["env"] = env_values(params)
-            members.append(member("env", parts["env"]))
-        return parts, hash_bytes(layout.join(*members))
-
-    def _fixed_members(
-        self, node: Node, kind: TargetKind, missing: bool, files: bool, env: bool
-    ) -> tuple[Layout, tuple[Any, str], Any]:
-        """(the layout of the node's parts, (the model's family/task, its member), the
-        fingerprint) for `keyed`, each made once (per kind, fingerprint and which optional
-        parts there are; per model object)."""
-        memo: dict[Any, Any] = self.__dict__.setdefault("_members", {})
-        shape = (node.kind, missing, files, env)
-        hit = memo.get(shape)
-        fp = self.fingerprint(node.kind)
-        if hit is None or hit[1] is not fp or hit[3] != (node.kind_version, node.plugin, node.plugin_version):
-            fixed = {
-                "format": KEY_FORMAT,
-                "kind": node.kind,
-                "kind_version": node.kind_version,
-                "plugin": node.plugin,
-                "plugin_version": node.plugin_version,
-                "fingerprint": fp,
-            }
-            holes = ["params", "model", "inputs", "platform", "salt"]
-            for name, present in (
-                ("source", kind.uses_source),
-                ("input_labels", bool(_gathers(kind))),
-                ("missing", missing),
-                ("files", files),
-                ("hardware", kind.per_hardware),
-                ("env", env),
-            ):
-                if present:
-                    holes.append(name)
-            layout = Layout({k: member(k, v) for k, v in fixed.items()}, tuple(holes))
-            names = (node.kind_version, node.plugin, node.plugin_version)
-            hit = memo[shape] = (layout, fp, {}, names)
-        models: dict[int, Any] = hit[2]
-        m = models.get(id(node.model))
-        if m is None or m[0] is not node.model:
-            fam = {"family": node.model.spec.family, "task": node.model.spec.task}
-            m = models[id(node.model)] = (node.model, (fam, member("model", fam)))
-        return hit[0], m[1], hit[1]
-
-    def _params_member(self, node: Node) -> str:
-        """`member("params", node.params_json())`, once per params object (frozen; its dump
-        is shared by the nodes that share it and read-only)."""
-        memo: dict[int, Any] = self.__dict__.setdefault("_params_members", {})
-        params = node.target.params
-        hit = memo.get(id(params))
-        if hit is None or hit[0] is not params or hit[1] is not node.params_json():
-            hit = memo[id(params)] = (params, node.params_json(), member("params", node.params_json()))
-        return str(hit[2])
-
-    def _hardware_member(self, hw: Any) -> tuple[Any, str]:
-        """(the profile's dump, its member), once per profile object (frozen)."""
-        memo: dict[int, Any] = self.__dict__.setdefault("_hw_members", {})
-        hit = memo.get(id(hw))
-        if hit is None or hit[0] is not hw:
-            dumped = hw.model_dump(mode="json")
-            hit = memo[id(hw)] = (hw, dumped, member("hardware", dumped))
-        return hit[1], hit[2]
-
-    def _rel(self, p: Path) -> str:
-        rels: dict[Path, str] = self.__dict__.setdefault("_rels", {})  # 10,000 nodes, few files each
-        rel = rels.get(p)
-        if rel is None:
-            rel = rels[p] = _relative(str(p), str(self.recipe.project_dir))
-        return rel
+            parts["hardware"] = node.hardware.model_dump(mode="json")
+        env_values = getattr(kind, "env_values", None)
+        if callable(env_values):
+            parts["env"] = env_values(node.target.params)
+        return parts, action_key(parts)
 
     # ------------------------------------------------------------------ the last build
 
@@ -943,22 +824,55 @@ class Engine:
             logging.getLogger("mopt").warning("mopt: the build log %s was not written: %s", self.log_path, exc)
 
     def _write_log(self, states: dict[str, NodeState]) -> None:
-        from mopt import tomlfile
-        from mopt.digest import hash_bytes, mode_of
-
         w = buildlog.Writer()
-        old = self.log
-        # the modules' digests, where the log's word is taken: as the last build read them
-        known = old.index if old is not None and not self.log_miss else {}
         off = [] if all(st.status in ("built", "cached") for st in states.values()) else ["the build did not succeed"]
         if self.fast_path_off(states):
             off.append(self.fast_path_off(states))
+        absent = self._log_head(w, off)
+        self._log_inputs(w, off)
+        env_names = self._log_nodes(w, states)
+        w.save(
+            self.log_path,
+            ident=self.ident,
+            store=str(self.store.root),
+            env=buildlog.environment(env_names),
+            env_names=env_names,
+            absent=absent,
+            noop="; ".join(off),
+            result={
+                "recipe": str(self.recipe.path),
+                "ids": list(states),
+                # what `mopt build --json` lists of each node on a no-op
+                "nodes": [
+                    [st.node.kind, st.key, st.entry.outputs_tree, round(st.entry.duration_s, 3)]
+                    if st.entry is not None
+                    else None
+                    for st in states.values()
+                ],
+                "selected": self.selected(states),
+                "build_dir": str(self.build_dir),
+                # what `mopt plan` prints of each node when the log holds (its table)
+                "plan": marshal.dumps(
+                    [[st.node.id, len(st.node.addresses), st.node.kind, st.node.input_ids(), st.node.section.id]
+                     for st in states.values()]
+                ),
+                "warnings": list(self.registry.warnings),
+            },
+        )
 
-        def watch(path: str, st: Any = None, digest: Any = None, taken: int | None = None) -> None:
-            if w.file(path, st, digest, touchable=True, taken=taken) is None:
+    def _log_head(self, w: buildlog.Writer, off: list[str]) -> list[str]:
+        """Record the recipe files and settings as they were read, the lock file as it is now
+        and the code that ran (every loaded module: one changed since this process loaded it
+        is not what ran); the files that must not appear (a mopt.toml nearer the recipe, the
+        lock file when there is none)."""
+        import mopt
+        from mopt import tomlfile
+        from mopt.digest import hash_bytes, mode_of
+
+        def watch(path: str, fs: FileStat, digest: tuple[str, int], taken: int | None = None) -> None:
+            if w.file(path, fs, digest, touchable=True, taken=taken) is None:
                 off.append(f"{path} changed while the build read it")
 
-        # the head: recipe files and settings as they were read, the lock file as it is now
         head = [str(p) for p in self.recipe.files]
         if self.project.config_file is not None:
             head.append(str(self.project.config_file))
@@ -967,8 +881,8 @@ class Engine:
             if read is None:  # read twice with two stats, or not read through tomlfile
                 off.append(f"{name} changed while the build read it")
                 continue
-            st, data, at = read
-            watch(name, file_stat(st), (hash_bytes(data), mode_of(st.st_mode)), at)
+            rst, data, at = read
+            watch(name, file_stat(rst), (hash_bytes(data), mode_of(rst.st_mode)), at)
         absent = []
         lock = str(lock_path(self.recipe.path))
         try:
@@ -977,15 +891,11 @@ class Engine:
                 watch(lock, file_stat(lst), (hash_bytes(fh.read()), mode_of(lst.st_mode)))
         except FileNotFoundError:
             absent.append(lock)
-        # a mopt.toml appearing nearer the recipe would change the settings
         for d in [self.recipe.path.parent, *self.recipe.path.parent.parents]:
             if self.project.config_file is not None and d == self.project.config_file.parent:
                 break
             absent.append(str(d / "mopt.toml"))
-        # the code that ran (a module changed since this process loaded it: its new bytes
-        # are not what ran), the folders a plugin would be installed into
-        import mopt
-
+        old = self.log if not self.log_miss else None
         for mod in buildlog.loaded_modules():
             try:
                 mst = os.stat(mod)
@@ -994,10 +904,9 @@ class Engine:
             if mst.st_ctime_ns >= mopt.STARTED_NS:
                 off.append(f"{mod} changed while the build ran")
                 continue
-            k = known.get(mod)
-            fs = file_stat(mst)
-            if old is not None and k is not None and old.stats[k] == fs and k not in old.racy and k in old.digests:
-                watch(mod, fs, old.digests[k])  # as the last build read it
+            k = old.index.get(mod) if old is not None else None
+            if old is not None and k is not None and old.stats[k] == file_stat(mst) and k in old.digests and k not in old.racy:
+                watch(mod, file_stat(mst), old.digests[k])  # as the last build read it
                 continue
             try:
                 with open(mod, "rb") as fh:
@@ -1006,51 +915,67 @@ class Engine:
             except OSError:
                 continue
             watch(mod, file_stat(mst), (hash_bytes(data), mode_of(mst.st_mode)))
+        return absent
+
+    def _log_inputs(self, w: buildlog.Writer, off: list[str]) -> None:
+        """Record what the build read besides the recipe: the declared input files and folders
+        (every file and folder in them: a folder's own stat changes when an entry directly in
+        it comes or goes), the model sources it made or read, and the folders of sys.path (a
+        plugin installed or removed changes their listing)."""
+        from mopt.digest import hash_bytes, mode_of
+
+        files = list(self._source_files)
         folders = buildlog.path_dirs()
-        # the inputs: declared files and folders (every file and folder in them: a folder's
-        # own stat changes when an entry directly in it comes or goes), the model sources
-        inputs = list(self._source_files)
         for path, _digest, _info in self._sources.values():
             folders.extend(f for f, _sub, _files in os.walk(path, followlinks=True))
         for declared in self._file_digests:
             if not declared.is_dir():
-                inputs.append(str(declared))
+                files.append(str(declared))
                 continue
             for folder, _sub, names in os.walk(declared):
                 folders.append(folder)
-                inputs.extend(os.path.join(folder, n) for n in names)
-        self._prefetch_dirs(inputs)
-        for name in sorted(set(inputs)):
+                files.extend(os.path.join(folder, n) for n in names)
+        self._prefetch_dirs(files)
+        for name in sorted(set(files)):
             try:
                 ist = os.stat(name)
             except OSError:
                 off.append(f"{name} is gone")
                 continue
             d = self.store.state.lookup(os.path.abspath(name), ist)
-            if d is not None:  # a touch of it with the same bytes is then no change
-                watch(name, file_stat(ist), (d, mode_of(ist.st_mode)))
-            elif w.file(name, file_stat(ist)) is None:  # the stat cache did not keep it (just written)
+            # with its digest, a touch of it with the same bytes is no change; the stat cache
+            # may have no digest of a file written just before it was read: its stat then
+            i = w.file(name, file_stat(ist), None if d is None else (d, mode_of(ist.st_mode)), touchable=d is not None)
+            if i is None:
                 off.append(f"{name} changed while the build read it")
         for folder in sorted(set(folders)):
             try:
                 fst = os.stat(folder)
-                names = "\0".join(sorted(os.listdir(folder)))
+                listing = "\0".join(sorted(os.listdir(folder)))
             except OSError:
                 continue
-            watch(folder, file_stat(fst), (hash_bytes(names.encode("utf-8", "surrogateescape")), 0))
-        # per node: its entry file and blobs, then its build/ files and folders
-        env_names: list[str] = []
+            digest = (hash_bytes(listing.encode("utf-8", "surrogateescape")), 0)
+            if w.file(folder, file_stat(fst), digest, touchable=True) is None:
+                off.append(f"{folder} changed while the build read it")
+
+    def _log_nodes(self, w: buildlog.Writer, states: dict[str, NodeState]) -> list[str]:
+        """Record each node this build built or found: its key, its entry, its entry file and
+        blobs, and its build/ files and folders (as the old log recorded them where this build
+        took the node from it and found them holding). A node that failed keeps its last
+        record (plan's "why"). Returns the kinds' environment variable names."""
+        env_names: set[str] = set()
+        old = self.log
         for i, st in states.items():
-            kind = self.kind(st.node.kind)
-            env_values = getattr(kind, "env_values", None)
+            env_values = getattr(self.kind(st.node.kind), "env_values", None)
             if callable(env_values):
-                env_names.extend(env_values(st.node.target.params))
-            if st.status not in ("built", "cached") or st.entry is None or st.key is None:
-                rec = old.nodes.get(i) if old is not None else None
-                if rec is not None:  # the last good build of it: plan's "why", a hit once more
-                    w.nodes[i] = [rec[0], rec[1], _carry(w, old, rec[2]), [], []]  # type: ignore[arg-type]
-                continue
+                env_names.update(env_values(st.node.target.params))
             rec = self._from_log.get(i)
+            if st.status not in ("built", "cached") or st.entry is None or st.key is None:
+                last = old.nodes.get(i) if old is not None else None
+                store_files = _carry(w, old, last[2]) if old is not None and last is not None else None
+                if last is not None and store_files is not None:
+                    w.nodes[i] = [last[0], last[1], store_files, [], []]
+                continue
             if rec is not None and old is not None:
                 store_files = _carry(w, old, rec[2])
                 if i in self._touched and store_files:  # its entry file: a new stat, the same bytes
@@ -1062,39 +987,16 @@ class Engine:
                 fields["meta"] = {k: v for k, v in fields["meta"].items() if k != "parts"}
             if store_files is None:
                 continue
-            bases: list[str] = []
-            build_files: list[int] = []
-            if i in self._want:
-                bases = [self.address_str(a) for a in st.node.addresses]
-                if rec is not None and old is not None and rec[4] == bases:
-                    build_files = _carry(w, old, rec[3]) or []
-                else:
-                    build_files = self._build_files(w, st.entry.outputs_tree, bases) or []
-                if not build_files:
-                    bases = []
+            bases = [self.address_str(a) for a in st.node.addresses] if i in self._want else []
+            build_files = None
+            if bases and rec is not None and old is not None and rec[4] == bases:
+                build_files = _carry(w, old, rec[3])
+            if bases and build_files is None:
+                build_files = self._build_files(w, st.entry.outputs_tree, bases)
+            if build_files is None:  # not laid out, or not recorded: laid out again next time
+                build_files, bases = [], []
             w.nodes[i] = [st.key, fields, store_files, build_files, bases]
-        selected = self.selected(states)
-        w.save(
-            self.log_path,
-            ident=self.ident,
-            store=str(self.store.root),
-            env=buildlog.environment(env_names),
-            env_names=sorted(set(env_names)),
-            absent=absent,
-            noop="; ".join(off),
-            result={
-                "recipe": str(self.recipe.path),
-                "ids": list(states),
-                # what `mopt build --json` lists of each node on a no-op
-                "nodes": [
-                    [st.node.kind, st.key, st.entry.outputs_tree, round(st.entry.duration_s, 3)]
-                    if st.entry is not None else None
-                    for st in states.values()
-                ],
-                "selected": selected,
-                "build_dir": str(self.build_dir),
-            },
-        )
+        return sorted(env_names)
 
     def _store_files(self, w: buildlog.Writer, key: str, entry: ActionEntry) -> list[int] | None:
         """Record the entry file and blobs of a node this build built or checked in the store."""
@@ -1265,7 +1167,7 @@ class Engine:
                     # an unchanged file is in the log or a stat-cache row (prefetched above)
                     known = None if self.log is None or self.log_miss else self.log.digest_of(str(p), file_stat(st))
                     if known is None:
-                        known = self.store.state.lookup(_abspath(p), st)
+                        known = self.store.state.lookup(os.path.abspath(p), st)
                     if known is not None:
                         self._file_digests[p] = known
                         self.store.state.hits += 1
@@ -1279,36 +1181,16 @@ class Engine:
 
     def node_files(self, node: Node) -> list[Path]:
         """The declared input files of `node` (its kind's `input_files`, asked once a build)."""
-        return list(self._node_files_of(node))
-
-    def _node_files_of(self, node: Node) -> list[Path]:
-        """`node_files`, not copied: the caller only reads it. Asked once per kind and
-        params object (frozen: the nodes that share one declare the same files)."""
         files = self._node_files.get(node.id)
         if files is None:
-            params = node.target.params
-            shared = self._files_by_params.get((node.kind, id(params)))
-            if shared is None or shared[0] is not params:
-                found = list(self.kind(node.kind).input_files(params, self.recipe.project_dir))
-                shared = self._files_by_params[(node.kind, id(params))] = (params, found)
-            files = self._node_files[node.id] = shared[1]
+            files = self._node_files[node.id] = self.kind(node.kind).input_files(node.target.params, self.recipe.project_dir)
         return files
 
     def _prefetch_dirs(self, paths: Any) -> None:
         """The stat records under the folders of `paths` in one query per folder."""
-        for d in sorted({os.path.dirname(_abspath(p)) for p in paths} - self._prefetched_dirs):
+        for d in sorted({os.path.dirname(os.path.abspath(p)) for p in paths} - self._prefetched_dirs):
             self._prefetched_dirs.add(d)
             self.store.state.prefetch(d)
-
-    def _prefetch(self) -> None:
-        """One query for the stat records of every blob and every materialized file (a plan
-        checks no build/ file: the blobs' only): hits then cost a stat each (not a SELECT
-        each)."""
-        if not self._prefetched:
-            self._prefetched = True
-            self.store.state.prefetch(self.store.cas_dir)
-            if not self.planning:
-                self.store.state.prefetch(self.build_dir)
 
     def hit(self, key: str, *, node: Node | None = None, fetch: bool = True) -> ActionEntry | None:
         """The cache entry for `key` if it and every blob it names are intact.
@@ -1323,16 +1205,14 @@ class Engine:
         """
         rec = self._logged(node, key) if node is not None else None
         if rec is not None:
-            entry = _entry_from_row(rec[1])
+            logged = _entry_from_row(rec[1])
             if not self.read_only:
                 self.store.use(key)
                 touched = self.store.touch_if_due(key, self.log.stat_now(rec[2][0]))  # type: ignore[union-attr]
                 if touched is not None:
                     self._touched[node.id] = touched  # type: ignore[union-attr]
             self._from_log[node.id] = rec  # type: ignore[union-attr]
-            return entry
-        if not self._prefetched:
-            self._prefetch()
+            return logged
         entry = self.store.ac_entry(key, check_blobs=False)
         if entry is None:
             if self.remote is None:
@@ -1408,28 +1288,11 @@ class Engine:
 
     def address_path(self, address: str) -> Path:
         """build/<model>/<section>/<target> of `address` in this recipe."""
-        cache = self.__dict__.setdefault("_address_paths", {})
-        if address not in cache:
-            names = self.__dict__.get("_section_names")
-            if names is None:  # one dict, not a scan of 10,000 sections per address
-                names = self._section_names = {sec.id: (sec.model, sec.key) for sec in self.recipe.sections}
-            cache[address] = address_path(self.build_dir, address, names)
-        return cache[address]
+        return address_path(self.build_dir, address, self._section_names)
 
     def address_str(self, address: str) -> str:
-        """`address_path` as an absolute path string (the hit path avoids pathlib)."""
-        cache = self.__dict__.setdefault("_address_strs", {})
-        s = cache.get(address)
-        if s is None:
-            names = self.__dict__.get("_section_names")
-            if names is None:
-                names = self._section_names = {sec.id: (sec.model, sec.key) for sec in self.recipe.sections}
-            base = self.__dict__.get("_build_str")
-            if base is None:
-                base = self._build_str = os.path.abspath(self.build_dir)
-            m, h, label = address_parts(self.build_dir, address, names)
-            s = cache[address] = f"{base}/{m}/{h}/{label}"
-        return s
+        """`address_path` as an absolute path string."""
+        return os.path.abspath(self.address_path(address))
 
     def _materialize(self, node: Node, tree: str, *, blobs_checked: bool = False) -> None:
         if node.id not in getattr(self, "_want", {node.id}):

@@ -36,9 +36,14 @@ import os
 import sys
 import time
 import zlib
-from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # blake3 and functools are loaded only where a file is hashed or a log written
+# not `typing` (it loads re, enum, functools...: ~3 ms of a no-op); blake3 is loaded only
+# where a file is hashed or a log written
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from typing import Any
+
     from mopt.filehash import FileStat
 
 VERSION = 1
@@ -77,32 +82,28 @@ def environment(extra: list[str] | tuple[str, ...] = ()) -> dict[str, str | None
     return {k: os.environ.get(k) for k in sorted(names - set(ENV_IGNORED))}
 
 
-def stores_of(recipe: str) -> list[tuple[str, str | None]]:
-    """(store folder, settings file) where the log of a build of `recipe` may be, most likely
-    first: the default store beside the nearest mopt.toml (found without parsing it: the log
-    records the settings file, which holds only while its bytes are those that put the store
-    there), then the store that file names, if it names another."""
+def stores_of(recipe: str) -> Iterator[str]:
+    """The store folders where the log of a build of `recipe` may be, most likely first: the
+    default store beside the nearest mopt.toml (found without parsing it: the log records the
+    settings file, which holds only while its bytes are those that put the store there), then
+    the store that file names, if it names another."""
     d = os.path.dirname(os.path.abspath(recipe))
-    while True:
-        cfg = os.path.join(d, "mopt.toml")
-        if os.path.isfile(cfg):
-            real = os.path.realpath(d)
-            out: list[tuple[str, str | None]] = [(os.path.join(real, ".mopt"), os.path.join(real, "mopt.toml"))]
-            try:
-                import tomllib
+    while not os.path.isfile(os.path.join(d, "mopt.toml")):
+        if os.path.dirname(d) == d:  # no settings: the store beside the recipe
+            yield os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(recipe))), ".mopt")
+            return
+        d = os.path.dirname(d)
+    real = os.path.realpath(d)
+    yield os.path.join(real, ".mopt")
+    try:
+        import tomllib
 
-                with open(cfg, "rb") as fh:
-                    path = tomllib.load(fh).get("store", {}).get("path", ".mopt")
-                named = os.path.realpath(os.path.join(real, path))
-                if named != out[0][0]:
-                    out.append((named, out[0][1]))
-            except Exception:  # unreadable, or not the simple form: the full path reports it
-                pass
-            return out
-        parent = os.path.dirname(d)
-        if parent == d:
-            return [(os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(recipe))), ".mopt"), None)]
-        d = parent
+        with open(os.path.join(d, "mopt.toml"), "rb") as fh:
+            named = os.path.realpath(os.path.join(real, tomllib.load(fh).get("store", {}).get("path", ".mopt")))
+    except Exception:  # unreadable, or not the simple form: the full path reports it
+        return
+    if named != os.path.join(real, ".mopt"):
+        yield named
 
 
 # --------------------------------------------------------------------------- reading
@@ -449,14 +450,19 @@ def _join(pid: int, fd: int) -> Any:
 # --------------------------------------------------------------------------- the no-op
 
 
-def noop(recipe: str, selectors: list[str] | tuple[str, ...], offline: bool) -> tuple[Log | None, str]:
+def noop(
+    recipe: str, selectors: list[str] | tuple[str, ...], offline: bool, *, learn: bool = True
+) -> tuple[Log | None, str]:
     """(the log of the last build, "") if `mopt build RECIPE SELECTORS` would do nothing now,
-    else (None, why not). Files found holding under a new stat are learnt (`Log.learn`)."""
+    else (None, why not). With `learn`, files found holding under a new stat are recorded so
+    (`Log.learn`); `mopt plan` learns nothing: it writes nothing."""
     ident = ident_of(recipe, selectors, offline)
-    if _asked.get("ident") == ident:  # `python -m mopt` asked before click: the same answer
-        return _asked["answer"]  # type: ignore[no-any-return]
-    _asked["ident"], _asked["answer"] = ident, _noop(recipe, ident)
-    return _asked["answer"]  # type: ignore[no-any-return]
+    if _asked.get("ident") != ident:  # `python -m mopt` asked before click: the same answer
+        _asked["ident"], _asked["answer"] = ident, _noop(recipe, ident)
+    log, why = _asked["answer"]
+    if log is not None and learn:
+        log.learn()
+    return log, why
 
 
 #: the last `noop` in this process: its ident and answer
@@ -465,7 +471,7 @@ _asked: dict[str, Any] = {}
 
 def _noop(recipe: str, ident: tuple[str, tuple[str, ...], bool]) -> tuple[Log | None, str]:
     why = "no store folder"
-    for store, _settings in stores_of(recipe):
+    for store in stores_of(recipe):
         path = log_path(store, ident)
         doc = read(path, keep=True)
         if isinstance(doc, str):
@@ -482,7 +488,6 @@ def _noop(recipe: str, ident: tuple[str, tuple[str, ...], bool]) -> tuple[Log | 
             why = "unreadable log"
             continue
         if not why:
-            log.learn()
             return log, ""
     return None, why
 

@@ -8,11 +8,8 @@ model's shape comes from its family's `dims()` over its config.json (`[models.X]
 the local `path` / `package` / cached `hf` checkpoint, or a synthetic source's `config` over
 the family's `synthetic_defaults`).
 
-A serving kind describes its runtime's KV-cache pool and that runtime's defaults with
-`kv_pool()` (a share of the GPU, vLLM's way, or of what the model leaves free, TensorRT-LLM's);
-the core knows no runtime. Other kinds may set `memory_model` = "engine" (batch × sequence
-through one forward pass, no KV cache) or "none"; without one, "engine" is inferred from the
-roles present.
+Memory is sized by a kind's runtime `kv_pool()` (the core knows no runtime), else by its
+`memory_model` ("engine", "none"; inferred from the roles when absent): docs/plugins.md.
 """
 
 from __future__ import annotations
@@ -41,25 +38,20 @@ from mopt.estimate import (
     MemoryEstimate,
     ModelDims,
     Workload,
+    activation_dtype,
     estimate,
     gib,
     largest_fitting,
     normalize_precision,
 )
-from mopt.family import model_dims
+from mopt.family import TEXT_GENERATION, model_dims
 from mopt.graph import Graph, Node
 from mopt.recipe import Model, Recipe, Section
 
 #: the lowest compute capability with hardware support for each precision
-MIN_CC: dict[str, tuple[int, int]] = {
-    "fp32": (0, 0),
-    "fp16": (5, 3),
-    "int8": (6, 1),
-    "int4": (7, 5),
-    "bf16": (8, 0),
-    "fp8": (8, 9),
-    "nvfp4": (10, 0),
-}
+MIN_CC: dict[str, str] = {
+    "fp32": "0.0", "fp16": "5.3", "int8": "6.1", "int4": "7.5", "bf16": "8.0", "fp8": "8.9", "nvfp4": "10.0"
+}  # fmt: skip
 #: roles that describe a memory workload (a kind with none of them gets no estimate)
 MEMORY_ROLES = frozenset(
     {
@@ -95,8 +87,6 @@ def _first(rv: RoleValues, *roles: Role) -> tuple[str | None, Any]:
 
 #: the sequence length assumed for an engine whose params set none
 ENGINE_DEFAULT_SEQ = 512
-#: the model task whose sections keep a KV cache in every runtime
-GENERATION = "text-generation"
 #: vocabulary assumed for a synthetic model whose tokenizer is not built yet
 SYNTHETIC_VOCAB_GUESS = 32000
 
@@ -137,12 +127,14 @@ class CheckReport:
     def errors(self) -> list[Finding]:
         return [f for f in self.findings if f.severity == "error"]
 
+    @property
+    def counts(self) -> dict[str, int]:
+        return {s: sum(1 for f in self.findings if f.severity == s) for s in ("error", "warning", "info")}
+
     def to_json(self) -> dict[str, Any]:
         return {
             "ok": not self.errors,
-            "counts": {
-                s: sum(1 for f in self.findings if f.severity == s) for s in ("error", "warning", "info")
-            },
+            "counts": self.counts,
             "findings": [finding_json(f) for f in self.findings],
             "estimates": [e.to_json() for e in self.estimates],
             "model_configs": self.configs,
@@ -152,15 +144,7 @@ class CheckReport:
 
 
 def finding_json(f: Finding) -> dict[str, Any]:
-    return {
-        "severity": f.severity,
-        "code": f.code,
-        "section": f.section,
-        "target": f.target,
-        "key": f.key,
-        "message": f.message,
-        "fix": f.fix,
-    }
+    return {k: getattr(f, k) for k in ("severity", "code", "section", "target", "key", "message", "fix")}
 
 
 # --------------------------------------------------------------------------- model configs
@@ -286,12 +270,12 @@ def _needs_gpu(reqs: list[str]) -> list[str]:
 
 class _Checker:
     def __init__(self, graph: Graph) -> None:
-        self.graph = graph
         self.registry = graph.registry
         self.recipe = graph.recipe
         self.findings: list[Finding] = []
         self.estimates: list[NodeEstimate] = []
         self.models: dict[str, _ModelInfo] = {}
+        self.at = ("", "")  # (section, target) the findings being added are about
 
     def model(self, name: str) -> _ModelInfo:
         if name not in self.models:
@@ -301,10 +285,9 @@ class _Checker:
                 self.findings.append(info.problem)
         return self.models[name]
 
-    def add(
-        self, severity: str, code: str, section: str, target: str, key: str | None, message: str, fix: str
-    ) -> None:
-        self.findings.append(Finding(severity, code, message, fix, section, target, key))
+    def add(self, severity: str, code: str, key: str | None, message: str, fix: str) -> None:
+        """A finding on the target being checked (`at`: its section and label)."""
+        self.findings.append(Finding(severity, code, message, fix, *self.at, key))
 
     # ----------------------------------------------------------------- per node
 
@@ -315,8 +298,10 @@ class _Checker:
         kind = cls()
         params = role_values(cls, node.params_json())
         sec = section.id
+        self.at = (sec, label)
         info = self.model(section.model)
         dims = info.dims
+        task = self._task(section)
 
         try:
             reqs = list(kind.requirements(node.target.params, hw))
@@ -330,8 +315,6 @@ class _Checker:
             self.add(
                 "error",
                 "kind-needs-gpu",
-                sec,
-                label,
                 "hardware",
                 f"target kind {node.kind!r} requires {', '.join(gpu_reqs)}, but profile {hw.name!r} "
                 "has no GPU",
@@ -341,15 +324,15 @@ class _Checker:
 
         had_workload = False
         if not (on_cpu_profile and gpu_reqs):  # the params of a target that cannot run say nothing
-            self._precision(params, hw, sec, label)
-            self._fractions(params, sec, label)
-            self._tokens_per_block(params, sec, label)
+            self._precision(params, hw)
+            self._fractions(params)
+            self._tokens_per_block(params)
             if not on_cpu_profile:
-                self._parallel(params, hw, dims, sec, label, section.model)
+                self._parallel(params, hw, dims, section.model)
             if dims is not None:
-                self._seq_lengths(params, dims, sec, label, section.model, info.origin)
+                self._seq_lengths(params, dims, section.model, info.origin)
             if hw.is_gpu and hw.memory_gb and dims is not None:
-                had_workload = self._memory(kind, params, hw, dims, sec, label, self._task(section))
+                had_workload = self._memory(kind, params, hw, dims, task)
 
         ctx = CheckContext(
             hardware=hw,
@@ -357,7 +340,7 @@ class _Checker:
             family=self._family(section.model),
             section=sec,
             target=label,
-            task=self._task(section),
+            task=task,
         )
         try:
             extra = kind.check(node.target.params, ctx)
@@ -366,8 +349,6 @@ class _Checker:
             self.add(
                 "warning",
                 "kind-check-failed",
-                sec,
-                label,
                 None,
                 f"kind {node.kind!r} (plugin {plugin!r}) crashed in check(): {type(exc).__name__}: {_short(exc)}",
                 f"report it to the plugin's authors; disable with MOPT_DISABLE_PLUGINS={plugin}",
@@ -400,7 +381,7 @@ class _Checker:
         except Exception:
             return None
 
-    def _precision(self, params: RoleValues, hw: HardwareProfile, sec: str, label: str) -> None:
+    def _precision(self, params: RoleValues, hw: HardwareProfile) -> None:
         for key, value in params.get(Role.precision, ()):
             p = normalize_precision(value)
             if p is None or p in hw.precisions:
@@ -409,15 +390,12 @@ class _Checker:
                 self.add(
                     "warning",
                     "precision-unsupported",
-                    sec,
-                    label,
                     key,
                     f"{key} = {value!r}: profile {hw.name!r} is a CPU profile without native {p} "
                     f"(it has {', '.join(hw.precisions)}); CPU kernels for {p} are missing or slow",
                     f'use {key} = "fp32" (or int8 quantization) for CPU targets',
                 )
                 continue
-            need = MIN_CC[p]
             others = [n for n in _profiles_with(self.registry, p) if n != hw.name]
             alt = "fp16 or bf16" if "bf16" in hw.precisions else "fp16"
             if p == "int4":
@@ -425,10 +403,8 @@ class _Checker:
             self.add(
                 "error",
                 "precision-unsupported",
-                sec,
-                label,
                 key,
-                f"{key} = {value!r} needs compute capability ≥ {need[0]}.{need[1]}; "
+                f"{key} = {value!r} needs compute capability ≥ {MIN_CC[p]}; "
                 f"{hw.name} ({hw.gpu_name}) has {_cc(hw)} (supports {', '.join(hw.precisions)})",
                 f"use {alt} on {hw.name}, or build for a profile with {p}: {', '.join(others[:6])}",
             )
@@ -439,22 +415,17 @@ class _Checker:
                 self.add(
                     "warning",
                     "precision-unsupported",
-                    sec,
-                    label,
                     qkey,
                     f"{qkey} = {q!r} on {hw.name} (CC {_cc(hw)}): FP8 compute needs CC ≥ 8.9; on this "
                     "GPU it runs weight-only (W8A16) at best: memory saved, no FP8 math",
                     "keep it for the memory saving, or use int8 (W8A8) for faster math on this GPU",
                 )
             else:
-                need = MIN_CC[qp]
                 self.add(
                     "error",
                     "precision-unsupported",
-                    sec,
-                    label,
                     qkey,
-                    f"{qkey} = {q!r} ({qp}) needs compute capability ≥ {need[0]}.{need[1]}; "
+                    f"{qkey} = {q!r} ({qp}) needs compute capability ≥ {MIN_CC[qp]}; "
                     f"{hw.name} has {_cc(hw)}",
                     f"use awq / gptq (int4) or fp8 on {hw.name}, or a profile with {qp}: "
                     + ", ".join(_profiles_with(self.registry, qp)[:6]),
@@ -465,31 +436,27 @@ class _Checker:
             self.add(
                 "warning" if kp == "fp8" else "error",
                 "precision-unsupported",
-                sec,
-                label,
                 kvkey,
                 f"{kvkey} = {kv!r} on {hw.name} (CC {_cc(hw)}): no hardware {kp} "
-                f"(needs CC ≥ {MIN_CC[kp][0]}.{MIN_CC[kp][1]}); only some attention backends can "
+                f"(needs CC ≥ {MIN_CC[kp]}); only some attention backends can "
                 "store the cache in it and compute in fp16",
                 f'use {kvkey} = "auto" on this GPU, or check that your runtime version '
                 "supports an fp8 KV cache on it",
             )
 
-    def _fractions(self, params: RoleValues, sec: str, label: str) -> None:
+    def _fractions(self, params: RoleValues) -> None:
         for key, value in [*params.get(Role.memory_fraction, ()), *params.get(Role.kv_cache_fraction, ())]:
             v = _num(value)
             if v is not None and not 0 < v <= 1:
                 self.add(
                     "error",
                     "fraction-out-of-range",
-                    sec,
-                    label,
                     key,
                     f"{key} = {v:g} is a fraction of GPU memory and must be in (0, 1]",
                     f"set {key} between 0.5 and 0.95 (0.9 is the usual default)",
                 )
 
-    def _tokens_per_block(self, params: RoleValues, sec: str, label: str) -> None:
+    def _tokens_per_block(self, params: RoleValues) -> None:
         key, value = _first(params, Role.kv_block_tokens)
         v = _int(value)
         if key is None or v is None or (v > 0 and v & (v - 1) == 0):
@@ -499,22 +466,12 @@ class _Checker:
         self.add(
             "error",
             "tokens-per-block-not-pow2",
-            sec,
-            label,
             key,
             f"{key} = {v} is not a power of two (a paged KV cache's block size must be one)",
             f"use {key} = {lower} or {upper} (32 and 64 are common)" if v > 0 else f"use {key} = 32 or 64",
         )
 
-    def _parallel(
-        self,
-        params: RoleValues,
-        hw: HardwareProfile,
-        dims: ModelDims | None,
-        sec: str,
-        label: str,
-        model: str,
-    ) -> None:
+    def _parallel(self, params: RoleValues, hw: HardwareProfile, dims: ModelDims | None, model: str) -> None:
         tp_key, tp_v = _first(params, Role.tensor_parallel)
         pp_key, pp_v = _first(params, Role.pipeline_parallel)
         tp, pp = _int(tp_v) or 1, _int(pp_v) or 1
@@ -522,15 +479,13 @@ class _Checker:
             return
         if tp < 1 or pp < 1:
             bad = tp_key if tp < 1 else pp_key
-            self.add("error", "tp-invalid", sec, label, bad, f"{bad} must be ≥ 1", f"set {bad} = 1")
+            self.add("error", "tp-invalid", bad, f"{bad} must be ≥ 1", f"set {bad} = 1")
             return
         if tp * pp > hw.gpu_count:
             key = tp_key if tp > 1 else pp_key
             self.add(
                 "error",
                 "tp-over-gpus",
-                sec,
-                label,
                 key,
                 " × ".join(f"{k} = {v}" for k, v in ((tp_key, tp), (pp_key, pp)) if k)
                 + f" needs {tp * pp} GPUs; profile {hw.name!r} has {hw.gpu_count}",
@@ -539,43 +494,12 @@ class _Checker:
             )
         if dims is None or tp == 1:
             return
-        valid = [t for t in range(1, max(dims.heads, 1) + 1) if _tp_ok(dims, t)]
+        valid = [t for t in range(1, max(dims.heads, 1) + 1) if not _tp_problems(dims, t)]
         fix_tp = f"use {tp_key} in {{{', '.join(map(str, valid[:8]))}}} for {model}"
-        if dims.heads % tp:
-            self.add(
-                "error",
-                "tp-heads",
-                sec,
-                label,
-                tp_key,
-                f"{tp_key} = {tp} does not divide the {dims.heads} attention heads of {model}",
-                fix_tp,
-            )
-        if dims.kv_heads % tp and tp % dims.kv_heads:
-            self.add(
-                "error",
-                "tp-kv-heads",
-                sec,
-                label,
-                tp_key,
-                f"{tp_key} = {tp} and the {dims.kv_heads} KV heads of {model}: neither divides the "
-                "other, so KV heads can be neither split nor replicated evenly",
-                fix_tp,
-            )
-        if dims.intermediate % tp:
-            self.add(
-                "error",
-                "tp-intermediate",
-                sec,
-                label,
-                tp_key,
-                f"{tp_key} = {tp} does not divide the MLP width {dims.intermediate} of {model}",
-                fix_tp,
-            )
+        for code, why in _tp_problems(dims, tp, model):
+            self.add("error", code, tp_key, f"{tp_key} = {tp} {why}", fix_tp)
 
-    def _seq_lengths(
-        self, params: RoleValues, dims: ModelDims, sec: str, label: str, model: str, origin: str
-    ) -> None:
+    def _seq_lengths(self, params: RoleValues, dims: ModelDims, model: str, origin: str) -> None:
         limit = dims.max_sequence
         if limit is None:
             return
@@ -591,8 +515,6 @@ class _Checker:
             self.add(
                 "error",
                 "seq-over-max-position",
-                sec,
-                label,
                 key,
                 (
                     f"{key} = {value}"
@@ -606,33 +528,24 @@ class _Checker:
     # ----------------------------------------------------------------- memory
 
     def _memory(
-        self,
-        kind: TargetKind,
-        params: RoleValues,
-        hw: HardwareProfile,
-        dims: ModelDims,
-        sec: str,
-        label: str,
-        task: str = "embedding",
+        self, kind: TargetKind, params: RoleValues, hw: HardwareProfile, dims: ModelDims, task: str
     ) -> bool:
-        model = memory_model(kind, hw, task)
-        spec = workload_for(params, dims, hw, model)
+        pool = kind.kv_pool(hw, task)
+        spec = workload_for(params, dims, hw, pool if pool is not None else kind.memory_model)
         if spec is None:
             return False
         w, keys = spec
-        if isinstance(model, KvPool):
+        if pool is not None:
             w = replace(w, runtime=kind.name)
-        pooled = isinstance(model, KvPool)
-        if task == GENERATION and not pooled:
+        elif task == TEXT_GENERATION:
             # a generation engine keeps every sequence's KV cache: batch × seq of it must fit
             w = replace(w, kv_cache=True)
         assert hw.memory_gb is not None
         cap = hw.memory_gb
         e = estimate(dims, w, cap)
-        ne = NodeEstimate(sec, label, hw.name, e, _basis(w, keys))
+        ne = NodeEstimate(*self.at, hw.name, e, _basis(w, keys))
         self.estimates.append(ne)
-        breakdown = _breakdown(e)
-        if not pooled:
+        if pool is None:
             bkey, skey = keys.get("batch"), keys.get("seq")
             max_b = largest_fitting(dims, w, cap, "batch", max(w.batch, 1) * 64 + 1024)
             max_s = largest_fitting(dims, w, cap, "seq_len", max(dims.max_sequence or 0, w.seq_len))
@@ -650,18 +563,15 @@ class _Checker:
             self.add(
                 "error",
                 "memory-over-capacity",
-                sec,
-                label,
                 bkey or skey,
-                f"estimated {gib(e.total)} > {hw.memory_gb:g} GiB of {hw.name}: {breakdown}",
+                f"estimated {gib(e.total)} > {hw.memory_gb:g} GiB of {hw.name}: {_breakdown(e)}",
                 "largest that fits: " + "; or ".join(opts),
             )
             return True
         # a serving runtime's KV-cache pool
-        assert isinstance(model, KvPool)
-        skey = keys.get("seq") or model.seq_key
-        bkey = keys.get("batch") or model.seqs_key
-        fkey = keys.get("fraction") or model.fraction_key
+        skey = keys.get("seq") or pool.seq_key
+        bkey = keys.get("batch") or pool.seqs_key
+        fkey = keys.get("fraction") or pool.fraction_key
         kv_tokens = e.kv_tokens_available or 0
         max_seqs = kv_tokens // max(w.seq_len, 1)
         max_len = largest_fitting(
@@ -673,12 +583,7 @@ class _Checker:
             fits=lambda x: (x.kv_tokens_available or 0) >= x.workload.seq_len,
         )
         ne.largest = {bkey: max_seqs, skey: max_len}
-        if w.memory_fraction is not None:
-            pool = f"{w.memory_fraction:g} × {hw.memory_gb:g} GiB = {gib(e.budget or 0)}"
-        elif w.kv_fraction is not None:  # TensorRT-LLM: a fraction of what the model leaves free
-            pool = f"{w.kv_fraction:g} × the {gib(max(0.0, cap * GIB - e.fixed))} the model leaves of {hw.memory_gb:g} GiB"
-        else:
-            pool = f"{hw.memory_gb:g} GiB"
+        where = _pool_text(e, hw)
         if not e.model_fits:
             need = e.fixed / (cap * GIB)
             fixes = []
@@ -687,14 +592,12 @@ class _Checker:
             fixes += _smaller_precisions(dims, w, hw, keys.get("precision"))
             if hw.gpu_count > w.tp:
                 fixes.append(f"shard with tensor_parallel_size up to {hw.gpu_count}")
-            fixes.append(f"lower {model.tokens_key}")
+            fixes.append(f"lower {pool.tokens_key}")
             self.add(
                 "error",
                 "memory-over-capacity",
-                sec,
-                label,
                 keys.get("fraction") or keys.get("precision") or fkey,
-                f"the model does not fit in {pool} of {hw.name}: {_breakdown(e, kv=False)} = {gib(e.fixed)}, "
+                f"the model does not fit in {where} of {hw.name}: {_breakdown(e, kv=False)} = {gib(e.fixed)}, "
                 "before any KV cache",
                 "; or ".join(fixes),
             )
@@ -713,10 +616,8 @@ class _Checker:
             self.add(
                 "error",
                 "kv-cache-too-small",
-                sec,
-                label,
                 skey,
-                f"the KV cache left in {pool} of {hw.name} holds {kv_tokens:,} tokens "
+                f"the KV cache left in {where} of {hw.name} holds {kv_tokens:,} tokens "
                 f"({gib(e.kv_available or 0)} at {e.kv_per_token / 1024:.0f} KiB/token), fewer than one "
                 f"{skey} = {w.seq_len:,} sequence ({gib(kv_need_one)}); the runtime refuses to start. "
                 f"The rest: {_breakdown(e, kv=False)}",
@@ -733,10 +634,8 @@ class _Checker:
             self.add(
                 "warning",
                 "kv-cache-short",
-                sec,
-                label,
                 bkey,
-                kv_fit_text(e, hw, bkey, skey, max_seqs, short, pool)
+                kv_fit_text(e, hw, bkey, skey, max_seqs, short, where)
                 + f"; sequences beyond that queue. Besides the KV cache: {_breakdown(e, kv=False)}",
                 "; or ".join(fixes),
             )
@@ -749,7 +648,7 @@ class _Checker:
         dims = self.model(section.model).dims
         if dims is None:
             return
-        if self._task(section) == GENERATION:
+        if self._task(section) == TEXT_GENERATION:
             self._generation_baseline(section, hw, dims)
             return
         seq = min(ENGINE_DEFAULT_SEQ, dims.max_sequence or ENGINE_DEFAULT_SEQ)
@@ -758,9 +657,7 @@ class _Checker:
             basis = f"fp32 on CPU, batch 1 × {seq} tokens (no target sets limits)"
             self.estimates.append(NodeEstimate(section.id, "(model)", hw.name, estimate(dims, w), basis))
             return
-        prec = dims.config_dtype if dims.config_dtype in ("fp16", "bf16") else "fp16"
-        if prec not in hw.precisions:
-            prec = "fp16"
+        prec = _sixteen_bit(dims, hw)
         w = Workload(precision=prec, batch=1, seq_len=seq)
         e = estimate(dims, w, hw.memory_gb)
         ne = NodeEstimate(
@@ -805,7 +702,7 @@ class _Checker:
         ne = NodeEstimate(section.id, "(model)", hw.name, e, "text-generation, " + _basis(w, keys))
         ne.largest = {pool.seqs_key: max_seqs, pool.seq_key: min(kv_tokens, seq) or None}
         self.estimates.append(ne)
-        pool_text = f"{w.memory_fraction:g} × {hw.memory_gb:g} GiB = {gib(e.budget or 0)}"
+        pool_text = _pool_text(e, hw)
         if not e.model_fits:
             msg = (
                 f"{hw.name} {hw.memory_gb:g} GiB: the model does not fit in {pool_text}: {_breakdown(e, kv=False)}"
@@ -821,7 +718,8 @@ class _Checker:
                 if kv_tokens
                 else "quantize the weights or use a larger GPU"
             )
-        self.add("info", "kv-cache-fit", section.id, "", None, msg, fix)
+        self.at = (section.id, "")
+        self.add("info", "kv-cache-fit", None, msg, fix)
 
     def _baseline_pool(self, hw: HardwareProfile) -> tuple[str, KvPool] | None:
         """(kind name, its pool) of the first kind by name whose `kv_pool` is a `baseline`."""
@@ -830,12 +728,22 @@ class _Checker:
             if cls.kv_pool is TargetKind.kv_pool:
                 continue
             try:
-                pool = cls().kv_pool(hw, GENERATION)
+                pool = cls().kv_pool(hw, TEXT_GENERATION)
             except Exception:  # a plugin's bug: that kind gives no baseline
                 continue
             if pool is not None and pool.baseline:
                 return name, pool
         return None
+
+
+def _pool_text(e: MemoryEstimate, hw: HardwareProfile) -> str:
+    """What a runtime's KV cache is carved from: `0.92 × 8 GiB = 7.36 GiB`."""
+    w, cap = e.workload, hw.memory_gb or 0.0
+    if w.memory_fraction is not None:
+        return f"{w.memory_fraction:g} × {cap:g} GiB = {gib(e.budget or 0)}"
+    if w.kv_fraction is not None:  # TensorRT-LLM: a fraction of what the model leaves free
+        return f"{w.kv_fraction:g} × the {gib(max(0.0, cap * GIB - e.fixed))} the model leaves of {cap:g} GiB"
+    return f"{cap:g} GiB"
 
 
 def kv_fit_text(
@@ -845,9 +753,7 @@ def kv_fit_text(
     cache (112 KiB/token, bf16); 4.95 GiB is left in 0.92 × 8 GiB = 7.36 GiB: fits
     max_num_seqs ≤ 1 at 32,768 or max_model_len ≤ 5,533 at 8`."""
     w = e.workload
-    kv_dtype = w.kv_dtype or (
-        "fp32" if w.precision == "fp32" else ("bf16" if w.precision == "bf16" else "fp16")
-    )
+    kv_dtype = w.kv_dtype or activation_dtype(w.precision)
     fits = [f"{bkey} ≤ {max_seqs} at {w.seq_len:,}"] if max_seqs >= 1 else []
     if short >= 1:
         fits.append(f"{skey} ≤ {min(short, w.seq_len):,} at {w.batch}")
@@ -858,12 +764,22 @@ def kv_fit_text(
     )
 
 
-def _tp_ok(dims: ModelDims, tp: int) -> bool:
-    return (
-        dims.heads % tp == 0
-        and (dims.kv_heads % tp == 0 or tp % dims.kv_heads == 0)
-        and dims.intermediate % tp == 0
-    )
+def _tp_problems(dims: ModelDims, tp: int, model: str = "") -> list[tuple[str, str]]:
+    """(code, what) for each part of `model` that tensor-parallel size `tp` cannot split evenly."""
+    out = []
+    if dims.heads % tp:
+        out.append(("tp-heads", f"does not divide the {dims.heads} attention heads of {model}"))
+    if dims.kv_heads % tp and tp % dims.kv_heads:
+        out.append(
+            (
+                "tp-kv-heads",
+                f"and the {dims.kv_heads} KV heads of {model}: neither divides the other, so KV heads "
+                "can be neither split nor replicated evenly",
+            )
+        )
+    if dims.intermediate % tp:
+        out.append(("tp-intermediate", f"does not divide the MLP width {dims.intermediate} of {model}"))
+    return out
 
 
 def _seq_values(params: RoleValues) -> list[tuple[str, int, str]]:
@@ -934,10 +850,11 @@ def _smaller_precisions(dims: ModelDims, w: Workload, hw: HardwareProfile, key: 
     return out
 
 
-def memory_model(kind: TargetKind, hw: HardwareProfile, task: str) -> str | KvPool | None:
-    """How `mopt check` sizes `kind` on `hw`: its runtime's `KvPool`, else its `memory_model`."""
-    pool = kind.kv_pool(hw, task)
-    return pool if pool is not None else getattr(kind, "memory_model", None)
+def _sixteen_bit(dims: ModelDims, hw: HardwareProfile) -> str:
+    """The precision a GPU target runs at when no param sets one: the config's 16-bit dtype
+    where the GPU has it, else fp16."""
+    prec = dims.config_dtype if dims.config_dtype in ("fp16", "bf16") else "fp16"
+    return prec if prec in hw.precisions else "fp16"
 
 
 #: roles of a KV-cache pool: a kind that marks them is sized only through its `kv_pool()`
@@ -966,11 +883,7 @@ def workload_for(
     assumed: list[str] = []
 
     pkey, pval = _first(params, Role.precision)
-    prec = normalize_precision(pval)
-    if prec is None:
-        prec = dims.config_dtype if dims.config_dtype in ("fp16", "bf16") else "fp16"
-        if prec == "bf16" and "bf16" not in hw.precisions:
-            prec = "fp16"
+    prec = normalize_precision(pval) or _sixteen_bit(dims, hw)
     if pkey:
         keys["precision"] = pkey
     qkey, qval = _first(params, Role.quantization)
@@ -1011,33 +924,19 @@ def workload_for(
         else:
             keys["fraction"] = fk
         frac = frac_v if frac_v is not None and 0 < frac_v <= 1 else pool.fraction
-        w = Workload(
-            precision=prec,
-            kv_dtype=kv_dtype,
-            batch=batch,
-            seq_len=seq,
-            num_tokens=tokens,
-            kv_cache=True,
-            tp=tp,
-            pp=pp,
-            memory_fraction=frac if of_gpu else None,
-            kv_fraction=None if of_gpu else frac,
-            runtime="kv-pool",
-        )
+        sizing: dict[str, Any] = {
+            "num_tokens": tokens,
+            "kv_cache": True,
+            "memory_fraction": frac if of_gpu else None,
+            "kv_fraction": None if of_gpu else frac,
+            "runtime": "kv-pool",
+        }
     else:
         batch, bk = pick(Role.batch_size, 1, "batch")
         seq, sk = pick(Role.seq_len, min(ENGINE_DEFAULT_SEQ, max_pos), "seq")
-        ws = _num(_first(params, Role.workspace_gb)[1]) or 0.0
-        w = Workload(
-            precision=prec,
-            kv_dtype=kv_dtype,  # used when a generation engine keeps a KV cache
-            batch=batch,
-            seq_len=seq,
-            tp=tp,
-            pp=pp,
-            workspace_gb=ws,
-            runtime="engine",
-        )
+        sizing = {"workspace_gb": _num(_first(params, Role.workspace_gb)[1]) or 0.0, "runtime": "engine"}
+    # kv_dtype matters to an engine too: a generation engine keeps a KV cache
+    w = Workload(precision=prec, kv_dtype=kv_dtype, batch=batch, seq_len=seq, tp=tp, pp=pp, **sizing)
     if bk:
         keys["batch"] = bk
     if sk:
@@ -1079,11 +978,10 @@ def run_checks(graph: Graph, ids: list[str] | None = None) -> CheckReport:
         hw = graph.registry.hardware[section.hardware]
         info = c.model(section.model)
         if info.dims is None and hw.is_gpu and sec_id in relevant:
+            c.at = (sec_id, "")
             c.add(
                 "info",
                 "model-config-unknown",
-                sec_id,
-                "",
                 "config",
                 f"memory, sequence-length and tensor-parallel rules skipped for model {section.model!r}: "
                 f"{info.origin}",
@@ -1094,7 +992,3 @@ def run_checks(graph: Graph, ids: list[str] | None = None) -> CheckReport:
     configs = {name: info.origin for name, info in c.models.items()}
     return CheckReport(c.findings, c.estimates, configs, selected_sections, time.perf_counter() - t0)
 
-
-def check_graph(graph: Graph, ids: list[str] | None = None) -> list[Finding]:
-    """The findings of `mopt check` for the selected nodes (see `run_checks`)."""
-    return run_checks(graph, ids).findings

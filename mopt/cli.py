@@ -100,10 +100,7 @@ def dump_compact(obj: Any) -> str:
 class Session:
     """A loaded recipe with its project, plugins and graph."""
 
-    def __init__(self, recipe_path: Path, *, writes_store: bool = False) -> None:
-        """`writes_store`: the command may write the store (`mopt build`), so a full plugin
-        load files the plugin index there; read-only commands (plan, ls, show, explain,
-        report, check) only read it."""
+    def __init__(self, recipe_path: Path) -> None:
         from mopt.config import load_project
         from mopt.gcpause import paused_gc
         from mopt.graph import build_graph
@@ -114,10 +111,7 @@ class Session:
             raise MoptError("recipe not found", file=str(recipe_path), hint="give the path to a .toml recipe")
         with paused_gc(freeze=True):  # all of it lives as long as the session
             self.project = load_project(recipe_path.resolve().parent)
-            # the store's plugin index: import only the plugins this recipe names
-            self.registry = get_registry(
-                self.project.config.plugins.disable, index_dir=self.project.store_dir, write_index=writes_store
-            )
+            self.registry = get_registry(self.project.config.plugins.disable)
             self.recipe = load_recipe(recipe_path, self.registry)
             self.graph = build_graph(self.recipe, self.registry)
 
@@ -194,9 +188,20 @@ def plan(recipe: Path, selectors: tuple[str, ...], no_log: bool, as_json: bool) 
     SELECTORS are model.hardware:target, globs allowed ('*.h200', '*:onnx')."""
     import os
 
+    use_log = not no_log and not os.environ.get("MOPT_NO_LOG")
+    if use_log and not as_json and recipe.exists():
+        from mopt import buildlog
+
+        log, _why = buildlog.noop(str(recipe), selectors, False, learn=False)
+        if log is not None:  # the last build of these selectors, and nothing changed since
+            import marshal
+
+            for w in log.doc["result"]["warnings"]:
+                err.print(f"warning: {w}")
+            plan_table((i, n, kind, deps, "up to date", sec) for i, n, kind, deps, sec in marshal.loads(log.doc["result"]["plan"]))
+            return
     s = Session(recipe)
     ids = s.graph.select(list(selectors))
-    use_log = not no_log and not os.environ.get("MOPT_NO_LOG")
     statuses = _statuses(s, ids, selectors, use_log)
     if as_json:
         _print_json(

@@ -200,7 +200,7 @@ def register(app: click.Group) -> None:
                 return
         from mopt.build import Engine
 
-        s = Session(recipe, writes_store=True)
+        s = Session(recipe)
         wanted = s.graph.match(list(selectors))
         ids = s.graph.closure(wanted)
         if not no_check:

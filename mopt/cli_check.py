@@ -1,8 +1,5 @@
-"""`mopt check` and `mopt doctor` (registered on the main app by `mopt.cli`).
-
-`run_check(session, ids)` returns the findings; `run_check_for_build(session, ids)` is what
-`mopt build` runs first (prints errors and warnings to stderr, stops on errors).
-"""
+"""`mopt check` and `mopt doctor` (registered on the main app by `mopt.cli`), and the check
+`mopt build` runs first (`run_check_for_build`)."""
 
 from __future__ import annotations
 
@@ -21,24 +18,13 @@ if TYPE_CHECKING:
 _ORDER = {"error": 0, "warning": 1, "info": 2}
 
 
-def run_check(session: Any, ids: list[str] | None = None) -> list[Finding]:
-    """`mopt check` on the session's graph (the selected nodes, all when None)."""
-    return check_report(session, ids).findings
-
-
-def check_report(session: Any, ids: list[str] | None = None) -> CheckReport:
-    """Findings plus the memory estimates behind them."""
-    from mopt.check import run_checks
-
-    return run_checks(session.graph, ids)
-
-
 def run_check_for_build(session: Any, ids: list[str]) -> None:
     """The first step of `mopt build`: print errors and warnings to stderr; raise `MoptError`
     (exit 2) when there is any error, before anything is built."""
+    from mopt.check import run_checks
     from mopt.cli import err
 
-    findings = [f for f in run_check(session, ids) if f.severity in ("error", "warning")]
+    findings = [f for f in run_checks(session.graph, ids).findings if f.severity in ("error", "warning")]
     if not findings:
         return
     for line in finding_lines(findings, with_section=True):
@@ -118,37 +104,31 @@ def _print_check(s: Any, report: CheckReport) -> None:
     )
     for sec_id in order:
         sec = sections.get(sec_id)
+        hw = reg.hardware[sec.hardware] if sec is not None else None
         out.print()
-        if sec is not None:
-            hw = reg.hardware[sec.hardware]
-            if hw.is_gpu:
-                cc = ".".join(map(str, hw.compute_capability)) if hw.compute_capability else "?"
-                desc = f"{hw.gpu_name or hw.name} · CC {cc} · {hw.memory_gb:g} GiB" + (
-                    f" × {hw.gpu_count}" if hw.gpu_count > 1 else ""
-                )
-            else:
-                desc = hw.description
-            out.print(f"{sec_id}  ({hw.name}: {desc})")
-        else:
+        if hw is None:
             out.print(sec_id)
+        elif hw.is_gpu:
+            cc = ".".join(map(str, hw.compute_capability)) if hw.compute_capability else "?"
+            gpus = f"{hw.memory_gb:g} GiB" + (f" × {hw.gpu_count}" if hw.gpu_count > 1 else "")
+            out.print(f"{sec_id}  ({hw.name}: {hw.gpu_name or hw.name} · CC {cc} · {gpus})")
+        else:
+            out.print(f"{sec_id}  ({hw.name}: {hw.description})")
         fs = by_sec.get(sec_id, [])
         for line in finding_lines(fs) if fs else ["  no findings"]:
             out.print(line)
         ests = [e for e in report.estimates if e.section == sec_id]
         if ests:
             cfg = report.configs.get(sec.model, "") if sec is not None else ""
-            hw = reg.hardware[sec.hardware] if sec is not None else None
             per = "per GPU" if hw is not None and hw.is_gpu else "in the process"
             out.print(f"  memory, estimated {per} (model config: {_short_path(cfg)}):")
             cols, rows = estimate_rows(ests)
             _indented_table(out, cols, rows, "    ")
             for ne in ests:
                 out.print(f"    {ne.target}: {ne.basis}")
-    counts = {
-        sev: sum(1 for f in report.findings if f.severity == sev) for sev in ("error", "warning", "info")
-    }
     out.print()
-    out.print(", ".join(f"{n} {sev}{'s' if n != 1 and sev != 'info' else ''}" for sev, n in counts.items()))
+    counts = report.counts.items()
+    out.print(", ".join(f"{n} {sev}{'s' if n != 1 and sev != 'info' else ''}" for sev, n in counts))
 
 
 def _indented_table(out: Any, cols: list[str], rows: list[list[str]], indent: str) -> None:
@@ -204,11 +184,11 @@ def register(app: click.Group) -> None:
         Exit 2 on errors.
 
         SELECTORS are model.hardware:target, globs allowed ('*.h200', '*:trt-engine')."""
+        from mopt.check import run_checks
         from mopt.cli import Session, _print_json
 
         s = Session(recipe)
-        ids = s.graph.select(list(selectors))
-        report = check_report(s, ids)
+        report = run_checks(s.graph, s.graph.select(list(selectors)))
         if as_json:
             _print_json({"recipe": str(s.recipe.path), **report.to_json()})
         else:

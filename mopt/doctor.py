@@ -7,6 +7,7 @@ broken). Every missing / warn / fail check carries a cause and a fix.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -104,10 +105,7 @@ def diagnose(m: Machine) -> list[DoctorCheck]:
 
     g = m.gpu
     if g.visible:
-        names: dict[str, int] = {}
-        for gpu in g.visible:
-            key = f"{gpu.name} (CC {gpu.cc}, {_gib(gpu.memory_gib)})"
-            names[key] = names.get(key, 0) + 1
+        names = Counter(f"{gpu.name} (CC {gpu.cc}, {_gib(gpu.memory_gib)})" for gpu in g.visible)
         desc = ", ".join(f"{n} × {k}" for k, n in names.items())
         driver = g.visible[0].driver
         add(
@@ -261,16 +259,8 @@ _LIB_FIX: dict[str, tuple[str, str]] = {
 
 
 def _library_checks(m: Machine) -> list[DoctorCheck]:
-    out = []
-    libs = m.libraries
-    for name in ("transformers", "onnx"):
-        v = libs.get(name)
-        out.append(
-            DoctorCheck(name, "ok", f"{name} {v}")
-            if v
-            else DoctorCheck(name, "missing", f"{name} is not installed", *_LIB_FIX[name])
-        )
-    ort = libs.get("onnxruntime")
+    out = [_library_check(m, name) for name in ("transformers", "onnx")]
+    ort = m.libraries.get("onnxruntime")
     if ort is None:
         out.append(
             DoctorCheck(
@@ -307,14 +297,14 @@ def _library_checks(m: Machine) -> list[DoctorCheck]:
         else:
             out.append(DoctorCheck("onnxruntime", "ok", f"onnxruntime {ort}: providers {provs}"))
     out.append(_openvino_check(m))
-    for name in ("tensorrt", "tensorrt-llm", "vllm", "nvidia-modelopt"):
-        v = libs.get(name)
-        if v:
-            out.append(DoctorCheck(name, "ok", f"{name} {v}"))
-        else:
-            cause, fix = _LIB_FIX[name]
-            out.append(DoctorCheck(name, "missing", f"{name} is not installed", cause, fix))
-    return out
+    return out + [_library_check(m, name) for name in ("tensorrt", "tensorrt-llm", "vllm", "nvidia-modelopt")]
+
+
+def _library_check(m: Machine, name: str) -> DoctorCheck:
+    v = m.libraries.get(name)
+    if v:
+        return DoctorCheck(name, "ok", f"{name} {v}")
+    return DoctorCheck(name, "missing", f"{name} is not installed", *_LIB_FIX[name])
 
 
 def _openvino_check(m: Machine) -> DoctorCheck:
@@ -476,10 +466,10 @@ def sandbox_check(mode: str) -> DoctorCheck:
     )
 
 
-def target_statuses(graph: Any, ids: list[str] | None = None) -> list[TargetStatus]:
-    """For each selected node: its requirements on its profile and what this machine lacks."""
+def target_statuses(graph: Any) -> list[TargetStatus]:
+    """For each node: its requirements on its profile and what this machine lacks."""
     out = []
-    for i in ids if ids is not None else list(graph.nodes):
+    for i in graph.nodes:
         node = graph.nodes[i]
         kind = graph.registry.targets[node.kind]()
         try:
@@ -493,15 +483,13 @@ def target_statuses(graph: Any, ids: list[str] | None = None) -> list[TargetStat
     return out
 
 
-def doctor(
-    registry: Any, session: Any = None, ids: list[str] | None = None, refresh: bool = False
-) -> DoctorReport:
+def doctor(registry: Any, session: Any = None) -> DoctorReport:
     """The full report; with a loaded recipe session, which of its targets are buildable here."""
-    m = detect(refresh=refresh)
+    m = detect()
     report = DoctorReport(m, diagnose(m), matching_profiles(registry))
     mode = session.project.config.executor.get("sandbox", "auto") if session is not None else "auto"
     report.checks.append(sandbox_check(str(mode)))
     if session is not None:
         report.recipe = str(session.recipe.path)
-        report.targets = target_statuses(session.graph, ids)
+        report.targets = target_statuses(session.graph)
     return report

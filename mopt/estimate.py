@@ -16,10 +16,8 @@ Parameters
     Checked against transformers' own parameter count (tests/test_estimate.py).
 
 Weights
-    linear layers × bytes of the precision (+ quantization scales), everything else
-    (embeddings, norms, biases) × bytes of the activation dtype. Bytes per value: fp32 4,
-    fp16/bf16 2, fp8/int8 1, int4 0.5 + one fp16 scale per group of 128 (0.516), nvfp4
-    0.5 + one fp8 scale per 16 values (0.5625).
+    linear layers × bytes of the precision (+ quantization scales: `BYTES`, `SCALE_BYTES`),
+    everything else (embeddings, norms, biases) × bytes of the activation dtype.
 
 KV cache (runtimes that keep one: vLLM, TensorRT-LLM)
     2 (K and V) × layers × kv_heads × head_dim × bytes × tokens, per GPU divided by the
@@ -37,56 +35,23 @@ so only one layer's tensors are alive)
     plus, for eager (unfused) attention, batch · heads · seq² score elements × 10 bytes
     (16-bit: scores, masked scores, fp32 softmax, cast back) or × 8 bytes (fp32).
     a = 2 bytes (fp16/bf16; also for quantized weights), 4 for fp32. The constants were fitted
-    to measured peaks of transformers' Qwen3 on CPU (see Accuracy below).
+    to measured peaks of transformers' Qwen3 on CPU (docs/performance.md).
 
 Workspace and runtime
     the TensorRT workspace when the recipe sets one (`workspace_gb`), and ~0.5 GiB of CUDA
     context per GPU process (0 on CPU).
 
 Pooled runtimes
-    vLLM takes `gpu_memory_utilization` × capacity; what weights, activations (for
-    `max_num_batched_tokens`) and the context leave is KV cache. TensorRT-LLM gives
-    `kv_cache_free_gpu_memory_fraction` of the memory left after weights and activations to
-    the KV cache. For both, the estimate compares the KV cache needed for
-    `max_num_seqs` × `max_model_len` (`max_batch_size` × `max_seq_len`) with what is left.
+    `memory_fraction` × capacity (vLLM's gpu_memory_utilization), of which what weights,
+    activations and the context leave is KV cache; or `kv_fraction` of the memory they leave
+    (TensorRT-LLM's kv_cache_free_gpu_memory_fraction). The KV cache needed for batch × seq_len
+    (max_num_seqs × max_model_len) is compared with what is left.
 
 Units: bytes; profiles' `memory_gb` is read as GiB (2**30), which matches what nvidia-smi
 reports for the built-in profiles to within 1-2 %.
 
-Accuracy (benchmarks/estimator_vs_measured.py, 2026-11: random transformers 5.x `Qwen3Model`s
-of 11 M, 103 M and 596 M parameters, one forward pass with SDPA attention, estimate = weights
-+ activations, no runtime overhead):
-    GPU, H200, bf16, torch 2.11 / CUDA 13, torch.cuda.max_memory_allocated(), 7 cases from
-        8 × 1024 to 64 × 4096 and 4 × 32768 tokens: error -8.2 % to +4.0 % (mean |3.1 %|);
-        Qwen3-Embedding-0.6B: -2.8 % (1 × 512), -0.7 % (8 × 2048), +1.9 % (32 × 2048),
-        +4.0 % (64 × 4096), +2.8 % (4 × 32768).
-    CPU, 2-core x86-64 VM, fp32, torch 2.13: against live tensor memory (peak RSS with
-        MALLOC_MMAP_THRESHOLD_=65536, so freed tensors leave RSS) -4.1 % to +0.2 % for every
-        case of ≥ 512 tokens (Qwen3-Embedding-0.6B: -1.1 %, -0.6 %, -0.6 %); -22 % for
-        1 × 128 tokens of the 11 M model, where ~8 MiB of fixed runtime buffers dominate.
-        Against plain peak RSS (glibc keeps freed blocks resident, and it varies between runs)
-        the estimate is 2 % to 30 % low (mean 12 %): budget RAM with headroom.
-    Weights alone: < 1 % on the GPU, < 1.5 % on CPU from 100 M parameters up (the 11 M model
-        carries ~6 MiB of fixed buffers); parameter counts are exact (tests/test_estimate.py).
-    Eager attention (score matrices) was checked on the H200 at 8 × 1024 and 32 × 2048 tokens:
-        9.5-9.9 bytes per score element, hence the 10 used above.
-vLLM's KV cache (vLLM 0.26.0 on the H200, 2026-12-01, Qwen3-Embedding-0.6B's shape, six configs
-    at vLLM's default gpu_memory_utilization 0.92, docs/h200-2026-12-01): the token capacity
-    `kv_tokens_available` against vLLM's "GPU KV cache size" is +0.08 % to +1.02 % (vLLM's
-    defaults: 1,191,359 estimated vs 1,186,096 measured, +0.44 %; weights 1.11 vs vLLM's 1.12 GiB);
-    the budget 0.92 × 141 GiB = 132,833 MiB against the engine process's 132,320-133,406 MiB in
-    nvidia-smi is -0.4 % to +0.4 %. Two errors cancel: the profile's 141 GiB is 0.4 % above the
-    card's 140.4 GiB, and vLLM's profiled activations + CUDA graphs + non-torch memory (1.36 GiB)
-    exceed the estimate's activations + 0.5 GiB runtime line. Tested in
-    plugins/mopt-serve/tests/test_recorded_h200.py.
-Generation (task text-generation, vLLM 0.26.0 on the H200, 2026-12-01, a Qwen3-0.6B-shape chat
-    model, tests/data/h200-gen-2026-12-01): `mopt check` sizes one pass by vLLM's chunked-prefill
-    default (max_num_batched_tokens 8,192 on GPUs of >= 70 GiB, 2,048 below) instead of a whole
-    max_model_len sequence. KV bytes per token 114,688 = vLLM's; token capacity with every vLLM
-    default 1,197,388 estimated vs 1,188,352 reported (+0.76 %), FP8 weights at utilization 0.3
-    382,777 vs 379,344 (+0.90 %). Tested in tests/test_check.py.
-Not measured: TensorRT engines and TensorRT-LLM (neither is installable here); their
-allocators and CUDA graphs add to the runtime line, which is a flat 0.5 GiB guess.
+Measured error (GPU and CPU peaks, vLLM's KV cache on the H200) and what was not measured:
+docs/performance.md, "The memory estimator".
 """
 
 from __future__ import annotations
@@ -111,48 +76,18 @@ BYTES: dict[str, float] = {
 #: extra bytes per value for quantization scales (int4: fp16 scale / 128; nvfp4: fp8 scale / 16)
 SCALE_BYTES: dict[str, float] = {"int4": 2.0 / 128, "nvfp4": 1.0 / 16}
 
-_ALIASES: dict[str, str] = {
-    "fp32": "fp32",
-    "float32": "fp32",
-    "float": "fp32",
-    "f32": "fp32",
-    "full": "fp32",
-    "tf32": "fp32",
-    "fp16": "fp16",
-    "float16": "fp16",
-    "half": "fp16",
-    "f16": "fp16",
-    "bf16": "bf16",
-    "bfloat16": "bf16",
-    "fp8": "fp8",
-    "float8": "fp8",
-    "fp8_e4m3": "fp8",
-    "fp8_e5m2": "fp8",
-    "fp8_e4m3fn": "fp8",
-    "float8_e4m3fn": "fp8",
-    "e4m3": "fp8",
-    "e5m2": "fp8",
-    "w8a8_fp8": "fp8",
-    "int8": "int8",
-    "qint8": "int8",
-    "w8a8": "int8",
-    "int8_sq": "int8",
-    "smoothquant": "int8",
-    "int8_weight_only": "int8",
-    "w8a16": "int8",
-    "int4": "int4",
-    "int4_awq": "int4",
-    "w4a16": "int4",
-    "w4a16_awq": "int4",
-    "w4a8_awq": "int4",
-    "awq": "int4",
-    "gptq": "int4",
-    "int4_weight_only": "int4",
-    "nvfp4": "nvfp4",
-    "fp4": "nvfp4",
-    "modelopt_fp4": "nvfp4",
-    "mxfp4": "nvfp4",
+#: canonical precision → the names recipes, configs and quantization tools give it
+_NAMES: dict[str, str] = {
+    "fp32": "fp32 float32 float f32 full tf32",
+    "fp16": "fp16 float16 half f16",
+    "bf16": "bf16 bfloat16",
+    "fp8": "fp8 float8 fp8_e4m3 fp8_e5m2 fp8_e4m3fn float8_e4m3fn e4m3 e5m2 w8a8_fp8",
+    "int8": "int8 qint8 w8a8 int8_sq smoothquant int8_weight_only w8a16",
+    "int4": "int4 int4_awq w4a16 w4a16_awq w4a8_awq awq gptq int4_weight_only",
+    "nvfp4": "nvfp4 fp4 modelopt_fp4 mxfp4",
 }
+_ALIASES = {name: canonical for canonical, names in _NAMES.items() for name in names.split()}
+
 
 def normalize_precision(value: Any) -> str | None:
     """Canonical precision name (fp32, fp16, bf16, fp8, int8, int4, nvfp4), or None when
@@ -549,9 +484,3 @@ def largest_fitting(
             hi = mid - 1
     return lo
 
-
-def fraction_needed(e: MemoryEstimate) -> float | None:
-    """The gpu_memory_utilization at which every sequence's KV cache would fit."""
-    if e.capacity is None or e.capacity <= 0:
-        return None
-    return e.total / e.capacity

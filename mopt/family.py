@@ -1,22 +1,9 @@
-"""The model-family contract: what a family tells mopt about an architecture.
+"""The model-family contract: what a family tells mopt about an architecture (plugins import
+`mopt.api.Family` / `mopt.api.TransformersFamily`; docs/plugins.md, "Model families").
 
-A family is how mopt knows one architecture (qwen3, bert, distilbert, ...): the dimensions
-the memory estimator needs (`dims`, read from a config.json dict, no heavy imports), and how
-the ML kinds load, tokenize, pool, export and sanitize a model of it, and build a small
-random one for the `synthetic` source. Plugins import it as `mopt.api.Family` /
-`mopt.api.TransformersFamily`.
-
-Families are task-aware: `tasks` lists what the family supports ("embedding",
-"text-generation"), and every method that depends on the task takes it (`task=` keyword,
-"embedding" by default), so a new task is a new branch of the same methods, not a second
-family. For "text-generation", `load` gives an `AutoModelForCausalLM` and `export_spec` the
-KV-cache graph (past key values in, present key values out; see `ExportSpec`).
-
-`Family` holds the light part (class attributes and `dims`); its heavy methods raise
-`NotImplementedError` naming themselves. `TransformersFamily` implements them for a Hugging
-Face `AutoModel` architecture with mean pooling: a family of a standard encoder needs only
-class attributes (see tests/thirdparty_plugin for a DistilBERT family). torch, transformers
-and tokenizers are imported inside the methods, never at import.
+Methods that depend on the task take it (`task=`, "embedding" by default): a new task is a new
+branch of the same methods, not a second family. torch, transformers and tokenizers are
+imported inside the methods, never at import.
 """
 
 from __future__ import annotations
@@ -253,19 +240,13 @@ def model_dims(config: Mapping[str, Any], family: Any = None) -> ModelDims:
     raise `ConfigError` naming the missing keys. The estimator has no knowledge of model
     types of its own: without a family, the config is read as `Family`'s defaults do (a
     decoder with a gated MLP, the larger of the usual cases)."""
-    if family is None or isinstance(family, str):
+    if family is None:
         family = Family
     fam = family() if isinstance(family, type) else family
     dims = fam.dims(config)
     if not isinstance(dims, ModelDims):
         raise TypeError(f"{type(fam).__name__}.dims() returned {type(dims).__name__}, not ModelDims")
     return dims
-
-
-def implemented(family: Any, methods: Sequence[str]) -> list[str]:
-    """Which of `methods` the family leaves as `Family`'s stubs (for error messages)."""
-    cls = family if isinstance(family, type) else type(family)
-    return [m for m in methods if getattr(cls, m, None) is getattr(Family, m)]
 
 
 class TransformersFamily(Family):
@@ -275,8 +256,6 @@ class TransformersFamily(Family):
 
     #: transformers attention implementation for export and reference runs
     attn_implementation: ClassVar[str] = "eager"
-    #: the tokenizer's padding side when a checkpoint does not say
-    default_padding_side: ClassVar[str] = "right"
 
     def load(
         self, path: Path | str, *, task: str = EMBEDDING, dtype: str | None = None,

@@ -4,7 +4,8 @@ Used by `mopt doctor` (the whole report) and by the build executor (`check_requi
 report a target as unbuildable here instead of attempting it). Nothing here imports torch or
 any GPU library: GPUs come from `nvidia-smi` (or NVML through pynvml when importable), the
 CUDA runtime and ONNX Runtime's execution providers from short subprocesses with timeouts.
-Every probe is cached for the life of the process; `reset()` forgets them (tests).
+The GPU and torch probes, which every build asks about each target, are cached for the life of
+the process; `reset()` forgets them (tests).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from mopt.api import HardwareProfile
+from mopt.plugin_env import dist_version
 
 #: distributions `mopt doctor` reports (name shown → candidate distribution names)
 LIBRARIES: dict[str, tuple[str, ...]] = {
@@ -143,21 +145,10 @@ class Machine:
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
-        d["gpu"]["gpus"] = [_gpu_json(g) for g in self.gpu.gpus]
+        d["gpu"]["gpus"] = [{**asdict(g), "compute_capability": g.cc} for g in self.gpu.gpus]
         d["gpu"]["visible"] = [g.index for g in self.gpu.visible]
         d["docker"]["nvidia_runtime"] = self.docker.nvidia_runtime
         return d
-
-
-def _gpu_json(g: GPU) -> dict[str, Any]:
-    return {
-        "index": g.index,
-        "name": g.name,
-        "compute_capability": g.cc,
-        "memory_mib": g.memory_mib,
-        "driver": g.driver,
-        "uuid": g.uuid,
-    }
 
 
 # --------------------------------------------------------------------------- probes
@@ -278,11 +269,6 @@ def probe_gpus() -> GPUProbe:
             [smi, "--query-gpu=name,compute_cap,memory.total,driver_version,uuid", "--format=csv,noheader"],
             SMI_TIMEOUT_S,
         )
-        if rc != 0 and "uuid" in (errtext + out).lower():  # very old nvidia-smi
-            rc, out, errtext = _run(
-                [smi, "--query-gpu=name,compute_cap,memory.total,driver_version", "--format=csv,noheader"],
-                SMI_TIMEOUT_S,
-            )
         if rc == 0:
             gpus = parse_nvidia_smi_csv(out)
             if gpus:
@@ -360,7 +346,6 @@ def probe_torch() -> TorchProbe:
     )
 
 
-@functools.lru_cache(maxsize=1)
 def probe_ort_providers() -> tuple[tuple[str, ...] | None, str | None]:
     """ONNX Runtime's available execution providers, or (None, why)."""
     if importlib.util.find_spec("onnxruntime") is None:
@@ -381,7 +366,6 @@ _OV_PROBE = (
 )
 
 
-@functools.lru_cache(maxsize=1)
 def probe_openvino() -> tuple[dict[str, Any] | None, str | None]:
     """OpenVINO's CPU plugin name and optimisation capabilities (in a subprocess: the
     import takes seconds), or (None, why); (None, None) when openvino is not installed."""
@@ -390,7 +374,6 @@ def probe_openvino() -> tuple[dict[str, Any] | None, str | None]:
     return _json_probe(_OV_PROBE, PROBE_TIMEOUT_S)
 
 
-@functools.lru_cache(maxsize=1)
 def probe_docker() -> DockerProbe:
     """Is the docker daemon reachable, and which runtimes does it have registered?"""
     client = shutil.which("docker")
@@ -409,21 +392,6 @@ def probe_docker() -> DockerProbe:
         return DockerProbe(client, False, error="; ".join(map(str, info["ServerErrors"]))[:300], host=host)
     runtimes = tuple(sorted((info.get("Runtimes") or {}).keys()))
     return DockerProbe(client, True, info.get("ServerVersion"), runtimes, None, host)
-
-
-def dist_version(*names: str) -> str | None:
-    """Version of the first installed distribution of `names`."""
-    for n in names:
-        try:
-            return md.version(n)
-        except md.PackageNotFoundError:
-            continue
-    return None
-
-
-@functools.lru_cache(maxsize=1)
-def library_versions() -> dict[str, str | None]:
-    return {name: dist_version(*dists) for name, dists in LIBRARIES.items()}
 
 
 def _cpu_model() -> str:
@@ -479,16 +447,8 @@ def _cdi_specs() -> tuple[str, ...]:
     return tuple(found)
 
 
-_MACHINE: Machine | None = None
-
-
-def detect(refresh: bool = False) -> Machine:
-    """Everything `mopt doctor` reports; probes run in parallel, once per process."""
-    global _MACHINE
-    if _MACHINE is not None and not refresh:
-        return _MACHINE
-    if refresh:
-        reset()
+def detect() -> Machine:
+    """Everything `mopt doctor` reports; the slow probes run in parallel."""
     with ThreadPoolExecutor(max_workers=6) as pool:
         f_gpu = pool.submit(probe_gpus)
         f_torch = pool.submit(probe_torch)
@@ -503,7 +463,7 @@ def detect(refresh: bool = False) -> Machine:
         except (AttributeError, OSError):
             usable = os.cpu_count() or 1
         providers, ort_error = f_ort.result()
-        _MACHINE = Machine(
+        return Machine(
             hostname=platform.node(),
             os=f"{platform.system()} {platform.release()}",
             arch=platform.machine(),
@@ -517,7 +477,7 @@ def detect(refresh: bool = False) -> Machine:
             gpu=f_gpu.result(),
             cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
             torch=f_torch.result(),
-            libraries=library_versions(),
+            libraries={name: dist_version(*dists) for name, dists in LIBRARIES.items()},
             ort_providers=providers,
             ort_error=ort_error,
             docker=f_docker.result(),
@@ -529,15 +489,12 @@ def detect(refresh: bool = False) -> Machine:
             openvino_cpu=f_ov.result()[0],
             openvino_error=f_ov.result()[1],
         )
-    return _MACHINE
 
 
 def reset() -> None:
-    """Forget every cached probe (tests, or after the environment changed)."""
-    global _MACHINE
-    _MACHINE = None
-    for f in (probe_gpus, probe_torch, probe_ort_providers, probe_docker, probe_openvino, library_versions):
-        f.cache_clear()
+    """Forget the cached probes (tests, or after the environment changed)."""
+    probe_gpus.cache_clear()
+    probe_torch.cache_clear()
 
 
 def gpu_count() -> int:

@@ -13,7 +13,6 @@ import inspect
 import os
 import re
 import sys
-import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,16 +31,24 @@ from mopt.api import (
     TargetKind,
 )
 from mopt.errors import PluginError, closest, did_you_mean
-from mopt.plugin_index import (  # noqa: F401  (re-exported: tests and callers use these names)
-    ENTRY_POINT_GROUP,
-    INDEX_NAME,
-    INDEX_VERSION,
-    _entry_points,
-    _package_dirs,
-    _py_files,
-    index_key,
-    read_index,
-)
+
+ENTRY_POINT_GROUP = "mopt"
+
+
+
+def _entry_points() -> list[md.EntryPoint]:
+    """The `mopt` entry points in registration order: mopt's own plugin distributions
+    (mopt-*, modules mopt_*) first, then the others, each by name; so a third party that
+    registers a name mopt's plugins already have is the one blamed, however pip ordered them."""
+
+    def third_party(ep: md.EntryPoint) -> bool:
+        dist = getattr(ep, "dist", None)
+        dist_name = (dist.name if dist is not None else "") or ""
+        return not (dist_name.startswith("mopt-") and ep.value.startswith("mopt_"))
+
+    eps = list(md.entry_points(group=ENTRY_POINT_GROUP))
+    return sorted(eps, key=lambda ep: (third_party(ep), ep.name))
+
 
 #: the core's own plugins, registered exactly like third-party ones
 BUILTIN_PLUGINS = (
@@ -84,8 +91,6 @@ class Registry:
     #: problems that do not stop mopt (undecorated hook functions, unknown disabled names)
     warnings: list[str] = field(default_factory=list)
     _disabled_offer: dict[tuple[str, str], str] | None = None
-    #: set when the registry loads plugins as lookups need them (`PluginIndex`)
-    _lazy: Any = None
 
     def plugin_of(self, category: str, name: str) -> PluginInfo:
         """The plugin that registered `name` in `category`."""
@@ -324,7 +329,7 @@ def _registrar(reg: Registry, category: str, plugin: str) -> Callable[[Any], Non
     def register(obj: Any) -> None:
         name = validators[category](obj, plugin)
         table: dict[str, Any] = getattr(reg, category)
-        if dict.__contains__(table, name):  # not a lazy table's lookup, which could load more
+        if name in table:
             other = reg.origin[(category, name)]
             raise PluginError(
                 f"plugin {_described(reg, plugin)} registers {SINGULAR[category]} {name!r}, already "
@@ -446,284 +451,20 @@ def _full_registry(blocked: tuple[str, ...], from_env: list[str]) -> Registry:
     return reg
 
 
-def get_registry(
-    disable: Iterable[str] = (), index_dir: str | os.PathLike[str] | None = None, *, write_index: bool = True
-) -> Registry:
-    """The registry for this process, loaded on first use (idempotent per disable list).
-
-    `disable` is the project's `[plugins] disable`; MOPT_DISABLE_PLUGINS adds to it. Its
-    warnings (undecorated hooks, disabled names that are no plugin) go to stderr once.
-
-    With `index_dir` (a store folder), the plugin index kept there lets only the plugins a
-    lookup needs be imported (`PluginIndex`); without one, or when it does not match what is
-    installed, every plugin loads (and the index is written, when `index_dir` exists and
-    `write_index`: a read-only command never writes the store)."""
+def get_registry(disable: Iterable[str] = ()) -> Registry:
+    """The registry for this process, every plugin loaded on first use (idempotent per
+    disable list). `disable` is the project's `[plugins] disable`; MOPT_DISABLE_PLUGINS adds
+    to it. Its warnings (undecorated hooks, disabled names that are no plugin) go to stderr
+    once."""
     from_env = disabled_from_env()
     blocked = tuple(sorted(set(disable) | set(from_env)))
-    if blocked in _REGISTRY:  # a full registry serves every caller
-        return _REGISTRY[blocked]
-    memo = (blocked, os.fspath(index_dir)) if index_dir is not None else blocked
-    if memo not in _REGISTRY:
-        reg = None
-        index = PluginIndex(index_dir, blocked) if index_dir is not None else None
-        if index is not None:
-            reg = index.lazy_registry(from_env)
-        if reg is None:
-            reg = _full_registry(blocked, from_env)
-            if index is not None and write_index and not reg.warnings:
-                index.write(reg)
-            for w in reg.warnings:
-                sys.stderr.write(f"warning: {w}\n")
-            _REGISTRY[blocked] = reg
-        _REGISTRY[memo] = reg
-    return _REGISTRY[memo]
+    if blocked not in _REGISTRY:
+        reg = _REGISTRY[blocked] = _full_registry(blocked, from_env)
+        for w in reg.warnings:
+            sys.stderr.write(f"warning: {w}\n")
+    return _REGISTRY[blocked]
 
 
 def reset_registry() -> None:
     """Forget loaded plugins (tests)."""
     _REGISTRY.clear()
-
-
-# --------------------------------------------------------------------------- the plugin index
-
-class PluginIndex:
-    """Which plugin registers which name, kept in the store (`plugin-index.json`) so that a
-    command imports only the plugins its recipe names.
-
-    Its key is everything that can change what plugins register: the Python and its import
-    path (and each path folder's stat: an install or removal changes it), mopt's version and
-    its built-in plugin files, the disabled plugins, and per entry point its name, value,
-    distribution and version and the stat of every .py file of its package. It is written
-    only after a full load that gave no warnings. Any mismatch, damage or missing file means
-    a full load; a name the index does not know, or one its plugin no longer registers, loads
-    every plugin, so errors and hints are the full registry's."""
-
-    def __init__(self, folder: str | os.PathLike[str], blocked: tuple[str, ...]) -> None:
-        self.folder = os.fspath(folder)
-        self.path = os.path.join(self.folder, INDEX_NAME)
-        self.blocked = blocked
-        self._eps = [ep for ep in _entry_points() if ep.name not in blocked]
-        self.key = self._key()
-
-    def _key(self) -> str:
-        return index_key(self._eps, self.blocked)
-
-    def read(self) -> dict[str, Any] | None:
-        """The index's offers if it matches this installation, else None."""
-        return read_index(self.path, self.key, self._eps)
-
-    def write(self, reg: Registry) -> None:
-        """Record what the full registry `reg` holds (never creates the store folder)."""
-        import json
-
-        if not os.path.isdir(self.folder) or not os.access(self.folder, os.W_OK):
-            return
-        offers = {
-            f"{category}/{name}": plugin
-            for (category, name), plugin in reg.origin.items()
-            if not plugin.startswith("mopt.builtin")
-        }
-        entry = {"offers": offers, "order": [ep.name for ep in self._eps]}
-        try:
-            with open(self.path, "rb") as fh:
-                old = json.loads(fh.read())
-            by_key = old.get("by_key") if isinstance(old, dict) and old.get("version") == INDEX_VERSION else None
-        except (OSError, ValueError):
-            by_key = None
-        by_key = dict(by_key) if isinstance(by_key, dict) else {}
-        by_key[self.key] = entry
-        if len(by_key) > 8:  # one per disable list and installation: keep the newest few
-            by_key = dict(list(by_key.items())[-8:])
-        from mopt.filehash import replace_durably
-
-        data = json.dumps({"version": INDEX_VERSION, "by_key": by_key}, separators=(",", ":")).encode()
-        with contextlib.suppress(OSError):  # only a cache: the next full load tries again
-            # fsynced before the rename (a power cut leaves the old index or the new one)
-            replace_durably(self.path, data, mode=0o644)
-
-    def lazy_registry(self, from_env: list[str]) -> Registry | None:
-        """A registry with the built-ins loaded and every other plugin loaded when a lookup
-        needs it, or None when the index does not match."""
-        entry = self.read()
-        if entry is None:
-            return None
-        pm = pluggy.PluginManager("mopt")
-        pm.add_hookspecs(hookspecs)
-        for name in self.blocked:
-            pm.set_blocked(name)
-        for modname in BUILTIN_PLUGINS:
-            if modname not in self.blocked:
-                pm.register(importlib.import_module(modname), name=modname)
-        reg = build_registry(pm, self.blocked)
-        if reg.warnings:
-            return None
-        for name in self.blocked:
-            reg.disabled_by[name] = "MOPT_DISABLE_PLUGINS" if name in from_env else "[plugins] disable"
-        reg._lazy = _Lazy(self, entry, from_env)
-        for category in CATEGORIES:
-            table = _LazyTable(reg, category)
-            dict.update(table, getattr(reg, category))
-            setattr(reg, category, table)
-        return reg
-
-
-@dataclass
-class _Lazy:
-    index: PluginIndex
-    entry: dict[str, Any]
-    from_env: list[str]
-    loaded: set[str] = field(default_factory=set)
-    complete: bool = False
-    #: one loader at a time (the build looks kinds up from more than one thread)
-    lock: threading.RLock = field(default_factory=threading.RLock)
-
-
-def _load_for(reg: Registry, category: str, name: Any) -> None:
-    """Make `name` of `category` present if any plugin registers it: its plugin per the
-    index, else (or if that plugin does not register it) every plugin."""
-    lazy = reg._lazy
-    if lazy is None or lazy.complete:
-        return
-    with lazy.lock:
-        if lazy.complete or dict.__contains__(getattr(reg, category), name):
-            return
-        _load_named(reg, category, name)
-
-
-def _load_named(reg: Registry, category: str, name: Any) -> None:
-    lazy = reg._lazy
-    assert lazy is not None
-    plugin = lazy.entry["offers"].get(f"{category}/{name}") if isinstance(name, str) else None
-    if plugin is not None and plugin not in lazy.loaded:
-        ep = next((e for e in lazy.index._eps if e.name == plugin), None)
-        if ep is not None and _load_one(reg, ep) and dict.__contains__(getattr(reg, category), name):
-            return
-    _load_all(reg)
-
-
-def _load_one(reg: Registry, ep: md.EntryPoint) -> bool:
-    """Import one entry point's plugin and register what it offers (False: it failed, and the
-    full load that follows reports it as a full load would)."""
-    lazy = reg._lazy
-    assert lazy is not None
-    lazy.loaded.add(ep.name)
-    try:
-        plugin = ep.load()
-        check_hook_names(plugin, ep.name)
-        if undecorated_hooks(plugin, ep.name):
-            return False
-        dist = getattr(ep, "dist", None)
-        reg.plugins[ep.name] = PluginInfo(
-            name=ep.name,
-            version=dist.version if dist is not None else "0",
-            dist=dist.name if dist is not None else None,
-            builtin=False,
-            registered={c: [] for c in CATEGORIES},
-        )
-        for category in CATEGORIES:
-            fn = getattr(plugin, f"mopt_register_{category}", None)
-            if callable(fn) and getattr(fn, "mopt_impl", None) is not None:
-                fn(register=_registrar(reg, category, ep.name))
-    except Exception:  # the full load raises the error the user should see
-        return False
-    return True
-
-
-def _load_all(reg: Registry) -> None:
-    """Every plugin, in the full registry's order; objects already handed out are kept."""
-    lazy = reg._lazy
-    if lazy is None or lazy.complete:
-        return
-    with lazy.lock:
-        if not lazy.complete:
-            _load_rest(reg)
-
-
-def _load_rest(reg: Registry) -> None:
-    lazy = reg._lazy
-    assert lazy is not None
-    full = _full_registry(lazy.index.blocked, lazy.from_env)
-    for w in full.warnings:
-        sys.stderr.write(f"warning: {w}\n")
-    for category in CATEGORIES:
-        table = getattr(reg, category)
-        have = dict(dict.items(table))
-        dict.clear(table)
-        for name, obj in getattr(full, category).items():
-            same = name in have and reg.origin.get((category, name)) == full.origin[(category, name)]
-            dict.__setitem__(table, name, have[name] if same else obj)
-    reg.origin = full.origin
-    reg.plugins = full.plugins
-    reg.warnings = full.warnings
-    lazy.complete = True
-
-
-class _LazyTable(dict[Any, Any]):
-    """A registry table: a lookup of a name it lacks loads the plugin that registers it; a
-    listing loads every plugin first."""
-
-    def __init__(self, reg: Registry, category: str) -> None:
-        super().__init__()
-        self._reg = reg
-        self._category = category
-
-    def _want(self, name: Any) -> None:
-        try:
-            present = dict.__contains__(self, name)
-        except TypeError:
-            return
-        if not present:
-            _load_for(self._reg, self._category, name)
-
-    def _all(self) -> None:
-        _load_all(self._reg)
-
-    def __getitem__(self, name: Any) -> Any:
-        self._want(name)
-        return dict.__getitem__(self, name)
-
-    def __contains__(self, name: object) -> bool:
-        self._want(name)
-        return dict.__contains__(self, name)
-
-    def get(self, name: Any, default: Any = None) -> Any:
-        self._want(name)
-        return dict.get(self, name, default)
-
-    def __iter__(self) -> Any:
-        self._all()
-        return dict.__iter__(self)
-
-    def __len__(self) -> int:
-        self._all()
-        return dict.__len__(self)
-
-    def keys(self) -> Any:
-        self._all()
-        return dict.keys(self)
-
-    def values(self) -> Any:
-        self._all()
-        return dict.values(self)
-
-    def items(self) -> Any:
-        self._all()
-        return dict.items(self)
-
-    def copy(self) -> dict[Any, Any]:
-        self._all()
-        return dict(dict.items(self))
-
-    def __eq__(self, other: object) -> bool:
-        self._all()
-        return dict.__eq__(self, other)
-
-    __hash__ = None
-
-    def __repr__(self) -> str:
-        self._all()
-        return dict.__repr__(self)
-
-    def __reduce__(self) -> Any:  # pickled (to a worker) as the plain dict it is
-        self._all()
-        return (dict, (dict(dict.items(self)),))

@@ -17,7 +17,7 @@ import check_fixture_plugin as fx
 import pytest
 from click.testing import CliRunner
 
-from mopt.check import check_graph, run_checks
+from mopt.check import run_checks
 from mopt.graph import build_graph
 from mopt.recipe import load_recipe
 
@@ -208,7 +208,7 @@ def test_kv_fix_values_actually_fit(registry: Any) -> None:
 def test_selection_limits_the_sections_checked(registry: Any) -> None:
     recipe = load_recipe(RECIPES / "bad_unknown_config.toml", registry)
     graph = build_graph(recipe, registry)
-    findings = check_graph(graph, graph.select(["synthbert.*"]))
+    findings = run_checks(graph, graph.select(["synthbert.*"])).findings
     assert {f.section for f in findings} == {"synthbert.l40s"}
 
 

@@ -170,34 +170,3 @@ def test_node_identities_and_action_keys_are_the_canonical_ones(project: Path) -
     finally:
         engine.store.close()
     assert {"toy-weights", "toy-engine", "command", "toy-gather"} <= kinds
-
-
-def test_a_declared_file_is_named_relative_to_the_project_as_pathlib_does() -> None:
-    """The `files` part names each file relative to the project (else absolute), now from
-    the strings: the same names as `Path.relative_to`, roots `/` and `//` included."""
-    from pathlib import PurePosixPath
-
-    from mopt.build import _relative
-
-    cases = ["/", "//", "/a", "//a", "/a/b", "//a/b", "/ab", "/a/bc", "a", "a/b", ".", "/a/b/c", "/é/ü",
-             "ab/c", "/a/b/../c", "/a/b c/d"]
-    for x in cases:
-        for y in cases:
-            try:
-                want = str(PurePosixPath(x).relative_to(y))
-            except ValueError:
-                want = str(PurePosixPath(x))
-            assert _relative(str(PurePosixPath(x)), str(PurePosixPath(y))) == want, (x, y)
-
-
-def test_a_declared_file_is_looked_up_under_its_absolute_path() -> None:
-    """The stat cache is asked under `os.path.abspath` of each declared file; the shortcut
-    for pathlib paths gives the same string."""
-    import os
-    from pathlib import Path, PurePosixPath
-
-    from mopt.build import _abspath
-
-    for s in ["/a/b", "/", "//a/b", "/a/../b", "/a/..b", "/a/b..", "a/b", ".", "a/../b", "/é/ü c", "/a/./b", "/a//b"]:
-        for p in (PurePosixPath(s), Path(s), s):
-            assert _abspath(p) == os.path.abspath(p), p

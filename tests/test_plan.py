@@ -136,6 +136,19 @@ def full_path(p: Path, *args: str, **env: str) -> tuple[str, str]:
     return plan(p, "--no-log", *args, **env)
 
 
+def answered_from_the_log(p: Path, *args: str, **env: str) -> bool:
+    """Whether `mopt plan` printed its table from the build log: seen from outside, by the
+    modules it imported (`python -X importtime`): the full path builds the graph."""
+    full_env = {k: v for k, v in os.environ.items() if k != "MOPT_DISABLE_PLUGINS"}
+    full_env.update(_env(p, **env))
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "mopt", "plan", "r.toml", *args], cwd=p, env=full_env,
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return "mopt.graph" not in {ln.rsplit("|", 1)[-1].strip() for ln in proc.stderr.splitlines()}
+
+
 def test_plan_prints_what_the_full_path_prints(proj: Path) -> None:
     build(proj)
     text, text_err = plan(proj)
@@ -149,6 +162,10 @@ def test_plan_prints_what_the_full_path_prints(proj: Path) -> None:
     assert any(len(n["addresses"]) > 1 for n in nodes) and "shared)" in text  # shared nodes
     assert any(n["variant"] for n in nodes)  # the sweep
     assert text_err == json_err == ""
+    # the table came from the log (nothing changed since the build); --json from the full path
+    assert answered_from_the_log(proj) and not answered_from_the_log(proj, "--json")
+    (proj / "in" / "toy.txt").write_text("hello again\n")
+    assert not answered_from_the_log(proj)
 
 
 def test_plan_of_selectors_reads_the_log_of_those_selectors(proj: Path) -> None:
