@@ -1,5 +1,5 @@
-"""Keys written from pre-encoded members (`keys.member` / `keys.Layout`): byte for byte the
-canonical JSON the engine has always hashed, so no key changes."""
+"""Keys are the digest of the canonical JSON the engine has always hashed, byte for byte (the
+encoder `keys` builds once is the standard one), so no key changes."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from mopt.digest import canonical_json
-from mopt.keys import _ENCODE, Layout, action_key, canonical_bytes, member
+from mopt.keys import _ENCODE, action_key, canonical_bytes
 from tests.conftest import write_files
 
 # keys that sort in ways a naive join would get wrong: prefixes, case, digits, non-ASCII,
@@ -40,30 +40,11 @@ def _random_object(rng: random.Random) -> dict[str, Any]:
     return {k: _random_value(rng) for k in rng.sample(AWKWARD_KEYS, rng.randrange(1, 12))}
 
 
-def test_members_join_to_the_canonical_bytes_of_the_object() -> None:
+def test_canonical_bytes_of_awkward_objects_are_their_canonical_json() -> None:
     rng = random.Random(18)
     for _ in range(3000):
         obj = _random_object(rng)
-        expected = canonical_json(obj)
-        assert canonical_bytes(obj) == expected
-        members = {k: member(k, v) for k, v in obj.items()}
-        # members given in any order: the same bytes
-        order = tuple(rng.sample(list(obj), len(obj)))
-        assert Layout({}, order).join(*[members[k] for k in order]) == expected, obj
-        assert Layout(members, ()).join() == expected
-        # a layout: some members fixed, the others given per object
-        holes = tuple(rng.sample(list(obj), rng.randrange(len(obj) + 1)))
-        fixed = {k: m for k, m in members.items() if k not in holes}
-        assert Layout(fixed, holes).join(*[members[h] for h in holes]) == expected
-
-
-def test_a_layout_refuses_what_it_cannot_join() -> None:
-    with pytest.raises(ValueError):
-        Layout({"a": member("a", 1)}, ("a",))
-    with pytest.raises(ValueError):
-        Layout({}, ("a", "a"))
-    with pytest.raises(TypeError):
-        Layout({}, ("a", "b")).join(member("a", 1))
+        assert canonical_bytes(obj) == canonical_json(obj), obj
 
 
 def test_the_encoder_is_the_standard_one_byte_for_byte() -> None:
@@ -77,12 +58,6 @@ def test_the_encoder_is_the_standard_one_byte_for_byte() -> None:
         with pytest.raises((ValueError, TypeError)) as theirs:
             std.encode(bad)
         assert type(ours.value) is type(theirs.value)
-
-
-def test_a_member_key_must_be_a_string() -> None:
-    # canonical_bytes would write 1 as "1": a member never guesses
-    with pytest.raises(TypeError):
-        member(1, "x")  # type: ignore[arg-type]
 
 
 def test_node_identities_and_action_keys_are_the_canonical_ones(project: Path) -> None:
