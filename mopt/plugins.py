@@ -463,8 +463,3 @@ def get_registry(disable: Iterable[str] = ()) -> Registry:
         for w in reg.warnings:
             sys.stderr.write(f"warning: {w}\n")
     return _REGISTRY[blocked]
-
-
-def reset_registry() -> None:
-    """Forget loaded plugins (tests)."""
-    _REGISTRY.clear()

@@ -621,7 +621,7 @@ def _section_targets(layers: list[_Layer], decl: _Layer, registry: Registry) -> 
                     )
         axes = sweep.get(name, [])
         for combo in itertools.product(*[vals for _, vals, _ in axes]):
-            p = json.loads(json.dumps(params))
+            p = json.loads(json.dumps(params, default=str))  # a TOML date: a value the kind validates
             o = dict(origins)
             variant = []
             for (param, _vals, w), value in zip(axes, combo):

@@ -188,6 +188,11 @@ CASES: list[tuple[str, dict[str, str], str]] = [
         "r.toml:11: [toy.cpu.c] env: value error, 'NOT-A-NAME' is not an environment variable name, "
         "got ['NOT-A-NAME'] (env variables passed through (keyed))",
     ),
+    (
+        "toml_date_as_a_param",  # a TOML date is a value like any other, not a crash
+        {"r.toml": MODEL + '[toy.cpu]\ntargets = ["c"]\n[toy.cpu.c]\nkind = "command"\nargv = 1979-05-27\n'},
+        "r.toml:10: [toy.cpu.c] argv: input should be a valid list, got '1979-05-27' (the command and its arguments)",
+    ),
 ]
 
 
