@@ -80,18 +80,6 @@ def _i64(n: int) -> int:
     return n - (1 << 64) if n >= (1 << 63) else n
 
 
-def stat_matches(k: _StatKey, st: os.stat_result) -> bool:
-    """`k == _stat_key(st)`, cheapest comparisons first (device and inode numbers below 2**63,
-    the common case, are compared as they are)."""
-    return (
-        k[3] == st.st_mtime_ns
-        and k[4] == st.st_ctime_ns
-        and k[2] == st.st_size
-        and (k[1] == st.st_ino or k[1] == _i64(st.st_ino))
-        and (k[0] == st.st_dev or k[0] == _i64(st.st_dev))
-    )
-
-
 def _stat_key(st: os.stat_result) -> _StatKey:
     return (_i64(st.st_dev), _i64(st.st_ino), st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
@@ -137,11 +125,28 @@ class StatCache:
             from mopt.digest import TreeError
 
             raise TreeError(f"{abs_}: not a regular file (a device, socket or pipe); give a file or a folder")
-        return self._digest(abs_, st, None)
+        return self.digest_of(abs_, st)
 
     def digest_of(self, path: str, st: os.stat_result) -> str:
         """Digest of the regular file at absolute `path` whose stat the caller just took."""
-        return self._digest(path, st, None)
+        cached = self.lookup(path, st)
+        if cached is not None:
+            with self._lock:
+                self.hits += 1
+            return cached
+        for _ in range(3):
+            digest = hash_file(path)
+            after = os.stat(path)
+            with self._lock:
+                self.hashed_files += 1
+                self.hashed_bytes += after.st_size
+            # The stat taken after hashing must match the one the digest is filed under,
+            # or we hashed a file that was being written or replaced meanwhile.
+            if _stat_key(after) == _stat_key(st):
+                self.record(path, st, digest)
+                return digest
+            st = after
+        raise OSError(f"{path}: kept changing while being hashed; is something still writing it?")
 
     def tree(self, path: StrPath) -> tuple[str, list[TreeEntry]]:
         """(tree digest, entries sorted by path) of the folder `path`; unchanged files are not read."""
@@ -149,9 +154,9 @@ class StatCache:
 
         base = os.path.abspath(path)
         with self.batch():
-            known = self._load_under(base)
+            self.prefetch(base)
             entries = [
-                TreeEntry(rel, mode_of(st.st_mode), st.st_size, self._digest(abs_, st, known))
+                TreeEntry(rel, mode_of(st.st_mode), st.st_size, self.digest_of(abs_, st))
                 for rel, abs_, st in iter_files(base)
             ]
         entries.sort(key=lambda e: e.path)
@@ -164,8 +169,17 @@ class StatCache:
         return self.file_digest(path)
 
     def prefetch(self, base: StrPath) -> None:
-        """Load every record under folder `base` in one query (e.g. the CAS before a no-op)."""
-        self._prefetched.update(self._load_under(os.path.abspath(base)))
+        """Load every record under folder `base` in one query (e.g. the CAS before a build),
+        so that lookups there cost no SELECT each."""
+        # paths under `base/` sort between "base/" and "base0" ("0" is the character after "/")
+        prefix = os.path.abspath(base).rstrip("/") + "/"
+        with self._lock:
+            rows = self._query(
+                "SELECT path, dev, inode, size, mtime_ns, ctime_ns, digest FROM stat"
+                " WHERE path >= ? AND path < ?",
+                (prefix, prefix[:-1] + "0"),
+            )
+            self._prefetched.update((r[0], (r[1:6], r[6])) for r in rows)
 
     def lookup(self, path: str, st: os.stat_result) -> str | None:
         """The recorded digest of absolute `path` if `st` matches what was recorded."""
@@ -180,20 +194,6 @@ class StatCache:
         if row is not None and row[0] == _stat_key(st):
             return row[1]
         return None
-
-    def vouches(self, path: str, st: os.stat_result, digest: str) -> bool:
-        """Whether a row already in memory (prefetched, or recorded by this process) says
-        absolute `path` at stat `st` holds `digest`: `lookup(path, st) == digest` for the
-        rows it has, in fewer steps (a cache hit's hot path). False when it has no row for
-        `path` (the caller then takes `lookup`/`digest_of`, which may query the database);
-        it counts no hit. Dict reads need no lock (the GIL makes them atomic)."""
-        row = self._pending.get(path) or self._prefetched.get(path)
-        return row is not None and row[1] == digest and stat_matches(row[0], st)
-
-    def rows(self) -> tuple[dict[str, tuple[_StatKey, str]], dict[str, tuple[_StatKey, str]]]:
-        """(recorded by this process, prefetched): path → (stat key, digest), for a caller's
-        hot loop that does what `vouches` does inline (see `Store.quick_intact`). Read only."""
-        return self._pending, self._prefetched
 
     def record(self, path: str, st: os.stat_result, digest: str) -> bool:
         """Remember that absolute `path` with stat `st` has `digest`; False if too recent."""
@@ -275,12 +275,6 @@ class StatCache:
                         conn.execute("ROLLBACK")
         return len(stale)
 
-    def open(self) -> None:
-        """Connect now instead of at the first lookup or write (a caller with time to spare:
-        the no-op's learning opens it while the touched files are hashed)."""
-        with self._lock:
-            self._db()
-
     def close(self) -> None:
         """Flush and close the database connection (it reopens on next use)."""
         with self._lock:
@@ -302,30 +296,6 @@ class StatCache:
 
     # -- internals ----------------------------------------------------------------------
 
-    def _digest(self, abs_: str, st: os.stat_result, known: dict[str, tuple[_StatKey, str]] | None) -> str:
-        if known is not None:
-            row = known.get(abs_)
-            cached = row[1] if row is not None and row[0] == _stat_key(st) else None
-        else:
-            cached = self.lookup(abs_, st)
-        if cached is not None:
-            with self._lock:
-                self.hits += 1
-            return cached
-        for _ in range(3):
-            digest = hash_file(abs_)
-            after = os.stat(abs_)
-            with self._lock:
-                self.hashed_files += 1
-                self.hashed_bytes += after.st_size
-            # The stat taken after hashing must match the one the digest is filed under,
-            # or we hashed a file that was being written or replaced meanwhile.
-            if _stat_key(after) == _stat_key(st):
-                self.record(abs_, st, digest)
-                return digest
-            st = after
-        raise OSError(f"{abs_}: kept changing while being hashed; is something still writing it?")
-
     def _is_racy(self, st: os.stat_result) -> bool:
         # Timestamps come from a coarse clock (a jiffy, or whole seconds on some
         # filesystems): a write right after we hashed may leave size, mtime and ctime as
@@ -336,18 +306,6 @@ class StatCache:
         if st.st_ctime_ns % 1_000_000_000 == 0:
             window = max(window, _COARSE_WINDOW_NS)
         return time.time_ns() - st.st_ctime_ns < window
-
-    def _load_under(self, base: str) -> dict[str, tuple[_StatKey, str]]:
-        # One range query instead of one SELECT per file: paths under `base/` sort between
-        # "base/" and "base0" ("0" is the character after "/").
-        prefix = base.rstrip("/") + "/"
-        with self._lock:
-            rows = self._query(
-                "SELECT path, dev, inode, size, mtime_ns, ctime_ns, digest FROM stat"
-                " WHERE path >= ? AND path < ?",
-                (prefix, prefix[:-1] + "0"),
-            )
-            return {r[0]: (r[1:6], r[6]) for r in rows}  # rows are tuples: a slice is one
 
     def _query(self, sql: str, args: tuple[Any, ...]) -> list[Any]:
         """Rows of a read; a damaged database is moved aside (once) and reads as empty."""
