@@ -37,12 +37,10 @@ def hash_bytes(b: bytes | bytearray | memoryview) -> str:
     return blake3.blake3(b).hexdigest()
 
 
-def hash_file(path: StrPath, *, threads: bool = True, size: int | None = None) -> str:
-    """BLAKE3 hex digest of the file at `path`. `threads=False`: one thread for it (a caller
-    hashing as many large files at once as there are CPUs: BLAKE3's own threads then only
-    contend, ~13 % slower for 40 × 64 MiB on two cores). `size`: its size as the caller
-    just stat-ed it; a large one is mapped at once, without opening it here first (the
-    digest is the same either way: only how the bytes are read depends on the size)."""
+def hash_file(path: StrPath, *, size: int | None = None) -> str:
+    """BLAKE3 hex digest of the file at `path`. `size`: its size as the caller just stat-ed
+    it; a large one is mapped at once, without opening it here first (the digest is the
+    same either way: only how the bytes are read depends on the size)."""
     if size is None or size < MMAP_THRESHOLD:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -52,7 +50,7 @@ def hash_file(path: StrPath, *, threads: bool = True, size: int | None = None) -
     # (about 2x on two cores). mmap of an empty file would fail, hence the threshold first
     # (BLAKE3's update_mmap reads a file that is small by then, e.g. truncated meanwhile).
     global _threads_started
-    if _threads_lost or not threads:
+    if _threads_lost:
         h = blake3.blake3()
     else:
         _threads_started = True
