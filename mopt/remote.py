@@ -33,7 +33,6 @@ import os
 import shutil
 import tempfile
 import threading
-import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -484,7 +483,7 @@ class RemoteCache:
             raise StoreError(f"cannot push blob {digest}: the local copy is corrupt ({local})")
         size = local.stat().st_size
         try:
-            self._put_file(os.fspath(local), self.blob_rpath(digest), mode=0o444)
+            self._put(self.blob_rpath(digest), mode=0o444, local=os.fspath(local))
         except Exception as exc:
             raise self._error(f"uploading blob {digest[:12]}", exc) from None
         with self._lock:
@@ -495,15 +494,9 @@ class RemoteCache:
 
     def push_tree(self, tree_digest: str) -> PushReport:
         """Upload a local tree (members first, manifest last) where the remote lacks it."""
-        entries = self.store.tree_entries(tree_digest)
-        up, nbytes, present = self._push_blobs([e.digest for e in entries])
-        up2, nbytes2, present2 = self._push_blobs([tree_digest])
-        return PushReport(
-            key=None,
-            uploaded_blobs=up + up2,
-            uploaded_bytes=nbytes + nbytes2,
-            present_blobs=present + present2,
-        )
+        members = [e.digest for e in self.store.tree_entries(tree_digest)]
+        up, nbytes, present = self._push_blobs(members, [tree_digest])
+        return PushReport(key=None, uploaded_blobs=up, uploaded_bytes=nbytes, present_blobs=present)
 
     def push(self, key: str, entry: ActionEntry | None = None) -> PushReport:
         """Upload action `key`: its blobs the remote lacks first, then its entry.
@@ -521,23 +514,18 @@ class RemoteCache:
             raise ValueError(f"entry is for key {entry.key!r}, not {key!r}")
         members = [e.digest for e in self.store.tree_entries(entry.outputs_tree)]
         tail = [entry.outputs_tree] + ([entry.log] if entry.log else [])
-        up, nbytes, present = self._push_blobs(members)  # members before the manifest
-        up2, nbytes2, present2 = self._push_blobs(tail)
+        up, nbytes, present = self._push_blobs(members, tail)  # members before the manifest
         existing = self._remote_entry_quiet(key)
         written = False
         if existing is None or existing.outputs_tree != entry.outputs_tree or existing.log != entry.log:
             data = canonical_json(entry.model_dump(mode="json"))
             try:
-                self._put_bytes(data, self.ac_rpath(key), mode=0o644)
+                self._put(self.ac_rpath(key), mode=0o644, data=data)
             except Exception as exc:
                 raise self._error(f"writing entry {key[:16]}", exc) from None
             written = True
         return PushReport(
-            key=key,
-            uploaded_blobs=up + up2,
-            uploaded_bytes=nbytes + nbytes2,
-            present_blobs=present + present2,
-            entry_written=written,
+            key=key, uploaded_blobs=up, uploaded_bytes=nbytes, present_blobs=present, entry_written=written
         )
 
     def _remote_entry_quiet(self, key: str) -> ActionEntry | None:
@@ -548,66 +536,57 @@ class RemoteCache:
             return None
         return e if e.key == key else None
 
-    def _push_blobs(self, digests: list[str]) -> tuple[int, int, int]:
-        todo = list(dict.fromkeys(digests))
-        if not todo:
-            return 0, 0, 0
-        with ThreadPoolExecutor(max_workers=min(self.transfers, len(todo))) as pool:
-            done = list(pool.map(self._push_blob, todo))
+    def _push_blobs(self, *batches: list[str]) -> tuple[int, int, int]:
+        """Upload what the remote lacks of each batch (in parallel), one batch after the
+        other; return (blobs uploaded, bytes uploaded, blobs already there)."""
+        done: list[tuple[bool, int]] = []
+        for batch in batches:
+            todo = list(dict.fromkeys(batch))
+            if todo:
+                with ThreadPoolExecutor(max_workers=min(self.transfers, len(todo))) as pool:
+                    done += pool.map(self._push_blob, todo)
         up = sum(1 for uploaded, _n in done if uploaded)
-        return up, sum(n for _u, n in done), len(todo) - up
+        return up, sum(n for _u, n in done), len(done) - up
 
-    def _put_file(self, local: str, rpath: str, *, mode: int) -> None:
+    def _put(self, rpath: str, *, mode: int, local: str | None = None, data: bytes = b"") -> None:
+        """Write the file `local` (else `data`) whole at `rpath`: a PUT where it is atomic,
+        else a temp name under tmp/ and a rename (on a local filesystem, fsynced)."""
         if self.is_local:
-            self._local_atomic(rpath, mode, lambda fd: _copy_into(local, fd))
-        elif self.atomic_put:
-            self.fs.put_file(local, rpath)
-        else:
-            tmp = self._join("tmp", f"{_TMP_PREFIX}{uuid.uuid4().hex}")
+            os.makedirs(self._join("tmp"), exist_ok=True)
+            os.makedirs(os.path.dirname(rpath), exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=self._join("tmp"))
+            try:
+                with os.fdopen(fd, "wb") as out:
+                    if local is None:
+                        out.write(data)
+                    else:
+                        with open(local, "rb") as f:
+                            shutil.copyfileobj(f, out, 8 * 1024 * 1024)
+                    out.flush()
+                    os.fchmod(out.fileno(), mode)
+                    os.fsync(out.fileno())
+                os.replace(tmp, rpath)
+            except BaseException:
+                with suppress(FileNotFoundError):
+                    os.unlink(tmp)
+                raise
+            return
+        target = rpath
+        if not self.atomic_put:
+            target = self._join("tmp", f"{_TMP_PREFIX}{uuid.uuid4().hex}")
             self.fs.makedirs(self._join("tmp"), exist_ok=True)
             self.fs.makedirs(rpath.rsplit("/", 1)[0], exist_ok=True)
-            try:
-                self.fs.put_file(local, tmp)
-                self.fs.mv(tmp, rpath)
-            except BaseException:
-                with suppress(Exception):
-                    self.fs.rm_file(tmp)
-                raise
-
-    def _put_bytes(self, data: bytes, rpath: str, *, mode: int) -> None:
-        if self.is_local:
-            self._local_atomic(rpath, mode, lambda fd: _write_all(fd, data))
-        elif self.atomic_put:
-            self.fs.pipe_file(rpath, data)
-        else:
-            tmp = self._join("tmp", f"{_TMP_PREFIX}{uuid.uuid4().hex}")
-            self.fs.makedirs(self._join("tmp"), exist_ok=True)
-            self.fs.makedirs(rpath.rsplit("/", 1)[0], exist_ok=True)
-            try:
-                self.fs.pipe_file(tmp, data)
-                self.fs.mv(tmp, rpath)
-            except BaseException:
-                with suppress(Exception):
-                    self.fs.rm_file(tmp)
-                raise
-
-    def _local_atomic(self, final: str, mode: int, write: Any) -> None:
-        """Write a file on a local (or mounted) filesystem: temp in tmp/, fsync, rename."""
-        tmp_dir = self._join("tmp")
-        os.makedirs(tmp_dir, exist_ok=True)
-        os.makedirs(os.path.dirname(final), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=tmp_dir)
         try:
-            try:
-                write(fd)
-                os.fchmod(fd, mode)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, final)
+            if local is None:
+                self.fs.pipe_file(target, data)
+            else:
+                self.fs.put_file(local, target)
+            if target != rpath:
+                self.fs.mv(target, rpath)
         except BaseException:
-            with suppress(FileNotFoundError):
-                os.unlink(tmp)
+            if target != rpath:
+                with suppress(Exception):
+                    self.fs.rm_file(target)
             raise
 
     # ------------------------------------------------------------------ listing
@@ -675,40 +654,6 @@ class RemoteCache:
             blob_bytes=sum(s for _d, s in blobs),
             tmp_files=tmp,
         )
-
-    def cleanup_tmp(self, max_age_s: float = 24 * 3600) -> int:
-        """Remove temp uploads older than `max_age_s` left by crashed writers (file:// only)."""
-        if not self.is_local:
-            return 0
-        removed = 0
-        now = time.time()
-        tmp_dir = self._join("tmp")
-        try:
-            items = list(os.scandir(tmp_dir))
-        except FileNotFoundError:
-            return 0
-        for d in items:
-            try:
-                if now - d.stat(follow_symlinks=False).st_mtime >= max_age_s:
-                    os.unlink(d.path)
-                    removed += 1
-            except FileNotFoundError:
-                continue
-        return removed
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
-
-
-def _copy_into(src: str, fd: int) -> None:
-    with open(src, "rb") as f, os.fdopen(os.dup(fd), "wb") as out:
-        shutil.copyfileobj(f, out, 8 * 1024 * 1024)
 
 
 __all__ = [

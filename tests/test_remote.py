@@ -287,10 +287,14 @@ def test_entry_is_written_last(tmp_path: Path, remote_spec: Any, monkeypatch: py
     entry = store_action(a, make_src(tmp_path / "src"))
     ra = remote_for(a, remote_spec)
 
-    def boom(*_a: Any, **_k: Any) -> None:
-        raise OSError("connection reset")
+    put = ra._put
 
-    monkeypatch.setattr(ra, "_put_bytes", boom)
+    def boom(rpath: str, **kw: Any) -> None:
+        if rpath == ra.ac_rpath(KEY):
+            raise OSError("connection reset")
+        put(rpath, **kw)
+
+    monkeypatch.setattr(ra, "_put", boom)
     with pytest.raises(RemoteError, match="writing entry"):
         ra.push(KEY)
     assert ra.has_blob(entry.outputs_tree)
