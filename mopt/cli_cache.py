@@ -5,21 +5,15 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
 
+from mopt.cli_build import human as _human
 from mopt.errors import MoptError
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def _open(recipe: Path | None) -> tuple[Any, Any, Any]:
@@ -82,12 +76,7 @@ def _emit(as_json: bool, obj: dict[str, Any], lines: list[str]) -> None:
 
 
 def _each(keys: dict[str, str], fn: Callable[[str], dict[str, Any]]) -> list[dict[str, Any]]:
-    rows = []
-    for name, key in keys.items():
-        row = {"target": name, "key": key}
-        row.update(fn(key))
-        rows.append(row)
-    return rows
+    return [{"target": name, "key": key, **fn(key)} for name, key in keys.items()]
 
 
 def register(app: click.Group) -> None:
@@ -265,10 +254,7 @@ def register(app: click.Group) -> None:
 
 
 def _counts(rows: list[dict[str, Any]]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for r in rows:
-        counts[r["status"]] = counts.get(r["status"], 0) + 1
-    return counts
+    return dict(Counter(r["status"] for r in rows))
 
 
 def _summary(counts: dict[str, int]) -> str:
