@@ -10,14 +10,7 @@ Layout under the root::
                            them): byte-range locks saying which entries running builds use
                            (gc skips them)
     roots/                 symlinks to the lock files of projects using this store (gc roots)
-    state.db               the stat cache; it also files each materialized folder of a hit
-                           (a flat tree) under its own stat and its tree's digest, so
-                           the next build stats its files without listing it (see
-                           `Store._holds_flat`)
-    ac-memo.bin            an accelerator only: the parsed action entries (each filed under
-                           its file's stat) and tree manifests last read, in one file, so a
-                           build of 10,000 cached actions reads one file, not 20,000 (see
-                           `Store.ac_entry`); missing, stale or damaged, the files are read
+    state.db               the stat cache (mopt.statcache)
 
 Crash safety follows Bazel's disk cache: every file is written to a temp file, fsynced and
 renamed, so a final name never holds a partial file. Blobs are written before the entry
@@ -74,10 +67,9 @@ log = logging.getLogger(__name__)
 MaterializeMethod = Literal["reflink", "hardlink", "copy", "unchanged"]
 
 _KEY_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
-_KEY_FULL = _KEY_RE.fullmatch
-#: `is_digest` for a str (mopt.digest's pattern: 64 lowercase hex)
-_DIGEST_FULL = re.compile(r"[0-9a-f]{64}").fullmatch
 _COPY_CHUNK = 64 * 1024 * 1024
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+_UNWRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
 _FICLONE = 0x40049409  # _IOW(0x94, 9, int) from linux/fs.h
 _TMP_PREFIX = ".mopt-tmp-"
 _OLD_PREFIX = ".mopt-old-"
@@ -104,9 +96,6 @@ class StoreError(MoptError):
     A MoptError so that, uncaught, it is one line and exit 1, never a traceback."""
 
     exit_code = 1
-
-    def __init__(self, message: str, **kw: Any) -> None:
-        super().__init__(message, **kw)
 
 
 class BlobMissingError(StoreError):
@@ -139,34 +128,6 @@ def _human(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n} B"
-
-
-def store_write_error(root: Path, err: OSError, what: str, needed: int | None = None) -> StoreError | None:
-    """The StoreError an OSError raised while writing the store stands for, or None."""
-    if err.errno in (errno.ENOSPC, errno.EDQUOT):
-        free = _free_bytes(root)
-        need = f"{_human(needed)} needed" if needed is not None else "more space needed"
-        have = f", {_human(free)} free" if free is not None else ""
-        return StoreFullError(
-            f"no space left on the disk of the store {root} while writing {what} ({need}{have})",
-            hint="free space (e.g. `mopt gc --max-size ...`) or move [store] path to a bigger disk",
-        )
-    if err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-        return StoreUnusableError(
-            f"cannot write the store {root} ({err.strerror}) while writing {what}",
-            hint=_unusable_hint(root),
-        )
-    return None
-
-
-def _unusable_hint(root: Path) -> str:
-    try:
-        owner = os.stat(root).st_uid
-    except OSError:
-        owner = None
-    mine = os.geteuid()
-    who = f"it belongs to uid {owner}, you are uid {mine}; " if owner is not None and owner != mine else ""
-    return f"{who}set [store] path in mopt.toml to a folder you can write; read-only commands still work"
 
 
 def guard_path(path: StrPath, roots: Iterable[StrPath], *, resolved: bool = False) -> str:
@@ -307,10 +268,8 @@ class Store:
         self._tls = threading.local()  # per thread: whether it holds the shared gc lock (`in_use`)
         if not read_only:
             for d in (self.cas_dir, self.ac_dir, self.tmp_dir, self.logs_dir, self.locks_dir):
-                try:
+                with self._writing(f"the folder {d}"):
                     d.mkdir(parents=True, exist_ok=True)
-                except OSError as e:
-                    raise store_write_error(self.root, e, f"the folder {d}") or e from None
         self._state: StatCache | None = None
 
     @property
@@ -349,10 +308,8 @@ class Store:
 
     def check_writable(self) -> None:
         """Raise StoreUnusableError (one line) unless this process can write the store."""
-        try:
+        with self._writing("a probe file"):
             fd, tmp = tempfile.mkstemp(prefix="probe-", dir=self.tmp_dir)
-        except OSError as e:
-            raise store_write_error(self.root, e, "a probe file") or e from None
         os.close(fd)
         os.unlink(tmp)
         try:
@@ -384,8 +341,7 @@ class Store:
 
     def blob_path(self, digest: str) -> Path:
         """Where the blob `digest` lives (whether or not it is there)."""
-        check_digest(digest)
-        return Path(f"{self._cas_prefix}{digest[:2]}/{digest}")
+        return Path(self.blob_str(digest))
 
     def blob_str(self, digest: str) -> str:
         """`blob_path` as a string (hot paths avoid pathlib)."""
@@ -434,20 +390,24 @@ class Store:
             log.warning("blob %s is damaged (its bytes no longer match its name)%s", path,
                         "; removing it" if repair and not self.read_only else "")
             if repair and not self.read_only:
-                self._remove_blob(digest)
+                self.discard_blob(digest)
             return None
         self.verified[path] = st
         return st
 
-    def _remove_blob(self, digest: str) -> None:
+    def discard_blob(self, digest: str) -> bool:
+        """Remove blob `digest` (found damaged: a later hit that needs it is a miss and
+        rebuilds it); whether it was there."""
         path = self.guard(self.blob_str(digest))
         self.verified.pop(path, None)
         self._trees.pop(digest, None)
-        with suppress(FileNotFoundError):
-            if os.path.isdir(path) and not os.path.islink(path):
-                _rmtree_ro(path)
-            else:
-                os.unlink(path)
+        if not os.path.lexists(path):
+            return False
+        _rmtree_ro(path)  # a folder where a blob belongs is damage too
+        return True
+
+    def _remove_blob(self, digest: str) -> None:  # mopt.build's name for it, until it says discard_blob
+        self.discard_blob(digest)
 
     def put_bytes(self, data: bytes) -> str:
         """Store `data`; return its digest. A damaged blob of that name is replaced."""
@@ -493,10 +453,26 @@ class Store:
         try:
             yield
         except OSError as e:
-            err = store_write_error(self.root, e, what, needed)
-            if err is None:
-                raise
-            raise err from None
+            if e.errno in _FULL:
+                free = _free_bytes(self.root)
+                need = f"{_human(needed)} needed" if needed is not None else "more space needed"
+                have = f", {_human(free)} free" if free is not None else ""
+                raise StoreFullError(
+                    f"no space left on the disk of the store {self.root} while writing {what} ({need}{have})",
+                    hint="free space (e.g. `mopt gc --max-size ...`) or move [store] path to a bigger disk",
+                ) from None
+            if e.errno in _UNWRITABLE:
+                try:
+                    owner: int | None = os.stat(self.root).st_uid
+                except OSError:
+                    owner = None
+                mine = os.geteuid()
+                who = f"it belongs to uid {owner}, you are uid {mine}; " if owner not in (None, mine) else ""
+                raise StoreUnusableError(
+                    f"cannot write the store {self.root} ({e.strerror}) while writing {what}",
+                    hint=f"{who}set [store] path in mopt.toml to a folder you can write; read-only commands still work",
+                ) from None
+            raise
 
     def put_tree(self, directory: StrPath) -> tuple[str, list[TreeEntry]]:
         """Store every file under `directory` and its manifest; return (tree digest, entries)."""
@@ -522,17 +498,6 @@ class Store:
             return hash_file(self.blob_path(digest)) == digest
         except FileNotFoundError:
             return False
-
-    def discard_blob(self, digest: str) -> bool:
-        """Remove blob `digest` (found damaged: a later hit that needs it is a miss and
-        rebuilds it); whether it was there."""
-        path = self.blob_path(digest)
-        try:
-            os.chmod(path, 0o644)
-            os.unlink(path)
-        except FileNotFoundError:
-            return False
-        return True
 
     def tree_entries(self, tree_digest: str, *, present: bool = False) -> list[TreeEntry]:
         """The entries of the stored tree `tree_digest` (`present`: the caller has just
@@ -571,7 +536,7 @@ class Store:
                 f"action {key}: not recording an entry whose blobs are not stored: "
                 f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"
             )
-        final = self._ac_path(key)
+        final = self.ac_str(key)
         if os.path.isdir(final) and not os.path.islink(final):
             _rmtree_ro(self.guard(final))  # a malformed entry (a folder) cannot be replaced by rename
         self.use(key)
@@ -590,7 +555,7 @@ class Store:
 
         `check_blobs=False` leaves the blob check to the caller (the engine checks them
         through the stat cache, which also catches changed bytes)."""
-        path = f"{self._ac_prefix}{check_key(key)}.json"  # `_ac_path`, without pathlib
+        path = self.ac_str(key)
         try:
             st = os.lstat(path)
         except OSError:  # absent (or its folder unreadable): a miss
@@ -637,9 +602,8 @@ class Store:
         another user's entry in a shared store)."""
         if self.read_only or fs is None or time.time_ns() - fs[3] <= TOUCH_AFTER_S * 1e9:
             return None
-        path = f"{self._ac_prefix}{check_key(key)}.json"
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            fd = os.open(self.ac_str(key), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError:
             return None
         try:
@@ -672,7 +636,9 @@ class Store:
         if later is not None:  # inside `deferred_use`: under the shared gc lock, locked at its end
             later[key] = None
             return
-        self._lock_entry(key)
+        with self._use_lock:
+            if key not in self._used and _lock_entry(self._use_fds, self.locks_dir, key, fcntl.LOCK_SH):
+                self._used.add(key)
 
     @contextmanager
     def deferred_use(self) -> Iterator[None]:
@@ -693,50 +659,14 @@ class Store:
         finally:
             self._tls.deferred = None
             for key in keys:
-                self._lock_entry(key)
-
-    def _lock_entry(self, key: str) -> None:
-        with self._use_lock:
-            if key in self._used:
-                return
-            offset = _lock_offset(key)
-            shard = offset % _LOCK_SHARDS
-            if shard not in self._use_fds:
-                self._use_fds[shard] = self._open_entries_lock(shard)
-            fd = self._use_fds[shard]
-            if fd is None:
-                return
-            try:
-                fcntl.lockf(fd, fcntl.LOCK_SH, 1, offset)
-            except OSError as e:
-                log.debug("could not lock entry %s: %s", key, e)
-                return
-            self._used.add(key)
-
-    def _open_entries_lock(self, shard: int) -> int | None:
-        path = self.locks_dir / f"entries-{shard:02x}.lock"
-        for flags in (os.O_RDWR | os.O_CREAT, os.O_RDONLY):
-            try:
-                return os.open(path, flags | os.O_CLOEXEC, 0o666)
-            except OSError:
-                continue
-        return None
-
-    def ac_get(self, key: str) -> dict[str, Any] | None:
-        """The entry for `key` as a dict, or None on a miss (see `ac_entry`)."""
-        e = self.ac_entry(key)
-        return None if e is None else e.model_dump()
-
-    def failed_log_path(self, key: str) -> Path:
-        """Where the log of the last failed run of action `key` is kept."""
-        return self.logs_dir / f"failed-{check_key(key)}.log"
+                self.use(key)
 
     def keep_failed_log(self, key: str, log_path: StrPath) -> Path | None:
-        """Copy a failed action's log to `failed_log_path(key)`; failures never enter ac/.
+        """Copy a failed action's log to logs/failed-<key>.log; failures never enter ac/.
 
         Returns None (with a warning) when the store cannot take it, e.g. a full disk: the
         action's own error must still be what the user sees, not this one."""
-        dest = self.failed_log_path(key)
+        dest = self.logs_dir / f"failed-{check_key(key)}.log"
         try:
             with open(log_path, "rb") as f:
                 data = f.read()
@@ -842,7 +772,7 @@ class Store:
         with self._writing_build(target):
             target.parent.mkdir(parents=True, exist_ok=True)
             self._guard_dest(target)  # again, now that the folders on the way exist
-            _remove_stale_siblings(target.parent, max_age_s=TMP_GRACE_S)
+            _remove_leftovers(target.parent, TMP_GRACE_S, (_TMP_PREFIX, _OLD_PREFIX))
             tmp = tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{target.name}-", dir=target.parent)
         busy = _mark_being_written(tmp)
         try:
@@ -852,7 +782,7 @@ class Store:
                 # mode, then bytes through the stat cache, whose rows are only written after
                 # hashing what is on disk); on ext4/xfs (data=ordered) a crash leaves a new
                 # file short rather than with wrong bytes, so it is found and rewritten.
-                method = self._fill(tmp, entries, durable=False)
+                method = self._fill(tmp, entries)
                 for dirpath, _dirs, _files in os.walk(tmp, topdown=False):
                     os.chmod(dirpath, 0o555)
                 _swap_into_place(tmp, target)
@@ -868,14 +798,14 @@ class Store:
         try:
             yield
         except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            if e.errno in _FULL:
                 free = _free_bytes(target.parent)
                 raise StoreFullError(
                     f"no space left on the disk of {target.parent} while materializing {target.name}"
                     + (f" ({_human(free)} free)" if free is not None else ""),
                     hint="free space, or set [store] build_dir to a bigger disk",
                 ) from None
-            if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            if e.errno in _UNWRITABLE:
                 raise StoreUnusableError(
                     f"cannot write {target} ({e.strerror})", hint="the build folder must be writable"
                 ) from None
@@ -895,20 +825,9 @@ class Store:
         """
         if self.read_only:
             return 0
-        removed = 0
-        now = time.time()
-        for d in _scandir_quiet(self.tmp_dir):
-            try:
-                if now - d.stat(follow_symlinks=False).st_mtime < max_age_s or _being_written(d.path):
-                    continue
-                _rmtree_ro(self.guard(d.path))
-                removed += 1
-            except FileNotFoundError:
-                continue  # another process finished or removed it meanwhile
-            except OSError as e:
-                log.warning("could not remove the leftover %s: %s", d.path, e)
+        removed = _remove_leftovers(self.tmp_dir, max_age_s, guard=self.guard)
         for parent in extra_dirs:
-            removed += _remove_stale_siblings(Path(self._guard_dest(parent)), max_age_s)
+            removed += _remove_leftovers(self._guard_dest(parent), max_age_s, (_TMP_PREFIX, _OLD_PREFIX))
         return removed
 
     def usage(self) -> Usage:
@@ -970,25 +889,12 @@ class Store:
         keep_keys: set[str],
         dry_run: bool,
         min_blob_age_s: float,
-        lock_fds: dict[int, int | None] | None = None,
+        fds: dict[int, int | None],
     ) -> GcReport:
-        fds = {} if lock_fds is None else lock_fds
-
         def free(key: str) -> bool:
             # An entry a running build uses (see `use`) is kept; the exclusive lock taken
             # here is held until gc is done, so no build starts using it meanwhile.
-            offset = _lock_offset(key)
-            shard = offset % _LOCK_SHARDS
-            if shard not in fds:
-                fds[shard] = self._open_entries_lock(shard)
-            lock_fd = fds[shard]
-            if lock_fd is None:
-                return True
-            try:
-                fcntl.lockf(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, offset)
-            except OSError:
-                return False
-            return True
+            return _lock_entry(fds, self.locks_dir, key, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
         now = time.time()
         live: list[tuple[float, str, int, set[str]]] = []  # (last use, key, size, blobs)
@@ -1017,7 +923,7 @@ class Store:
         blobs = {digest: (size, mtime) for digest, size, mtime in self._iter_blobs()}
         broken = [x for x in live if any(r not in blobs for r in x[3]) and free(x[1])]
         live = [x for x in live if x not in broken]
-        drop_entries += [(str(self._ac_path(k)), size) for _t, k, size, _r in broken]
+        drop_entries += [(self.ac_str(k), size) for _t, k, size, _r in broken]
 
         refcount: Counter[str] = Counter()
         for _t, _k, _s, refs in live:
@@ -1046,7 +952,7 @@ class Store:
             if key in keep_keys or not (too_old or too_big) or not free(key):
                 kept_entries += 1
                 continue
-            drop_entries.append((str(self._ac_path(key)), size))
+            drop_entries.append((self.ac_str(key), size))
             total -= size
             for r in refs:
                 refcount[r] -= 1
@@ -1060,7 +966,7 @@ class Store:
             for path, _size in drop_entries:
                 _rmtree_ro(self.guard(path))  # a malformed entry may be a folder
             for digest in drop_blobs:
-                self._remove_blob(digest)
+                self.discard_blob(digest)
             for path, _size in drop_logs:
                 _unlink_quiet(self.guard(path))
             self.state.prune()
@@ -1112,9 +1018,6 @@ class Store:
                     continue
                 yield d.name, st.st_size, st.st_mtime
 
-    def _ac_path(self, key: str) -> Path:
-        return self.ac_dir / f"{check_key(key)}.json"
-
     @contextmanager
     def _temp_file(self, prefix: str) -> Iterator[tuple[int, str]]:
         """A new file in root/tmp, locked while open (see `_being_written`), removed on error."""
@@ -1140,17 +1043,13 @@ class Store:
         # fsynced: a blob lost to a power cut only turns a later hit into a miss.
         os.replace(tmp, final)
 
-    def _write_atomic(self, final: Path, data: bytes, mode: int = 0o444, what: str = "a file") -> None:
+    def _write_atomic(self, final: StrPath, data: bytes, mode: int = 0o444, what: str = "a file") -> None:
         with self._writing(what, len(data)), self._temp_file("write-") as (fd, tmp):
             _write_all(fd, data)
             os.fchmod(fd, mode)
             os.fsync(fd)
             os.replace(tmp, self.guard(final))
-            _fsync_dir(final.parent)
-
-    def write_file(self, final: StrPath, data: bytes, mode: int = 0o644, what: str = "a file") -> None:
-        """Write `data` at `final` (in the store) through a fsynced temp file and a rename."""
-        self._write_atomic(Path(final), data, mode=mode, what=what)
+            _fsync_dir(os.path.dirname(final))
 
     # -- gc roots -----------------------------------------------------------------------
 
@@ -1246,7 +1145,7 @@ class Store:
                     return False
         return True
 
-    def _fill(self, root: str, entries: list[TreeEntry], *, durable: bool = True) -> MaterializeMethod:
+    def _fill(self, root: str, entries: list[TreeEntry]) -> MaterializeMethod:
         methods: tuple[MaterializeMethod, ...] = ("reflink", "hardlink", "copy")
         worst = 0
         can_reflink = can_hardlink = True
@@ -1261,7 +1160,7 @@ class Store:
             mode = _ro_mode(e.mode)
             used = -1
             if can_reflink:
-                if _reflink(blob, dst, mode, durable):
+                if _reflink(blob, dst, mode):
                     used = 0
                 else:
                     can_reflink = False  # not on this filesystem: do not retry per file
@@ -1276,7 +1175,7 @@ class Store:
                     elif err.errno != errno.EMLINK:  # too many links to this one blob
                         raise
             if used < 0:
-                _copy_file(blob, dst, mode, durable)
+                _copy_file(blob, dst, mode)
                 used = 2
             worst = max(worst, used)
         return methods[worst]
@@ -1307,10 +1206,25 @@ def _entry_from_row(row: dict[str, Any]) -> ActionEntry:
 _LOCK_SHARDS = 64
 
 
-def _lock_offset(key: str) -> int:
-    """The byte that stands for entry `key` (48 bits of its hash), in the file
-    locks/entries-<offset % 64>.lock."""
-    return int(hash_bytes(key.encode())[:12], 16)
+def _lock_entry(fds: dict[int, int | None], locks_dir: Path, key: str, op: int) -> bool:
+    """Lock (`op`, see `Store.use`) the byte that stands for entry `key` (48 bits of its hash)
+    in locks/entries-<NN>.lock, opened once into `fds`; False if another process holds it."""
+    offset = int(hash_bytes(key.encode())[:12], 16)
+    shard = offset % _LOCK_SHARDS
+    if shard not in fds:
+        fds[shard] = None
+        for flags in (os.O_RDWR | os.O_CREAT, os.O_RDONLY):
+            with suppress(OSError):
+                fds[shard] = os.open(locks_dir / f"entries-{shard:02x}.lock", flags | os.O_CLOEXEC, 0o666)
+                break
+    fd = fds[shard]
+    if fd is None:
+        return True  # no lock file can be opened here: nothing to hold (gc cannot either)
+    try:
+        fcntl.lockf(fd, op, 1, offset)
+    except OSError:
+        return False
+    return True
 
 
 def _ro_mode(tree_mode: int) -> int:
@@ -1365,19 +1279,17 @@ def _copy_fd(src: int, dst: int) -> None:
         _write_all(dst, chunk)
 
 
-def _copy_file(src: str, dst: str, mode: int, durable: bool = True) -> None:
+def _copy_file(src: str, dst: str, mode: int) -> None:
     fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         with open(src, "rb") as f:
             _copy_fd(f.fileno(), fd)
         os.fchmod(fd, mode)
-        if durable:
-            os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def _reflink(src: str, dst: str, mode: int, durable: bool = True) -> bool:
+def _reflink(src: str, dst: str, mode: int) -> bool:
     """Clone `src` to a new file `dst` sharing its extents; False if the fs cannot."""
     fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
@@ -1390,8 +1302,6 @@ def _reflink(src: str, dst: str, mode: int, durable: bool = True) -> bool:
                 os.unlink(dst)
                 return False
         os.fchmod(fd, mode)
-        if durable:
-            os.fsync(fd)
         return True
     finally:
         if fd >= 0:
@@ -1435,20 +1345,25 @@ def _exchange(a: str, b: str) -> bool:
     raise OSError(err, os.strerror(err), b)
 
 
-def _remove_stale_siblings(parent: Path, max_age_s: float) -> int:
-    """Remove `.mopt-tmp-*`/`.mopt-old-*` leftovers of interrupted materializations."""
+def _remove_leftovers(
+    folder: StrPath, max_age_s: float, prefixes: tuple[str, ...] = ("",), guard: Callable[[str], str] = str
+) -> int:
+    """Remove what in `folder` is named with one of `prefixes`, is older than `max_age_s` and
+    is held by no live writer (see `_mark_being_written`); return how many were removed."""
     removed = 0
     now = time.time()
-    for d in _scandir_quiet(parent):
-        if not d.name.startswith((_TMP_PREFIX, _OLD_PREFIX)):
+    for d in _scandir_quiet(folder):
+        if not d.name.startswith(prefixes):
             continue
         try:
             if now - d.stat(follow_symlinks=False).st_mtime < max_age_s or _being_written(d.path):
                 continue
-            _rmtree_ro(d.path)
+            _rmtree_ro(guard(d.path))
             removed += 1
         except FileNotFoundError:
-            continue
+            continue  # another process finished or removed it meanwhile
+        except OSError as e:
+            log.warning("could not remove the leftover %s: %s", d.path, e)
     return removed
 
 
@@ -1473,7 +1388,7 @@ def _rmtree_ro(path: StrPath) -> None:
             os.unlink(p)
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync_dir(path: StrPath) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -1486,7 +1401,7 @@ def _unlink_quiet(path: StrPath) -> None:
         os.unlink(path)
 
 
-def _scandir_quiet(path: Path) -> list[os.DirEntry[str]]:
+def _scandir_quiet(path: StrPath) -> list[os.DirEntry[str]]:
     try:
         with os.scandir(path) as it:
             return list(it)

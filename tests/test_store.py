@@ -156,14 +156,14 @@ def test_action_entry_round_trips_and_a_hit_touches_it(tmp_path: Path) -> None:
     tree = build(store, tmp_path, "k1", {"a.txt": b"a"})
     entry_path = store.ac_dir / "k1.json"
     age(entry_path, 3600)
-    hit = store.ac_get("k1")
+    hit = store.ac_entry("k1")
     assert hit is not None
-    assert hit["outputs_tree"] == tree
-    assert hit["kind"] == "onnx"
-    assert ActionEntry.model_validate(hit).key == "k1"
+    assert hit.outputs_tree == tree
+    assert hit.kind == "onnx"
+    assert hit.key == "k1"
     assert time.time() - entry_path.stat().st_mtime < 60  # LRU: used just now
-    assert json.loads(entry_path.read_bytes()) == json.loads(canonical_json(hit))
-    assert store.ac_get("other") is None
+    assert json.loads(entry_path.read_bytes()) == json.loads(canonical_json(hit.model_dump()))
+    assert store.ac_entry("other") is None
 
 
 def test_an_entry_read_or_written_is_recorded_with_its_files_stat_and_digest(tmp_path: Path) -> None:
@@ -210,11 +210,11 @@ def test_a_hit_touches_an_entry_only_when_its_last_use_is_old(tmp_path: Path) ->
     age(entry_path, 60)  # used a minute ago: within TOUCH_AFTER_S, left as it is
     before = entry_path.stat().st_mtime_ns
     with Store(root) as store:
-        assert store.ac_get("k1") is not None
+        assert store.ac_entry("k1") is not None
     assert entry_path.stat().st_mtime_ns == before
     age(entry_path, 3600)
     with Store(root) as store:
-        assert store.ac_get("k1") is not None
+        assert store.ac_entry("k1") is not None
     assert time.time() - entry_path.stat().st_mtime < 60
 
 
@@ -223,20 +223,20 @@ def test_hit_with_missing_blob_is_a_miss(tmp_path: Path) -> None:
     tree = build(store, tmp_path, "k1", {"a.txt": b"a", "b.txt": b"b"})
     member = store.tree_entries(tree)[1].digest
     store.blob_path(member).unlink()
-    assert store.ac_get("k1") is None
+    assert store.ac_entry("k1") is None
 
 
 def test_hit_with_missing_log_or_manifest_is_a_miss(tmp_path: Path) -> None:
     store = Store(tmp_path / "store")
     build(store, tmp_path, "k1", {"a.txt": b"a"}, log=b"log 1")
-    entry = store.ac_get("k1")
-    assert entry is not None and entry["log"] == hash_bytes(b"log 1")
-    store.blob_path(entry["log"]).unlink()
-    assert store.ac_get("k1") is None
+    entry = store.ac_entry("k1")
+    assert entry is not None and entry.log == hash_bytes(b"log 1")
+    store.blob_path(entry.log).unlink()
+    assert store.ac_entry("k1") is None
 
     tree = build(store, tmp_path, "k2", {"b.txt": b"b"})
     store.blob_path(tree).unlink()
-    assert store.ac_get("k2") is None
+    assert store.ac_entry("k2") is None
 
 
 @pytest.mark.parametrize(
@@ -252,7 +252,7 @@ def test_corrupt_or_foreign_entry_is_a_miss(tmp_path: Path, content: bytes) -> N
     store = Store(tmp_path / "store")
     tree = store.put_bytes(canonical_json({"entries": []}))
     (store.ac_dir / "k1.json").write_bytes(content.replace(b"%s", tree.encode()))
-    assert store.ac_get("k1") is None
+    assert store.ac_entry("k1") is None
 
 
 def test_entry_whose_blobs_are_not_stored_is_refused(tmp_path: Path) -> None:
@@ -269,10 +269,10 @@ def test_failure_is_not_cached_but_its_log_is_kept(tmp_path: Path) -> None:
     log = tmp_path / "run.log"
     log.write_text("Traceback: out of memory\n")
     kept = store.keep_failed_log("k1", log)
-    assert kept == store.failed_log_path("k1") == tmp_path / "store" / "logs" / "failed-k1.log"
+    assert kept == tmp_path / "store" / "logs" / "failed-k1.log"
     assert kept.read_text() == "Traceback: out of memory\n"
     assert list(store.ac_dir.iterdir()) == []
-    assert store.ac_get("k1") is None
+    assert store.ac_entry("k1") is None
 
 
 # -- materialize ---------------------------------------------------------------------------
@@ -605,14 +605,14 @@ def test_gc_removes_least_recently_used_until_under_size(tmp_path: Path) -> None
     trees = {k: build(store, tmp_path, k, {"w.bin": os.urandom(100_000)}, log=None) for k in "abc"}
     for i, k in enumerate("abc"):  # a used longest ago, c most recently
         age(store.ac_dir / f"{k}.json", 3000 - i * 1000)
-    store.ac_get("a")  # a hit makes a the most recently used
+    store.ac_entry("a")  # a hit makes a the most recently used
     total = store.usage().total_bytes
     report = store.gc(max_size_bytes=total - 150_000)
     assert (report.removed_entries, report.kept_entries) == (2, 1)
     assert report.removed_blobs == 4  # two trees: manifest and file each
     assert store.usage().total_bytes == report.kept_bytes <= total - 150_000
-    assert store.ac_get("a") is not None
-    assert store.ac_get("b") is None and store.ac_get("c") is None
+    assert store.ac_entry("a") is not None
+    assert store.ac_entry("b") is None and store.ac_entry("c") is None
     assert all(store.verify(e.digest) for e in store.tree_entries(trees["a"]))
     assert store.materialize(trees["a"], tmp_path / "dest") != "unchanged"
 
@@ -626,11 +626,11 @@ def test_gc_keeps_locked_roots(tmp_path: Path) -> None:
     report = store.gc(max_size_bytes=0, older_than_s=86400, keep_keys={"b"})
     assert (report.removed_entries, report.kept_entries) == (2, 1)
     assert sorted(p.stem for p in store.ac_dir.iterdir()) == ["b"]
-    entry = store.ac_get("b")
+    entry = store.ac_entry("b")
     assert entry is not None
     # b's blobs (including the one it shared with a and c) all survive; a's and c's go.
-    members = {e.digest for e in store.tree_entries(entry["outputs_tree"])}
-    assert {p.name for p in all_blobs(store)} == {entry["outputs_tree"], entry["log"], *members}
+    members = {e.digest for e in store.tree_entries(entry.outputs_tree)}
+    assert {p.name for p in all_blobs(store)} == {entry.outputs_tree, entry.log, *members}
 
 
 def test_gc_by_age_keeps_recent_entries(tmp_path: Path) -> None:
@@ -640,7 +640,7 @@ def test_gc_by_age_keeps_recent_entries(tmp_path: Path) -> None:
     age(store.ac_dir / "old.json", 31 * 86400)
     report = store.gc(older_than_s=30 * 86400)
     assert report.removed_entries == 1
-    assert store.ac_get("old") is None and store.ac_get("new") is not None
+    assert store.ac_entry("old") is None and store.ac_entry("new") is not None
 
 
 def test_gc_dry_run_removes_nothing(tmp_path: Path) -> None:
