@@ -252,10 +252,9 @@ class Store:
         self._cas_prefix = f"{self.cas_dir}/"
         self._ac_prefix = f"{self.ac_dir}/"
         self._trees: dict[str, list[TreeEntry]] = {}  # manifests are immutable: parse once
-        #: folders besides the store that may be written or deleted (build/), see guard_path
-        self.write_roots: list[Path] = [self.root]
-        # their real paths, resolved once: a link that appears later on the way to one makes
-        # paths under it resolve elsewhere, so they are refused (it fails closed)
+        # the real paths of the store and the folders `allow`ed (build/), resolved once: a link
+        # that appears later on the way to one makes paths under it resolve elsewhere, so they
+        # are refused (it fails closed)
         self._real_roots: list[str] = [os.path.realpath(self.root)]
         #: path → lstat of each blob found intact (`intact_stat`) by this Store: what the build
         #: log records them under (a stat taken when it was checked: a change since is a miss)
@@ -270,29 +269,17 @@ class Store:
             for d in (self.cas_dir, self.ac_dir, self.tmp_dir, self.logs_dir, self.locks_dir):
                 with self._writing(f"the folder {d}"):
                     d.mkdir(parents=True, exist_ok=True)
-        self._state: StatCache | None = None
-
-    @property
-    def state(self) -> StatCache:
-        """The stat cache kept in `root/state.db`."""
-        if self._state is None:
-            self._state = StatCache(self.root / "state.db", read_only=self.read_only)
-        return self._state
+        #: the stat cache kept in `root/state.db` (opened at its first use)
+        self.state = StatCache(self.root / "state.db", read_only=read_only)
 
     def close(self) -> None:
-        """Flush and close the stat cache and the entry memo; release the locks on used entries."""
-        if self._state is not None:
-            self._state.close()
-        with self._use_lock:
-            for fd in self._use_fds.values():
-                if fd is not None:
-                    os.close(fd)  # drops every byte-range lock this process holds on it
-            self._use_fds.clear()
+        """Flush and close the stat cache; release the locks on used entries."""
+        self.state.close()
+        with self._use_lock, _closing(self._use_fds):
             self._used.clear()
 
     def allow(self, folder: StrPath) -> None:
         """Let this store write and delete under `folder` too (a build/ folder)."""
-        self.write_roots.append(Path(folder).absolute())
         self._real_roots.append(os.path.realpath(folder))
 
     def guard(self, path: StrPath) -> str:
@@ -302,7 +289,7 @@ class Store:
     def _guard_dest(self, dest: StrPath) -> str:
         # The engine names the build folder (`allow`), so every name a recipe gives is held
         # inside it; a library caller that allowed none chose the destination itself.
-        if len(self.write_roots) > 1:
+        if len(self._real_roots) > 1:
             return self.guard(dest)
         return os.path.abspath(dest)
 
@@ -871,121 +858,106 @@ class Store:
         """
         if self.read_only:
             raise StoreUnusableError(f"the store {self.root} was opened read-only; gc cannot run")
-        with self._flock(_GC_LOCK, shared=False):
-            fds: dict[int, int | None] = {}
-            try:
-                return self._gc(max_size_bytes, older_than_s, set(keep_keys), dry_run, min_blob_age_s, fds)
-            finally:
-                for fd in fds.values():
-                    if fd is not None:
-                        os.close(fd)  # releases the exclusive locks taken on dropped entries
+        fds: dict[int, int | None] = {}
 
-    # -- internals ----------------------------------------------------------------------
-
-    def _gc(
-        self,
-        max_size_bytes: int | None,
-        older_than_s: float | None,
-        keep_keys: set[str],
-        dry_run: bool,
-        min_blob_age_s: float,
-        fds: dict[int, int | None],
-    ) -> GcReport:
         def free(key: str) -> bool:
             # An entry a running build uses (see `use`) is kept; the exclusive lock taken
             # here is held until gc is done, so no build starts using it meanwhile.
             return _lock_entry(fds, self.locks_dir, key, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
-        now = time.time()
-        live: list[tuple[float, str, int, set[str]]] = []  # (last use, key, size, blobs)
-        drop_entries: list[tuple[str, int]] = []
-        for d in _scandir_quiet(self.ac_dir):
-            if not d.name.endswith(".json"):
-                continue
-            try:
-                st = d.stat(follow_symlinks=False)
-                if not stat.S_ISREG(st.st_mode):
-                    raise StoreError("not a regular file")
-                e = ActionEntry.model_validate_json(Path(d.path).read_bytes())
-                refs = self._entry_refs(e)
-            except FileNotFoundError:
-                continue
-            except (ValueError, StoreError, OSError):  # ValidationError is a ValueError
-                drop_entries.append((d.path, _size_quiet(d)))
-                continue
-            if e.key != d.name[: -len(".json")]:
-                drop_entries.append((d.path, st.st_size))
-                continue
-            live.append((st.st_mtime, e.key, st.st_size, refs))
+        with self._flock(_GC_LOCK, shared=False), _closing(fds):
+            now = time.time()
+            live: list[tuple[float, str, int, set[str]]] = []  # (last use, key, size, blobs)
+            drop_entries: list[tuple[str, int]] = []
+            for d in _scandir_quiet(self.ac_dir):
+                if not d.name.endswith(".json"):
+                    continue
+                try:
+                    st = d.stat(follow_symlinks=False)
+                    if not stat.S_ISREG(st.st_mode):
+                        raise StoreError("not a regular file")
+                    e = ActionEntry.model_validate_json(Path(d.path).read_bytes())
+                    refs = self._entry_refs(e)
+                except FileNotFoundError:
+                    continue
+                except (ValueError, StoreError, OSError):  # ValidationError is a ValueError
+                    drop_entries.append((d.path, _size_quiet(d)))
+                    continue
+                if e.key != d.name[: -len(".json")]:
+                    drop_entries.append((d.path, st.st_size))
+                    continue
+                live.append((st.st_mtime, e.key, st.st_size, refs))
 
-        # Blobs are listed after entries: an entry is written only once its blobs exist,
-        # so every blob of an entry seen above is seen here unless it is really gone.
-        blobs = {digest: (size, mtime) for digest, size, mtime in self._iter_blobs()}
-        broken = [x for x in live if any(r not in blobs for r in x[3]) and free(x[1])]
-        live = [x for x in live if x not in broken]
-        drop_entries += [(self.ac_str(k), size) for _t, k, size, _r in broken]
+            # Blobs are listed after entries: an entry is written only once its blobs exist,
+            # so every blob of an entry seen above is seen here unless it is really gone.
+            blobs = {digest: (size, mtime) for digest, size, mtime in self._iter_blobs()}
+            broken = [x for x in live if any(r not in blobs for r in x[3]) and free(x[1])]
+            live = [x for x in live if x not in broken]
+            drop_entries += [(self.ac_str(k), size) for _t, k, size, _r in broken]
 
-        refcount: Counter[str] = Counter()
-        for _t, _k, _s, refs in live:
-            refcount.update(refs)
+            refcount: Counter[str] = Counter()
+            for _t, _k, _s, refs in live:
+                refcount.update(refs)
 
-        drop_logs: list[tuple[str, int]] = []
-        log_bytes = 0
-        for d in _scandir_quiet(self.logs_dir):
-            size = _size_quiet(d)
-            log_bytes += size
-            if older_than_s is not None and now - _mtime_quiet(d) > older_than_s:
-                drop_logs.append((d.path, size))
+            drop_logs: list[tuple[str, int]] = []
+            log_bytes = 0
+            for d in _scandir_quiet(self.logs_dir):
+                size = _size_quiet(d)
+                log_bytes += size
+                if older_than_s is not None and now - _mtime_quiet(d) > older_than_s:
+                    drop_logs.append((d.path, size))
 
-        total = sum(s for s, _m in blobs.values()) + sum(x[2] for x in live) + log_bytes
-        total -= sum(s for _p, s in drop_entries) + sum(s for _p, s in drop_logs)
-        drop_blobs: set[str] = set()
-        for digest, (size, mtime) in blobs.items():
-            if refcount[digest] == 0 and now - mtime >= min_blob_age_s:
-                drop_blobs.add(digest)
+            total = sum(s for s, _m in blobs.values()) + sum(x[2] for x in live) + log_bytes
+            total -= sum(s for _p, s in drop_entries) + sum(s for _p, s in drop_logs)
+            drop_blobs: set[str] = set()
+            for digest, (size, mtime) in blobs.items():
+                if refcount[digest] == 0 and now - mtime >= min_blob_age_s:
+                    drop_blobs.add(digest)
+                    total -= size
+
+            kept_entries = 0
+            for last_use, key, size, refs in sorted(live):
+                too_old = older_than_s is not None and now - last_use > older_than_s
+                too_big = max_size_bytes is not None and total > max_size_bytes
+                if key in keep_keys or not (too_old or too_big) or not free(key):
+                    kept_entries += 1
+                    continue
+                drop_entries.append((self.ac_str(key), size))
                 total -= size
+                for r in refs:
+                    refcount[r] -= 1
+                    if refcount[r] == 0:
+                        drop_blobs.add(r)
+                        total -= blobs[r][0]
 
-        kept_entries = 0
-        for last_use, key, size, refs in sorted(live):
-            too_old = older_than_s is not None and now - last_use > older_than_s
-            too_big = max_size_bytes is not None and total > max_size_bytes
-            if key in keep_keys or not (too_old or too_big) or not free(key):
-                kept_entries += 1
-                continue
-            drop_entries.append((self.ac_str(key), size))
-            total -= size
-            for r in refs:
-                refcount[r] -= 1
-                if refcount[r] == 0:
-                    drop_blobs.add(r)
-                    total -= blobs[r][0]
+            if not dry_run:
+                # Entries first: a crash part-way must not leave an entry naming a deleted blob
+                # (it would only be a miss, but a miss that gc already decided to drop).
+                for path, _size in drop_entries:
+                    _rmtree_ro(self.guard(path))  # a malformed entry may be a folder
+                for digest in drop_blobs:
+                    self.discard_blob(digest)
+                for path, _size in drop_logs:
+                    _unlink_quiet(self.guard(path))
+                self.state.prune()
 
-        if not dry_run:
-            # Entries first: a crash part-way must not leave an entry naming a deleted blob
-            # (it would only be a miss, but a miss that gc already decided to drop).
-            for path, _size in drop_entries:
-                _rmtree_ro(self.guard(path))  # a malformed entry may be a folder
-            for digest in drop_blobs:
-                self.discard_blob(digest)
-            for path, _size in drop_logs:
-                _unlink_quiet(self.guard(path))
-            self.state.prune()
+            removed_bytes = (
+                sum(s for _p, s in drop_entries)
+                + sum(blobs[d][0] for d in drop_blobs)
+                + sum(s for _p, s in drop_logs)
+            )
+            return GcReport(
+                dry_run=dry_run,
+                removed_entries=len(drop_entries),
+                removed_blobs=len(drop_blobs),
+                removed_logs=len(drop_logs),
+                removed_bytes=removed_bytes,
+                kept_entries=kept_entries,
+                kept_blobs=len(blobs) - len(drop_blobs),
+                kept_bytes=total,
+            )
 
-        removed_bytes = (
-            sum(s for _p, s in drop_entries)
-            + sum(blobs[d][0] for d in drop_blobs)
-            + sum(s for _p, s in drop_logs)
-        )
-        return GcReport(
-            dry_run=dry_run,
-            removed_entries=len(drop_entries),
-            removed_blobs=len(drop_blobs),
-            removed_logs=len(drop_logs),
-            removed_bytes=removed_bytes,
-            kept_entries=kept_entries,
-            kept_blobs=len(blobs) - len(drop_blobs),
-            kept_bytes=total,
-        )
+    # -- internals ----------------------------------------------------------------------
 
     def _entry_refs(self, e: ActionEntry) -> set[str]:
         """Every blob entry `e` needs: its tree manifest, the tree's files and its log."""
@@ -1204,6 +1176,18 @@ def _entry_from_row(row: dict[str, Any]) -> ActionEntry:
 
 #: how many locks/entries-<NN>.lock files the entries' byte-range locks are spread over
 _LOCK_SHARDS = 64
+
+
+@contextmanager
+def _closing(fds: dict[int, int | None]) -> Iterator[None]:
+    """Close the descriptors in `fds` at the end, which drops every lock taken through them."""
+    try:
+        yield
+    finally:
+        for fd in fds.values():
+            if fd is not None:
+                os.close(fd)
+        fds.clear()
 
 
 def _lock_entry(fds: dict[int, int | None], locks_dir: Path, key: str, op: int) -> bool:
