@@ -227,27 +227,11 @@ class StatCache:
                 return  # read-only: what was learnt stays in _pending, for this process
             rows = [(p, *key, d) for p, (key, d) in self._pending.items()]
             self._pending.clear()
-            for attempt in (0, 1):
-                try:
-                    conn = self._db()
-                    if conn is None:
-                        return
-                    conn.execute("BEGIN IMMEDIATE")
-                    try:
-                        conn.executemany("INSERT OR REPLACE INTO stat VALUES (?,?,?,?,?,?,?)", rows)
-                        conn.execute("COMMIT")
-                    except BaseException:
-                        with contextlib.suppress(sqlite3.Error):
-                            conn.execute("ROLLBACK")
-                        raise
-                    return
-                except sqlite3.Error as e:
-                    if attempt == 0 and _is_damage(e):
-                        self._move_aside(e)
-                        continue
-                    # Losing cache records only costs a rehash later; a build must not fail on it.
-                    _log().warning("stat cache %s: could not save %d digests: %s", self.db_path, len(rows), e)
-                    return
+            self._write(
+                "INSERT OR REPLACE INTO stat VALUES (?,?,?,?,?,?,?)",
+                rows,
+                f"could not save {len(rows)} digests",
+            )
 
     def prune(self) -> int:
         """Forget records whose file is gone or changed; return how many were removed."""
@@ -263,25 +247,15 @@ class StatCache:
                 except OSError:
                     pass
                 stale.append((path,))
-            conn = self._db()
-            if stale and conn is not None:
-                try:
-                    conn.execute("BEGIN IMMEDIATE")
-                    conn.executemany("DELETE FROM stat WHERE path = ?", stale)
-                    conn.execute("COMMIT")
-                except sqlite3.Error as e:
-                    _log().warning("stat cache %s: could not prune: %s", self.db_path, e)
-                    with contextlib.suppress(sqlite3.Error):
-                        conn.execute("ROLLBACK")
+            if stale:
+                self._write("DELETE FROM stat WHERE path = ?", stale, "could not prune")
         return len(stale)
 
     def close(self) -> None:
         """Flush and close the database connection (it reopens on next use)."""
         with self._lock:
             self.flush()
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
+            self._drop_connection()
 
     def __enter__(self) -> StatCache:
         return self
@@ -306,6 +280,26 @@ class StatCache:
         if st.st_ctime_ns % 1_000_000_000 == 0:
             window = max(window, _COARSE_WINDOW_NS)
         return time.time_ns() - st.st_ctime_ns < window
+
+    def _write(self, sql: str, rows: list[tuple[Any, ...]], failed: str) -> None:
+        """Run `sql` for each of `rows` in one transaction. A damaged database is moved aside
+        (once) and the rows go to a fresh one; any other error is a warning: losing cache
+        records only costs a rehash later, and a build must not fail on it."""
+        for attempt in (0, 1):
+            conn = self._db()
+            if conn is None:
+                return
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                with conn:  # commits, or rolls back on any exception
+                    conn.executemany(sql, rows)
+                return
+            except sqlite3.Error as e:
+                if attempt == 0 and _is_damage(e):
+                    self._move_aside(e)
+                    continue
+                _log().warning("stat cache %s: %s: %s", self.db_path, failed, e)
+                return
 
     def _query(self, sql: str, args: tuple[Any, ...]) -> list[Any]:
         """Rows of a read; a damaged database is moved aside (once) and reads as empty."""
@@ -431,13 +425,9 @@ class StatCache:
         if conn.execute("PRAGMA user_version").fetchone()[0] == _SCHEMA_VERSION:
             return
         conn.execute("BEGIN IMMEDIATE")
-        try:
+        with conn:  # commits, or rolls back on any exception
             if conn.execute("PRAGMA user_version").fetchone()[0] != _SCHEMA_VERSION:
                 # It is a cache: an old layout is dropped, not migrated.
                 conn.execute("DROP TABLE IF EXISTS stat")
                 conn.execute(_SCHEMA)
                 conn.execute(f"PRAGMA user_version = {_SCHEMA_VERSION}")
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
