@@ -628,32 +628,20 @@ class RemoteCache:
             if len(name) == 64:
                 yield name, int(info.get("size") or 0)
 
-    def status(self, *, deep: bool = True) -> RemoteStatus:
-        """Whether the remote answers and (with `deep`) how many entries and blobs it holds."""
+    def status(self) -> RemoteStatus:
+        """Whether the remote answers, and how many entries and blobs it holds."""
+        here = (self.url, self.protocol, self.push_enabled)
         try:
-            keys = self.list_keys()
+            entries = len(self.list_keys())
         except RemoteError as exc:
-            return RemoteStatus(self.url, self.protocol, self.push_enabled, False, error=str(exc))
-        if not deep:
-            return RemoteStatus(self.url, self.protocol, self.push_enabled, True, ac_entries=len(keys))
+            return RemoteStatus(*here, False, error=str(exc))
         try:
             blobs = list(self._iter_blob_sizes())
             tmp = len(self._ls(self._join("tmp"))) if not self.atomic_put else 0
         except Exception as exc:
-            err = self._error("listing blobs", exc)
-            return RemoteStatus(
-                self.url, self.protocol, self.push_enabled, True, error=str(err), ac_entries=len(keys)
-            )
-        return RemoteStatus(
-            self.url,
-            self.protocol,
-            self.push_enabled,
-            True,
-            ac_entries=len(keys),
-            blobs=len(blobs),
-            blob_bytes=sum(s for _d, s in blobs),
-            tmp_files=tmp,
-        )
+            return RemoteStatus(*here, True, error=str(self._error("listing blobs", exc)), ac_entries=entries)
+        size = sum(s for _d, s in blobs)
+        return RemoteStatus(*here, True, ac_entries=entries, blobs=len(blobs), blob_bytes=size, tmp_files=tmp)
 
 
 __all__ = [
