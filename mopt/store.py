@@ -80,7 +80,7 @@ _GC_LOCK = "_gc"  # not a valid action key, so it cannot collide with one
 #: configs, tokenizers and small ONNX files; copying multi-GB checkpoints would double the disk
 #: used and the time of every materialization, so those stay links, checked by inode and
 #: stat on every build (an edit of one changes the blob's stat, so it is rehashed and
-#: rebuilt, see `Store.intact`).
+#: rebuilt, see `Store.intact_stat`).
 HARDLINK_MIN_BYTES = 16 * 1024 * 1024
 #: a hit touches its entry (gc's "last used") only when the entry's mtime is older than
 #: this: a touch changes the entry's stat, which the build log then checks by its digest;
@@ -141,7 +141,7 @@ def guard_path(path: StrPath, roots: Iterable[StrPath], *, resolved: bool = Fals
     """
     p = os.path.abspath(path)
     parent, name = os.path.split(p)
-    real = os.path.join(_realdir(parent), name)
+    real = os.path.join(os.path.realpath(parent), name)
     real_roots = [os.fspath(r) for r in roots] if resolved else [os.path.realpath(r) for r in roots]
     for r in real_roots:
         if real != r and (real + "/").startswith(r.rstrip("/") + "/"):
@@ -151,26 +151,6 @@ def guard_path(path: StrPath, roots: Iterable[StrPath], *, resolved: bool = Fals
         f"build folder ({', '.join(real_roots)})",
         hint="a name in the recipe or a symbolic link points outside; fix the name or remove the link",
     )
-
-
-def _realdir(folder: str) -> str:
-    """`os.path.realpath(folder)`, resolved by the kernel when `folder` is an existing folder:
-    one open and one readlink of /proc/self/fd instead of an lstat and a string walk per
-    component (realpath is pure Python: ~40 µs a call, once per materialized target);
-    anything else (absent, not a folder, no /proc) goes through realpath."""
-    try:
-        fd = os.open(folder, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    except (OSError, AttributeError):  # AttributeError: no O_PATH (not Linux)
-        return os.path.realpath(folder)
-    try:
-        real = os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        real = ""
-    finally:
-        os.close(fd)
-    if not real.startswith("/") or real.endswith(" (deleted)"):
-        return os.path.realpath(folder)
-    return real
 
 
 def check_key(key: str) -> str:
@@ -336,22 +316,17 @@ class Store:
         return f"{self._cas_prefix}{digest[:2]}/{digest}"
 
     def has(self, digest: str) -> bool:
-        """Whether the blob `digest` is in the store (present; see `intact` for its bytes)."""
+        """Whether the blob `digest` is in the store (present; see `intact_stat` for its bytes)."""
         return os.path.exists(self.blob_str(digest))
 
-    def intact(self, digest: str, *, repair: bool = True) -> bool:
-        """Whether blob `digest` is present, read-only and holds its bytes.
+    def intact_stat(self, digest: str, *, repair: bool = True) -> os.stat_result | None:
+        """The lstat of blob `digest` if it is present, read-only and holds its bytes, else None.
 
         Checked through the stat cache: an untouched blob costs a stat, one whose stat changed
         (or that someone made writable) is rehashed. With `repair`, a damaged blob is removed
         (it is then a miss: the action reruns, or the next put writes the bytes again) and a
         writable but intact one made read-only again.
         """
-        return self.intact_stat(digest, repair=repair) is not None
-
-    def intact_stat(self, digest: str, *, repair: bool = True) -> os.stat_result | None:
-        """`intact`, returning the blob's lstat when it is intact (None when it is not): a
-        caller that checks a build/ file against the blob next needs no second stat."""
         path = self.blob_str(digest)
         try:
             st = os.lstat(path)
@@ -399,7 +374,7 @@ class Store:
     def put_bytes(self, data: bytes) -> str:
         """Store `data`; return its digest. A damaged blob of that name is replaced."""
         digest = hash_bytes(data)
-        if self.intact(digest):
+        if self.intact_stat(digest) is not None:
             return digest
         with self._writing("a blob", len(data)), self._temp_file("blob-") as (fd, tmp):
             _write_all(fd, data)
@@ -413,7 +388,7 @@ class Store:
         name is replaced (dedup never trusts a blob whose stat changed)."""
         src = os.fspath(path)
         digest = hash_file(src)
-        if self.intact(digest):
+        if self.intact_stat(digest) is not None:
             return digest
         size = os.stat(src).st_size
         with self._writing(f"a copy of {src}", size), self._temp_file("blob-") as (fd, tmp):

@@ -716,15 +716,12 @@ def test_entry_model_rejects_unknown_fields_and_bad_digests() -> None:
         ActionEntry(**{**base, "log": "short"})
 
 
-def test_the_path_guard_resolves_folders_as_realpath_does(tmp_path: Path) -> None:
-    from mopt.store import OutsideError, _realdir, guard_path
+def test_the_path_guard_refuses_a_path_through_a_link_out_but_not_the_link_itself(tmp_path: Path) -> None:
+    from mopt.store import OutsideError, guard_path
 
     (tmp_path / "root" / "build").mkdir(parents=True)
     (tmp_path / "elsewhere" / "cpu").mkdir(parents=True)
     (tmp_path / "root" / "build" / "m").symlink_to(tmp_path / "elsewhere")
-    (tmp_path / "root" / "f").write_text("")
-    for p in ["root/build", "root/build/m", "root/build/m/cpu", "root/build/absent/x", "root/f", "root/f/x"]:
-        assert _realdir(str(tmp_path / p)) == os.path.realpath(tmp_path / p), p
     roots = [tmp_path / "root"]
     assert guard_path(tmp_path / "root/build/m", roots) == str(tmp_path / "root/build/m")  # the link itself
     for p in ["root/build/m/cpu/t", "root/build/m/absent/t"]:  # through the link: outside
