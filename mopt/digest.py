@@ -34,9 +34,6 @@ class TreeError(MoptError, ValueError):
     A MoptError: uncaught (a symlink or a device in a declared input folder), it is one
     line naming the path and exit 2, not a traceback."""
 
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-
 
 class SymlinkError(TreeError):
     """A folder to digest contains a symbolic link; mopt stores only files and folders."""

@@ -1107,7 +1107,7 @@ class Store:
             mode = _ro_mode(e.mode)
             used = -1
             if can_reflink:
-                if _reflink(blob, dst, mode):
+                if _copy_file(blob, dst, mode, clone=True):
                     used = 0
                 else:
                     can_reflink = False  # not on this filesystem: do not retry per file
@@ -1238,33 +1238,24 @@ def _copy_fd(src: int, dst: int) -> None:
         _write_all(dst, chunk)
 
 
-def _copy_file(src: str, dst: str, mode: int) -> None:
+def _copy_file(src: str, dst: str, mode: int, *, clone: bool = False) -> bool:
+    """Copy `src` to a new file `dst`. `clone`: only as a reflink (sharing its extents);
+    False, leaving no `dst`, where the filesystem cannot."""
     fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         with open(src, "rb") as f:
-            _copy_fd(f.fileno(), fd)
-        os.fchmod(fd, mode)
-    finally:
-        os.close(fd)
-
-
-def _reflink(src: str, dst: str, mode: int) -> bool:
-    """Clone `src` to a new file `dst` sharing its extents; False if the fs cannot."""
-    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        with open(src, "rb") as f:
-            try:
-                fcntl.ioctl(fd, _FICLONE, f.fileno())
-            except OSError:
-                os.close(fd)
-                fd = -1
-                os.unlink(dst)
-                return False
+            if not clone:
+                _copy_fd(f.fileno(), fd)
+            else:
+                try:
+                    fcntl.ioctl(fd, _FICLONE, f.fileno())
+                except OSError:
+                    os.unlink(dst)
+                    return False
         os.fchmod(fd, mode)
         return True
     finally:
-        if fd >= 0:
-            os.close(fd)
+        os.close(fd)
 
 
 def _swap_into_place(new: str, dest: Path) -> None:
