@@ -775,43 +775,26 @@ class Store:
 
     # -- maintenance --------------------------------------------------------------------
 
-    def cleanup_tmp(self, max_age_s: float = TMP_GRACE_S, extra_dirs: Iterable[StrPath] = ()) -> int:
-        """Remove temp files left by crashed writers; return how many were removed.
+    def cleanup_tmp(self, max_age_s: float = TMP_GRACE_S) -> int:
+        """Remove what crashed writers left in tmp/; return how many were removed.
 
         Only entries older than `max_age_s` whose writer no longer holds them are removed:
         a live writer holds an flock on each (a killed one's dies with it), so the default
-        age is only a grace for the moment between creating a file and locking it.
-
-        `extra_dirs` are parents of materialized folders, whose `.mopt-tmp-*` and
-        `.mopt-old-*` children are leftovers of an interrupted `materialize`.
+        age is only a grace for the moment between creating a file and locking it. (The
+        leftovers of an interrupted `materialize` beside a build/ folder are removed by the
+        next `materialize` there.)
         """
         if self.read_only:
             return 0
-        removed = _remove_leftovers(self.tmp_dir, max_age_s, guard=self.guard)
-        for parent in extra_dirs:
-            removed += _remove_leftovers(self._guard_dest(parent), max_age_s, (_TMP_PREFIX, _OLD_PREFIX))
-        return removed
+        return _remove_leftovers(self.tmp_dir, max_age_s, guard=self.guard)
 
     def usage(self) -> Usage:
         """Bytes and counts of blobs, action entries and failed logs."""
-        blob_bytes = blobs = 0
-        for _digest, size, _mtime in self._iter_blobs():
-            blobs += 1
-            blob_bytes += size
-        ac_entries = ac_bytes = 0
-        for d in _scandir_quiet(self.ac_dir):
-            if d.name.endswith(".json"):
-                ac_entries += 1
-                ac_bytes += _size_quiet(d)
-        log_bytes = sum(_size_quiet(d) for d in _scandir_quiet(self.logs_dir))
-        return Usage(
-            total_bytes=blob_bytes + ac_bytes + log_bytes,
-            blobs=blobs,
-            blob_bytes=blob_bytes,
-            ac_entries=ac_entries,
-            ac_bytes=ac_bytes,
-            log_bytes=log_bytes,
-        )
+        blobs = [size for _digest, size, _mtime in self._iter_blobs()]
+        entries = [_size_quiet(d) for d in _scandir_quiet(self.ac_dir) if d.name.endswith(".json")]
+        logs = sum(_size_quiet(d) for d in _scandir_quiet(self.logs_dir))
+        total = sum(blobs) + sum(entries) + logs
+        return Usage(total, len(blobs), sum(blobs), len(entries), sum(entries), logs)
 
     def gc(
         self,
@@ -1272,7 +1255,7 @@ def _swap_into_place(new: str, dest: Path) -> None:
         _rmtree_ro(new)  # now holds the old tree
         return
     # No atomic exchange here: move the old one aside, then the new one in. A crash in
-    # between leaves the old tree at a .mopt-old- name for cleanup_tmp.
+    # between leaves the old tree at a .mopt-old- name for the next materialize there.
     old = tempfile.mkdtemp(prefix=f"{_OLD_PREFIX}{dest.name}-", dir=dest.parent)
     os.rmdir(old)
     os.rename(dest, old)

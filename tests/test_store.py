@@ -414,7 +414,6 @@ def test_materialize_on_another_filesystem_copies(tmp_path: Path) -> None:
         assert hash_tree(dest)[0] == tree
         assert store.materialize(tree, dest) == "unchanged"
     finally:
-        store.cleanup_tmp(max_age_s=0, extra_dirs=[dest.parent])
         rm_read_only(dest.parent)
 
 
@@ -583,8 +582,9 @@ def test_scratch_dir_is_removed_on_exit(tmp_path: Path) -> None:
     assert not d.exists()
 
 
-def test_cleanup_removes_leftovers_of_an_interrupted_materialize(tmp_path: Path) -> None:
+def test_materialize_removes_leftovers_of_an_interrupted_one_beside_it(tmp_path: Path) -> None:
     store = Store(tmp_path / "store")
+    tree, _ = store.put_tree(make_tree(tmp_path / "out", {"a.txt": b"a"}))
     build_dir = tmp_path / "build"
     left = make_tree(build_dir / ".mopt-tmp-onnx-abc123", {"a": b"a"})
     (left / "a").chmod(0o444)
@@ -593,8 +593,8 @@ def test_cleanup_removes_leftovers_of_an_interrupted_materialize(tmp_path: Path)
     fresh = make_tree(build_dir / ".mopt-tmp-trt-def456", {"b": b"b"})
     mine = make_tree(build_dir / "onnx", {"c": b"c"})
     age(mine, 7200)
-    assert store.cleanup_tmp(extra_dirs=[build_dir]) == 1
-    assert sorted(p.name for p in build_dir.iterdir()) == [fresh.name, "onnx"]
+    store.materialize(tree, build_dir / "trt")
+    assert sorted(p.name for p in build_dir.iterdir()) == [fresh.name, "onnx", "trt"]
 
 
 # -- gc ------------------------------------------------------------------------------------
