@@ -925,15 +925,11 @@ class Store:
         return refs
 
     def _missing_blobs(self, e: ActionEntry) -> list[str]:
-        top = [e.outputs_tree] + ([e.log] if e.log is not None else [])
-        missing = [d for d in top if not self.has(d)]
-        if missing:
-            return missing
         try:
-            members = {x.digest for x in self.tree_entries(e.outputs_tree)}
-        except StoreError:
+            refs = self._entry_refs(e)
+        except StoreError:  # the manifest is missing or damaged
             return [e.outputs_tree]
-        return sorted(d for d in members if not self.has(d))
+        return sorted(d for d in refs if not self.has(d))
 
     def _iter_blobs(self) -> Iterator[tuple[str, int, float]]:
         for sub in _scandir_quiet(self.cas_dir):
