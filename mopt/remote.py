@@ -216,21 +216,13 @@ class RemoteCache:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_settings(
-        cls,
-        settings: Any,
-        local_store: Store,
-        *,
-        options: Mapping[str, Any] | None = None,
-        offline: bool = False,
-    ) -> RemoteCache | None:
+    def from_settings(cls, settings: Any, local_store: Store, *, offline: bool = False) -> RemoteCache | None:
         """A cache from `[remote]` settings (`url`, `push`, optional `options`), or None
         when no URL is set, or when `offline` and the URL is not on a local filesystem."""
         url = getattr(settings, "url", None)
         if not url:
             return None
-        opts = dict(getattr(settings, "options", None) or {})
-        opts.update(options or {})
+        opts = getattr(settings, "options", None)
         cache = cls(url, local_store, push=bool(getattr(settings, "push", True)), options=opts)
         if offline and not cache.is_local:
             return None

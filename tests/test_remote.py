@@ -424,7 +424,8 @@ def test_from_settings(tmp_path: Path) -> None:
     s3 = RemoteSettings(url="s3://bucket/p")
     if shutil.which("true") and _has("s3fs"):
         assert RemoteCache.from_settings(s3, store, offline=True) is None
-        r2 = RemoteCache.from_settings(s3, store, options={"client_kwargs": {"endpoint_url": "http://x"}})
+        s3 = RemoteSettings(url="s3://bucket/p", options={"client_kwargs": {"endpoint_url": "http://x"}})
+        r2 = RemoteCache.from_settings(s3, store)
         assert r2 is not None and r2.protocol == "s3" and r2.root == "bucket/p"
 
 
