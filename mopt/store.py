@@ -706,7 +706,9 @@ class Store:
 
     # -- materialize --------------------------------------------------------------------
 
-    def materialize(self, tree_digest: str, dest: StrPath, *, blobs_checked: bool = False) -> MaterializeMethod:
+    def materialize(
+        self, tree_digest: str, dest: StrPath, *, blobs_checked: bool = False
+    ) -> MaterializeMethod:
         """Make `dest` a read-only copy of the stored tree; return how files were placed.
 
         The tree is built at a temp sibling of `dest` and swapped in, so `dest` is never
