@@ -457,11 +457,8 @@ class RemoteCache:
 
     # ------------------------------------------------------------------ writes
 
-    def push_blob(self, digest: str) -> bool:
-        """Upload local blob `digest` unless the remote has it; return whether it uploaded."""
-        return self._push_blob(digest)[0]
-
-    def _push_blob(self, digest: str) -> tuple[bool, int]:
+    def push_blob(self, digest: str) -> tuple[bool, int]:
+        """Upload local blob `digest` unless the remote has it; (whether it uploaded, its bytes)."""
         if digest not in self._bad and self.has_blob(digest):
             return False, 0
         local = self.store.blob_path(digest)
@@ -536,7 +533,7 @@ class RemoteCache:
             todo = list(dict.fromkeys(batch))
             if todo:
                 with ThreadPoolExecutor(max_workers=min(self.transfers, len(todo))) as pool:
-                    done += pool.map(self._push_blob, todo)
+                    done += pool.map(self.push_blob, todo)
         up = sum(1 for uploaded, _n in done if uploaded)
         return up, sum(n for _u, n in done), len(done) - up
 
