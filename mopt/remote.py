@@ -34,7 +34,7 @@ import shutil
 import tempfile
 import threading
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import asdict, dataclass, field
@@ -306,7 +306,9 @@ class RemoteCache:
         if verify:
             try:
                 members = self.fetch_tree(entry.outputs_tree, blobs=False)
-                missing = self.missing_blobs([m.digest for m in members] + ([entry.log] if entry.log else []))
+                todo = list(dict.fromkeys([m.digest for m in members] + ([entry.log] if entry.log else [])))
+                with ThreadPoolExecutor(max_workers=min(self.transfers, max(1, len(todo)))) as pool:
+                    missing = [d for d, ok in zip(todo, pool.map(self.has_blob, todo)) if not ok]
             except RemoteError as exc:
                 log.warning("remote cache %s: entry %s: %s; treating it as a miss", self.url, key, exc)
                 return None
@@ -332,13 +334,6 @@ class RemoteCache:
             with self._lock:
                 self._present.add(digest)
         return ok
-
-    def missing_blobs(self, digests: Iterable[str]) -> list[str]:
-        """The digests among `digests` that the remote lacks, in order, without repeats."""
-        todo = list(dict.fromkeys(digests))
-        with ThreadPoolExecutor(max_workers=min(self.transfers, max(1, len(todo)))) as pool:
-            present = list(pool.map(self.has_blob, todo))
-        return [d for d, ok in zip(todo, present, strict=True) if not ok]
 
     def fetch_blob(self, digest: str) -> str:
         """Download blob `digest` into the local CAS unless it is there; return its local path.

@@ -527,8 +527,6 @@ class Store:
             # blobs for as long as this build runs (see `use`).
             self.use(key)
         try:
-            if not stat.S_ISREG(st.st_mode):
-                raise ValueError("not a regular file")
             # through one descriptor, so the stat recorded is the stat of the bytes read (the
             # name may be replaced meanwhile); a fifo put in its place does not block
             with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as fh:
@@ -629,6 +627,7 @@ class Store:
         Returns None (with a warning) when the store cannot take it, e.g. a full disk: the
         action's own error must still be what the user sees, not this one."""
         dest = self.logs_dir / f"failed-{check_key(key)}.log"
+        data = b""
         try:
             with open(log_path, "rb") as f:
                 data = f.read()
@@ -636,12 +635,7 @@ class Store:
         except (OSError, StoreError) as e:
             # The log is about to go with the action's scratch folder: show its end now,
             # so the action's own error (often the cause, e.g. the same full disk) is seen.
-            try:
-                with open(log_path, "rb") as f:
-                    f.seek(max(0, os.fstat(f.fileno()).st_size - 4096))
-                    tail = f.read().decode("utf-8", "replace").splitlines()[-10:]
-            except OSError:
-                tail = []
+            tail = data[-4096:].decode("utf-8", "replace").splitlines()[-10:]
             log.warning(
                 "could not keep the log of failed action %s: %s%s",
                 key[:16],
