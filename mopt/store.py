@@ -35,13 +35,13 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
-from contextlib import contextmanager, suppress
+from contextlib import AbstractContextManager, contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from mopt.digest import (
     MODE_EXEC,
@@ -165,26 +165,16 @@ class ActionEntry(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    key: str
+    key: Annotated[str, AfterValidator(check_key)]
     kind: str
     target: str
-    outputs_tree: str
-    log: str | None = None
+    outputs_tree: Annotated[str, AfterValidator(check_digest)]
+    log: Annotated[str, AfterValidator(check_digest)] | None = None
     duration_s: float = 0.0
     fingerprint: dict[str, Any] = Field(default_factory=dict)
     host: str = Field(default_factory=socket.gethostname)
     created: float = Field(default_factory=time.time)
     meta: dict[str, Any] = Field(default_factory=dict)
-
-    @field_validator("key")
-    @classmethod
-    def _valid_key(cls, v: str) -> str:
-        return check_key(v)
-
-    @field_validator("outputs_tree", "log")
-    @classmethod
-    def _valid_digest(cls, v: str | None) -> str | None:
-        return v if v is None else check_digest(v)
 
 
 @dataclass(frozen=True)
@@ -667,16 +657,14 @@ class Store:
 
     # -- locks --------------------------------------------------------------------------
 
-    @contextmanager
-    def lock(self, key: str, *, on_wait: Callable[[], None] | None = None) -> Iterator[int]:
+    def lock(self, key: str, *, on_wait: Callable[[], None] | None = None) -> AbstractContextManager[int]:
         """Hold the exclusive lock of action `key` (blocking); `on_wait` runs if it is taken.
 
         Yields the locked descriptor: a process that inherits a copy of it (the action's
         worker and its children) keeps the lock held until the last copy is closed, so a
         waiting build never runs the action beside an orphan of a killed one.
         """
-        with self._flock(check_key(key), shared=False, on_wait=on_wait) as fd:
-            yield fd
+        return self._flock(check_key(key), shared=False, on_wait=on_wait)
 
     @contextmanager
     def in_use(self) -> Iterator[None]:
