@@ -101,9 +101,7 @@ def register(app: click.Group) -> None:
         st = remote.status()
         usage = store.usage()
         local = set(_local_keys(store))
-        remote_keys: set[str] = set()
-        if st.reachable:
-            remote_keys = set(remote.list_keys())
+        remote_keys: set[str] = set(remote.list_keys()) if st.reachable else set()
         obj: dict[str, Any] = {
             "remote": st.to_json(),
             "local": {
