@@ -71,15 +71,7 @@ class TreeEntry:
         # Manifests may come from a shared or remote cache: a path that escapes the tree
         # would let a bad manifest write outside the folder being materialized.
         p = self.path
-        wrapped = f"/{p}/"
-        if (
-            not isinstance(p, str)
-            or not p
-            or "\0" in p
-            or "//" in wrapped
-            or "/./" in wrapped
-            or "/../" in wrapped
-        ):
+        if not isinstance(p, str) or not p or "\0" in p or any(s in f"/{p}/" for s in ("//", "/./", "/../")):
             raise TreeError(f"tree entry path must be relative, normalised posix: {p!r}")
         if type(self.mode) is not int or self.mode not in (MODE_FILE, MODE_EXEC):
             raise TreeError(f"tree entry {p!r}: mode must be 0o644 or 0o755, got {self.mode!r}")
