@@ -360,10 +360,12 @@ class StatCache:
                     self.db_path, timeout=self.timeout_s, isolation_level=None, check_same_thread=False
                 )
                 self._setup(conn)
-            except sqlite3.Error as e:
+            except BaseException as e:
                 if conn is not None:
                     conn.close()
-                if attempt == 0 and _is_damage(e):
+                if not isinstance(e, (sqlite3.Error, OSError)):
+                    raise
+                if attempt == 0 and isinstance(e, sqlite3.Error) and _is_damage(e):
                     self._move_aside(e)
                     if self._unavailable:
                         return None
@@ -371,14 +373,6 @@ class StatCache:
                 _log().warning("stat cache %s cannot be opened, hashing instead: %s", self.db_path, e)
                 self._unavailable = True
                 return None
-            except OSError as e:
-                _log().warning("stat cache %s cannot be opened, hashing instead: %s", self.db_path, e)
-                self._unavailable = True
-                return None
-            except BaseException:
-                if conn is not None:
-                    conn.close()
-                raise
             self._conn = conn
             return conn
         return None
