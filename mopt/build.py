@@ -34,7 +34,7 @@ from mopt.keys import action_key, diff_parts
 from mopt.runner import InputWatch, ProcessRunner, SpawnRunner, action_logger, close_logger
 from mopt.schedule import NodeState, Reporter, built_inputs, missing_inputs, readiness
 from mopt.spawn import Spawn
-from mopt.store import ActionEntry, Store, StoreError, _entry_from_row
+from mopt.store import ActionEntry, Store, StoreError
 
 LOCK_NAME = "mopt.lock"
 
@@ -1068,7 +1068,7 @@ class Engine:
         """One scheduling pass of the driver: the shared gc lock held over it (its hits
         materialize) and one stat-cache transaction for what its hits record, not one of
         each per hit; the hits of this thread inside take neither again."""
-        with self.store.in_use(), self.store.state.batch(), self.store.deferred_use():
+        with self.store.in_use(), self.store.state.batch():
             self._pass_thread = threading.get_ident()
             try:
                 yield
@@ -1205,7 +1205,7 @@ class Engine:
         """
         rec = self._logged(node, key) if node is not None else None
         if rec is not None:
-            logged = _entry_from_row(rec[1])
+            logged = ActionEntry.model_construct(**rec[1])
             if not self.read_only:
                 self.store.use(key)
                 touched = self.store.touch_if_due(key, self.log.stat_now(rec[2][0]))  # type: ignore[union-attr]
@@ -1233,7 +1233,7 @@ class Engine:
         except StoreError as exc:
             logging.getLogger("mopt").warning("%s%s", exc, "; removing it and rebuilding" if repair else "")
             if repair:
-                self.store._remove_blob(entry.outputs_tree)
+                self.store.discard_blob(entry.outputs_tree)
             return None
         if entry.log:
             members.append(entry.log)

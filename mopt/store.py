@@ -234,7 +234,6 @@ class Store:
         self._use_fds: dict[int, int | None] = {}  # shard → descriptor of locks/entries-<NN>.lock
         self._used: set[str] = set()
         self._use_lock = threading.Lock()
-        self._tls = threading.local()  # per thread: whether it holds the shared gc lock (`in_use`)
         if not read_only:
             for d in (self.cas_dir, self.ac_dir, self.tmp_dir, self.logs_dir, self.locks_dir):
                 with self._writing(f"the folder {d}"):
@@ -357,9 +356,6 @@ class Store:
             return False
         _rmtree_ro(path)  # a folder where a blob belongs is damage too
         return True
-
-    def _remove_blob(self, digest: str) -> None:  # mopt.build's name for it, until it says discard_blob
-        self.discard_blob(digest)
 
     def put_bytes(self, data: bytes) -> str:
         """Store `data`; return its digest. A damaged blob of that name is replaced."""
@@ -582,34 +578,9 @@ class Store:
         """
         if self.read_only:
             return
-        later = getattr(self._tls, "deferred", None)
-        if later is not None:  # inside `deferred_use`: under the shared gc lock, locked at its end
-            later[key] = None
-            return
         with self._use_lock:
             if key not in self._used and _lock_entry(self._use_fds, self.locks_dir, key, fcntl.LOCK_SH):
                 self._used.add(key)
-
-    @contextmanager
-    def deferred_use(self) -> Iterator[None]:
-        """Inside, `use` on this thread only notes the key; the entries' locks are all taken
-        at the end, in one run. Only while this thread holds `in_use` (the shared gc lock,
-        which gc's exclusive one excludes for the whole block): no gc can run before the
-        locks are taken, so the entries are kept just as if each were locked at once.
-        A run of locks is ~5x cheaper per lock than locks spread among a hit's other system
-        calls: each lock walks its file's lock list, which stays in the CPU caches in a
-        run (10,000 locks at 10,000 nodes: ~0.28 s spread out, ~0.04 s in a run)."""
-        if not getattr(self._tls, "in_use", 0) or getattr(self._tls, "deferred", None) is not None:
-            yield  # not under the shared gc lock (or nested): each `use` locks at once
-            return
-        keys: dict[str, None] = {}
-        self._tls.deferred = keys
-        try:
-            yield
-        finally:
-            self._tls.deferred = None
-            for key in keys:
-                self.use(key)
 
     def keep_failed_log(self, key: str, log_path: StrPath) -> Path | None:
         """Copy a failed action's log to logs/failed-<key>.log; failures never enter ac/.
@@ -668,23 +639,10 @@ class Store:
 
     @contextmanager
     def in_use(self) -> Iterator[None]:
-        """Keep `gc` out while storing an action's outputs or materializing a hit.
-
-        Re-entrant per thread: the driver holds it over a pass of cache hits, and each hit's
-        materialize inside does not take it again (an open, a flock and a close each)."""
-        if getattr(self._tls, "in_use", 0):
-            self._tls.in_use += 1
-            try:
-                yield
-            finally:
-                self._tls.in_use -= 1
-            return
+        """Keep `gc` out while storing an action's outputs or materializing a hit (a shared
+        flock: holding it again inside, on another descriptor, is granted even while a gc waits)."""
         with self._flock(_GC_LOCK, shared=True):
-            self._tls.in_use = 1
-            try:
-                yield
-            finally:
-                self._tls.in_use = 0
+            yield
 
     # -- materialize --------------------------------------------------------------------
 
@@ -1083,24 +1041,6 @@ class Store:
                 used = 2
             worst = max(worst, used)
         return methods[worst]
-
-
-_ENTRY_FIELDS = frozenset(ActionEntry.model_fields)
-
-
-def _entry_from_row(row: dict[str, Any]) -> ActionEntry:
-    """`ActionEntry.model_construct(**row)` for a row that is the `model_dump` of a validated
-    entry (the build log's): a row with exactly the entry's fields is set as the instance's
-    fields directly, as model_construct ends up doing (its loop over each field's aliases and
-    defaults cost ~4x more, once per hit); any other row goes through model_construct."""
-    if not isinstance(row, dict) or row.keys() != _ENTRY_FIELDS:
-        return ActionEntry.model_construct(**row)
-    e = ActionEntry.__new__(ActionEntry)
-    object.__setattr__(e, "__dict__", dict(row))
-    object.__setattr__(e, "__pydantic_fields_set__", set(_ENTRY_FIELDS))
-    object.__setattr__(e, "__pydantic_extra__", None)
-    object.__setattr__(e, "__pydantic_private__", None)
-    return e
 
 
 # -- file helpers -------------------------------------------------------------------------

@@ -729,27 +729,17 @@ def test_the_path_guard_refuses_a_path_through_a_link_out_but_not_the_link_itsel
             guard_path(tmp_path / p, roots)
 
 
-def test_use_locks_are_taken_at_the_end_of_a_deferred_run_only_under_the_gc_lock(tmp_path: Path) -> None:
-    """`deferred_use` notes the keys `use` is called with and locks them all when it ends,
-    only while the thread holds the shared gc lock (`in_use`): gc cannot run meanwhile.
-    Without it, each `use` locks at once."""
+def test_gc_in_another_process_keeps_the_entries_a_store_uses_until_it_closes(tmp_path: Path) -> None:
     with Store(tmp_path / "store") as store:
         for k in ("k1", "k2", "k3"):
             build(store, tmp_path, k, {f"{k}.txt": k.encode()})
     store = Store(tmp_path / "store")
-    with store.in_use(), store.deferred_use():
+    with store.in_use():
         store.use("k1")
-        store.use("k2")
-        assert store._used == set()  # noted, not locked yet
-    assert store._used == {"k1", "k2"}
-    with store.deferred_use():  # not under the gc lock: at once
-        store.use("k3")
-        assert store._used == {"k1", "k2", "k3"}
-    # the locks are held: gc (another process) keeps these entries
-    report = _gc_in_child(tmp_path / "store")
-    assert report == 0
+    assert store.ac_entry("k2") is not None  # a hit uses its entry too
+    assert _gc_in_child(tmp_path / "store") == 1  # k3 goes; k1 and k2 are held
     store.close()
-    assert _gc_in_child(tmp_path / "store") == 3
+    assert _gc_in_child(tmp_path / "store") == 2
 
 
 def _gc_child(root: str, q: Any) -> None:
