@@ -182,7 +182,7 @@ class Engine:
         self.ident = buildlog.ident_of(str(self.recipe.path), selectors, offline)
         #: the last build's log (None: none, or unreadable): its keys are plan's "why"
         self.log: buildlog.Log | None = None
-        got = buildlog.load(self.log_path, self.ident, str(self.store.root), stats=use_log)
+        got = buildlog.load(self.log_path, self.ident, str(self.store.root))
         if not isinstance(got, str):
             self.log = got
         #: why the log's word is not taken for hits ("" when it is)
@@ -1208,7 +1208,7 @@ class Engine:
             logged = ActionEntry.model_construct(**rec[1])
             if not self.read_only:
                 self.store.use(key)
-                touched = self.store.touch_if_due(key, self.log.stat_now(rec[2][0]))  # type: ignore[union-attr]
+                touched = self.store.touch_if_due(key, self.log.now[rec[2][0]])  # type: ignore[union-attr]
                 if touched is not None:
                     self._touched[node.id] = touched  # type: ignore[union-attr]
             self._from_log[node.id] = rec  # type: ignore[union-attr]

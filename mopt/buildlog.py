@@ -122,18 +122,17 @@ def _cached(method: Any) -> Any:
     return property(get, doc=method.__doc__)
 
 
-def read(path: str, *, keep: bool = False) -> dict[str, Any] | str:
-    """The log at `path`, or why there is none ("no log", "unreadable log"). `keep`: remember
-    it (see `load`)."""
+def read(path: str) -> dict[str, Any] | str:
+    """The log at `path`, or why there is none ("no log", "unreadable log"). Never a blocking
+    open: a fifo or a folder in its place is unreadable."""
+    import stat
+
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return "no log"
     try:
-        import stat
-
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
             return "unreadable log"
         with open(fd, "rb", closefd=False) as fh:
             data = fh.read()
@@ -149,30 +148,20 @@ def read(path: str, *, keep: bool = False) -> dict[str, Any] | str:
         doc = marshal.loads(payload)
     except (EOFError, ValueError, TypeError):
         return "unreadable log"
-    if not isinstance(doc, dict) or doc.get("version") != VERSION:
-        return "unreadable log"
-    if keep:
-        _kept.update(path=path, stat=_FIELDS(st), doc=doc)
-    return doc
+    return doc if isinstance(doc, dict) and doc.get("version") == VERSION else "unreadable log"
 
 
-#: the last log `read(keep=True)` read: path, stat, doc, and the `Log` made of it (`load`)
-_kept: dict[str, Any] = {}
-
-
-def load(path: str, ident: Any, store: str, *, stats: bool = True) -> Log | str:
-    """The log at `path` of the build `ident` in `store`, its files' stats taken (unless not
-    `stats`), or why there is none. The full path after a no-op's miss in this process takes
-    the no-op's (the same file, unchanged since): its stats are not taken twice."""
+def load(path: str, ident: Any, store: str) -> Log | str:
+    """The log at `path` of the build `ident` in `store`, every recorded file's stat taken
+    (`Log.stat_all`), or why there is none. Kept for this process: the full path after a
+    no-op's miss takes the no-op's (the same file, unchanged since), not its stats again."""
     try:
         st = _FIELDS(os.stat(path))
     except OSError:
         return "no log"
-    log = _kept.get("log")
-    if isinstance(log, Log) and _kept.get("path") == path and _kept.get("stat") == st:
-        if stats and not isinstance(log.now, list):  # the no-op missed before it took them
-            log.stat_all()
-        return log
+    kept = _kept.get(path)
+    if kept is not None and kept[0] == st:
+        return kept[1]
     doc = read(path)
     if isinstance(doc, str):
         return doc
@@ -180,11 +169,15 @@ def load(path: str, ident: Any, store: str, *, stats: bool = True) -> Log | str:
         if doc["ident"] != ident or doc["store"] != store:
             return "a log of another build"
         log = Log(path, doc)
-        if stats:
-            log.stat_all()
+        log.stat_all()
     except (KeyError, TypeError, ValueError, IndexError, AttributeError):
         return "unreadable log"
+    _kept[path] = (st, log)
     return log
+
+
+#: path → (its stat, the `Log` read from it) of the logs this process loaded
+_kept: dict[str, tuple[FileStat, Log]] = {}
 
 
 class Log:
@@ -198,8 +191,8 @@ class Log:
         self.paths: list[str] = doc["paths"].split("\0") if doc["paths"] else []
         self.racy: set[int] = set(doc["racy"])
         self.touchable: set[int] = set(doc["touchable"])
-        #: the stats now, of every file (`stat_all`), else index → stat of those taken
-        self.now: list[FileStat | None] | dict[int, FileStat | None] = {}
+        #: the stat of every recorded file now (None: gone), taken by `stat_all`
+        self.now: list[FileStat | None] = []
         #: every file holds (`stat_all` found them all as recorded)
         self.all_hold = False
         #: after `stat_all`: the files whose stat is not the recorded one, or racy (the rest hold)
@@ -235,20 +228,8 @@ class Log:
             return True
         got = self.verdict.get(i)
         if got is None:
-            now = self.now
-            if isinstance(now, list) or i in now:
-                fs = now[i]
-            else:
-                try:
-                    fs = now[i] = _FIELDS(os.stat(self.paths[i]))
-                except (OSError, ValueError):
-                    fs = now[i] = None
-            got = self.verdict[i] = self._decide(i, fs)
+            got = self.verdict[i] = self._decide(i, self.now[i])
         return got
-
-    def stat_now(self, i: int) -> FileStat | None:
-        """The stat of file `i` as this process took it (after `holds(i)`)."""
-        return self.now[i] if isinstance(self.now, list) or i in self.now else None
 
     def _decide(self, i: int, now: FileStat | None) -> bool:
         if now is None:
@@ -363,7 +344,6 @@ class Log:
         for p in doc["absent"]:
             if os.path.lexists(p):
                 return f"appeared: {p}"
-        self.stat_all()
         if self.all_hold:
             return ""
         i = self.first_change(range(len(self.paths)))
@@ -472,21 +452,14 @@ _asked: dict[str, Any] = {}
 def _noop(recipe: str, ident: tuple[str, tuple[str, ...], bool]) -> tuple[Log | None, str]:
     why = "no store folder"
     for store in stores_of(recipe):
-        path = log_path(store, ident)
-        doc = read(path, keep=True)
-        if isinstance(doc, str):
-            why = doc
+        log = load(log_path(store, ident), ident, store)
+        if isinstance(log, str):
+            why = log
             continue
         try:
-            if doc["ident"] != ident:
-                why = "a log of another build"
-                continue
-            log = Log(path, doc)
-            _kept["log"] = log
             why = log.why_not(store)
-        except (KeyError, TypeError, ValueError, IndexError, AttributeError):
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError):  # well-formed bytes, wrong shape
             why = "unreadable log"
-            continue
         if not why:
             return log, ""
     return None, why

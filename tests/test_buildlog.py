@@ -89,18 +89,22 @@ def same_answer(a: dict, b: dict) -> None:
 # --------------------------------------------------------------------------- the rule, file by file
 
 
-def _log(tmp_path: Path, files: list[tuple[Path, tuple[str, int] | None, bool, bool]]) -> buildlog.Log:
-    """A log of `files` (path, digest, touchable, recorded as racy), written and read back."""
+def _log(tmp_path: Path, files: list[tuple[Path, tuple[str, int] | None, bool, bool]]) -> None:
+    """Write a log of `files` (path, digest, touchable, recorded as racy)."""
     w = buildlog.Writer()
     for path, digest, touchable, racy in files:
         st = file_stat(os.stat(path))
         assert w.file(str(path), st, digest, touchable=touchable, taken=st[4] if racy else None) is not None
-    log = str(tmp_path / "store" / "log" / "x.log")
-    w.save(log, ident=("r", (), False), store=str(tmp_path / "store"), env=buildlog.environment(), env_names=[],
-           absent=[], noop="", result={"recipe": "r", "ids": [], "selected": [], "build_dir": "b"})
-    doc = buildlog.read(log)
-    assert isinstance(doc, dict)
-    return buildlog.Log(log, doc)
+    w.save(str(tmp_path / "store" / "log" / "x.log"), ident=("r", (), False), store=str(tmp_path / "store"),
+           env=buildlog.environment(), env_names=[], absent=[], noop="",
+           result={"recipe": "r", "ids": [], "selected": [], "build_dir": "b"})
+
+
+def _check(tmp_path: Path) -> tuple[str, buildlog.Log]:
+    """(why the log of `_log` does not hold now, "" if it does; the log as read)."""
+    log = buildlog.load(str(tmp_path / "store" / "log" / "x.log"), ("r", (), False), str(tmp_path / "store"))
+    assert isinstance(log, buildlog.Log), log
+    return log.why_not(str(tmp_path / "store")), log
 
 
 def _digest(p: Path) -> tuple[str, int]:
@@ -113,28 +117,30 @@ def test_a_recorded_file_holds_while_its_stat_is_the_one_recorded(tmp_path: Path
     old = time.time_ns() - 10**9
     os.utime(f, ns=(old, old))
     time.sleep(0.25)  # its ctime (set by utime) out of the racy window
-    log = _log(tmp_path, [(f, None, False, False)])
-    assert log.why_not(str(tmp_path / "store")) == "" and log.hashed == [0, 0]
+    _log(tmp_path, [(f, None, False, False)])
+    why, log = _check(tmp_path)
+    assert why == "" and log.hashed == [0, 0]
     for change in ("touch", "edit"):
-        log = _log(tmp_path, [(f, _digest(f), False, False)])
+        _log(tmp_path, [(f, _digest(f), False, False)])
         if change == "touch":
             os.utime(f)
         else:
             f.write_text("y")
         # not touchable (a blob, a build/ file): any new stat is a change
-        assert log.why_not(str(tmp_path / "store")) == f"changed: {f}"
+        assert _check(tmp_path)[0] == f"changed: {f}"
 
 
 def test_a_touched_head_file_is_rehashed_and_holds_with_the_same_bytes(tmp_path: Path) -> None:
     f = tmp_path / "r.toml"
     f.write_text("schema = 1\n")
-    log = _log(tmp_path, [(f, _digest(f), True, False)])
+    _log(tmp_path, [(f, _digest(f), True, False)])
     os.utime(f, ns=(time.time_ns() - 10**9, time.time_ns() - 10**9))
-    assert log.why_not(str(tmp_path / "store")) == "" and log.hashed[0] == 1
+    why, log = _check(tmp_path)
+    assert why == "" and log.hashed[0] == 1
     assert list(log.learnt) == [0]
     f.chmod(0o755)  # the mode is part of what is recorded: an executable input is another input
-    log = _log(tmp_path, [(f, (hash_file(f), 0o644), True, False)])
-    assert log.why_not(str(tmp_path / "store")) == f"changed: {f}"
+    _log(tmp_path, [(f, (hash_file(f), 0o644), True, False)])
+    assert _check(tmp_path)[0] == f"changed: {f}"
 
 
 def test_a_file_recorded_within_the_racy_window_is_checked_by_its_digest(tmp_path: Path) -> None:
@@ -142,11 +148,12 @@ def test_a_file_recorded_within_the_racy_window_is_checked_by_its_digest(tmp_pat
     its last change holds only if its bytes are the recorded ones (git's racily clean rule)."""
     f = tmp_path / "out"
     f.write_text("built")
-    right = _log(tmp_path, [(f, _digest(f), False, True)])
-    assert right.why_not(str(tmp_path / "store")) == "" and right.hashed[0] == 1
+    _log(tmp_path, [(f, _digest(f), False, True)])
+    why, log = _check(tmp_path)
+    assert why == "" and log.hashed[0] == 1
     # the same stat, other bytes than recorded: what a rewrite within the tick looks like
-    wrong = _log(tmp_path, [(f, (hash_bytes(b"other"), 0o644), False, True)])
-    assert wrong.why_not(str(tmp_path / "store")) == f"changed: {f}"
+    _log(tmp_path, [(f, (hash_bytes(b"other"), 0o644), False, True)])
+    assert _check(tmp_path)[0] == f"changed: {f}"
     # and one with no digest to check it by is not recorded at all
     w = buildlog.Writer()
     assert w.file(str(f), file_stat(os.stat(f)), None, taken=os.stat(f).st_ctime_ns) is None
@@ -156,25 +163,24 @@ def test_a_folder_recorded_within_the_racy_window_is_checked_by_its_listing(tmp_
     d = tmp_path / "d"
     d.mkdir()
     (d / "a").write_text("a")
-    listing = (hash_bytes(b"a"), 0)
-    assert _log(tmp_path, [(d, listing, False, True)]).why_not(str(tmp_path / "store")) == ""
-    other = (hash_bytes(b"a\0b"), 0)
-    assert _log(tmp_path, [(d, other, False, True)]).why_not(str(tmp_path / "store")) == f"changed: {d}"
+    _log(tmp_path, [(d, (hash_bytes(b"a"), 0), False, True)])
+    assert _check(tmp_path)[0] == ""
+    _log(tmp_path, [(d, (hash_bytes(b"a\0b"), 0), False, True)])
+    assert _check(tmp_path)[0] == f"changed: {d}"
 
 
 def test_learning_records_the_new_stat_so_the_next_check_hashes_nothing(tmp_path: Path) -> None:
     f = tmp_path / "r.toml"
     f.write_text("schema = 1\n")
-    log = _log(tmp_path, [(f, _digest(f), True, False)])
+    _log(tmp_path, [(f, _digest(f), True, False)])
     past = time.time_ns() - 10**9
     os.utime(f, ns=(past, past))
     time.sleep(0.25)  # the new ctime out of the racy window: it can be learnt
-    assert log.why_not(str(tmp_path / "store")) == ""
+    why, log = _check(tmp_path)
+    assert why == ""
     log.learn()
-    doc = buildlog.read(log.path)
-    assert isinstance(doc, dict)
-    again = buildlog.Log(log.path, doc)
-    assert again.why_not(str(tmp_path / "store")) == "" and again.hashed == [0, 0]
+    why, again = _check(tmp_path)
+    assert why == "" and again.hashed == [0, 0]
 
 
 _FORKED = """
@@ -199,7 +205,7 @@ if mode == "write":
     w.save(log, ident=("r", (), False), store=os.path.join(root, "store"), env=buildlog.environment(),
            env_names=[], absent=[], noop="", result={})
 else:
-    got = buildlog.Log(log, buildlog.read(log)).why_not(os.path.join(root, "store"))
+    got = buildlog.load(log, ("r", (), False), os.path.join(root, "store")).why_not(os.path.join(root, "store"))
     print(json.dumps({"forked": len(forks), "why": got}))
 """
 
