@@ -77,8 +77,8 @@ def built(data: dict) -> int:
 
 
 def was_noop(data: dict) -> int:
-    """1 if the build was the no-op (answered from its build log), else 0."""
-    return int(bool(data["io"].get("noop")))
+    """1 if the build was the no-op, else 0 (`noop_stamp`: an earlier engine's word for it)."""
+    return int(bool(data["io"].get("noop") or data["io"].get("noop_stamp")))
 
 
 def bench_mopt(
