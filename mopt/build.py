@@ -828,8 +828,9 @@ class Engine:
         off = [] if all(st.status in ("built", "cached") for st in states.values()) else ["the build did not succeed"]
         if self.fast_path_off(states):
             off.append(self.fast_path_off(states))
-        absent = self._log_head(w, off)
-        self._log_inputs(w, off)
+        plugin_files: list[int] = []  # the loaded modules and sys.path folders: the plugin set
+        absent = self._log_head(w, off, plugin_files)
+        self._log_inputs(w, off, plugin_files)
         env_names = self._log_nodes(w, states)
         w.save(
             self.log_path,
@@ -839,6 +840,10 @@ class Engine:
             env_names=env_names,
             absent=absent,
             noop="; ".join(off),
+            # the plugins this build used: the next one loads only these while the plugin set
+            # holds (not after a load that warned: those warnings are a full load's)
+            plugins=None if self.registry.warnings or off else self._plugins_used(states),
+            plugin_files=plugin_files,
             result={
                 "recipe": str(self.recipe.path),
                 "ids": list(states),
@@ -860,7 +865,20 @@ class Engine:
             },
         )
 
-    def _log_head(self, w: buildlog.Writer, off: list[str]) -> list[str]:
+    def _plugins_used(self, states: dict[str, NodeState]) -> list[str]:
+        """The plugins (not built in) that registered what these nodes use."""
+        reg, used = self.registry, set()
+        for st in states.values():
+            n = st.node
+            used.add(("targets", n.kind))
+            used.add(("hardware", n.hardware.name))
+            used.add(("families", n.model.spec.family))
+            if n.model.spec.source is not None:
+                used.add(("sources", n.model.source_kind))
+        used.add(("executors", self.project.config.executor.get("kind", "local")))
+        return sorted({reg.origin[u] for u in used if u in reg.origin} - {p for p in reg.origin.values() if p.startswith("mopt.builtin")})
+
+    def _log_head(self, w: buildlog.Writer, off: list[str], plugin_files: list[int]) -> list[str]:
         """Record the recipe files and settings as they were read, the lock file as it is now
         and the code that ran (every loaded module: one changed since this process loaded it
         is not what ran); the files that must not appear (a mopt.toml nearer the recipe, the
@@ -906,18 +924,20 @@ class Engine:
                 continue
             k = old.index.get(mod) if old is not None else None
             if old is not None and k is not None and old.stats[k] == file_stat(mst) and k in old.digests and k not in old.racy:
-                watch(mod, file_stat(mst), old.digests[k])  # as the last build read it
-                continue
-            try:
-                with open(mod, "rb") as fh:
-                    mst = os.fstat(fh.fileno())
-                    data = fh.read()
-            except OSError:
-                continue
-            watch(mod, file_stat(mst), (hash_bytes(data), mode_of(mst.st_mode)))
+                digest = old.digests[k]  # as the last build read it
+            else:
+                try:
+                    with open(mod, "rb") as fh:
+                        mst = os.fstat(fh.fileno())
+                        digest = (hash_bytes(fh.read()), mode_of(mst.st_mode))
+                except OSError:
+                    continue
+            watch(mod, file_stat(mst), digest)
+            if mod in w.index:
+                plugin_files.append(w.index[mod])
         return absent
 
-    def _log_inputs(self, w: buildlog.Writer, off: list[str]) -> None:
+    def _log_inputs(self, w: buildlog.Writer, off: list[str], plugin_files: list[int]) -> None:
         """Record what the build read besides the recipe: the declared input files and folders
         (every file and folder in them: a folder's own stat changes when an entry directly in
         it comes or goes), the model sources it made or read, and the folders of sys.path (a
@@ -925,7 +945,8 @@ class Engine:
         from mopt.digest import hash_bytes, mode_of
 
         files = list(self._source_files)
-        folders = buildlog.path_dirs()
+        on_path = buildlog.path_dirs()
+        folders = list(on_path)
         for path, _digest, _info in self._sources.values():
             folders.extend(f for f, _sub, _files in os.walk(path, followlinks=True))
         for declared in self._file_digests:
@@ -955,8 +976,11 @@ class Engine:
             except OSError:
                 continue
             digest = (hash_bytes(listing.encode("utf-8", "surrogateescape")), 0)
-            if w.file(folder, file_stat(fst), digest, touchable=True) is None:
+            i = w.file(folder, file_stat(fst), digest, touchable=True)
+            if i is None:
                 off.append(f"{folder} changed while the build read it")
+            elif folder in on_path:
+                plugin_files.append(i)
 
     def _log_nodes(self, w: buildlog.Writer, states: dict[str, NodeState]) -> list[str]:
         """Record each node this build built or found: its key, its entry, its entry file and

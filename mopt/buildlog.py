@@ -438,6 +438,7 @@ def noop(
     (`Log.learn`); `mopt plan` learns nothing: it writes nothing."""
     ident = ident_of(recipe, selectors, offline)
     if _asked.get("ident") != ident:  # `python -m mopt` asked before click: the same answer
+        _asked.pop("seen", None)
         _asked["ident"], _asked["answer"] = ident, _noop(recipe, ident)
     log, why = _asked["answer"]
     if log is not None and learn:
@@ -445,8 +446,21 @@ def noop(
     return log, why
 
 
-#: the last `noop` in this process: its ident and answer
+#: the last `noop` in this process: its ident, its answer, the log it looked at ("seen")
 _asked: dict[str, Any] = {}
+
+
+def plugins_of_last_build() -> list[str] | None:
+    """The plugins the build whose log the last `noop` looked at used, while every module
+    file and sys.path folder of that log holds (nothing installed, removed or edited since);
+    else None (every plugin is to be loaded)."""
+    log = _asked.get("seen")
+    if log is None or log.doc.get("plugins") is None:
+        return None
+    try:
+        return None if log.first_change(log.doc["plugin_files"]) is not None else list(log.doc["plugins"])
+    except (KeyError, TypeError, IndexError):
+        return None
 
 
 def _noop(recipe: str, ident: tuple[str, tuple[str, ...], bool]) -> tuple[Log | None, str]:
@@ -456,6 +470,7 @@ def _noop(recipe: str, ident: tuple[str, tuple[str, ...], bool]) -> tuple[Log | 
         if isinstance(log, str):
             why = log
             continue
+        _asked["seen"] = log
         try:
             why = log.why_not(store)
         except (KeyError, TypeError, ValueError, IndexError, AttributeError):  # well-formed bytes, wrong shape

@@ -100,7 +100,10 @@ def dump_compact(obj: Any) -> str:
 class Session:
     """A loaded recipe with its project, plugins and graph."""
 
-    def __init__(self, recipe_path: Path) -> None:
+    def __init__(self, recipe_path: Path, plugins: list[str] | None = None) -> None:
+        """`plugins`: load just the built-ins and these (what the last build of this recipe
+        used, while its build log shows them unchanged); a recipe that names anything else
+        is loaded again with every plugin, so its errors and hints are the full registry's."""
         from mopt.config import load_project
         from mopt.gcpause import paused_gc
         from mopt.graph import build_graph
@@ -111,9 +114,17 @@ class Session:
             raise MoptError("recipe not found", file=str(recipe_path), hint="give the path to a .toml recipe")
         with paused_gc(freeze=True):  # all of it lives as long as the session
             self.project = load_project(recipe_path.resolve().parent)
-            self.registry = get_registry(self.project.config.plugins.disable)
-            self.recipe = load_recipe(recipe_path, self.registry)
-            self.graph = build_graph(self.recipe, self.registry)
+            disable = self.project.config.plugins.disable
+            try:
+                self.registry = get_registry(disable, plugins)
+                self.recipe = load_recipe(recipe_path, self.registry)
+                self.graph = build_graph(self.recipe, self.registry)
+            except MoptError:
+                if plugins is None:
+                    raise
+                self.registry = get_registry(disable)
+                self.recipe = load_recipe(recipe_path, self.registry)
+                self.graph = build_graph(self.recipe, self.registry)
 
 
 def _disabled(project_dir: Path | None = None) -> list[str]:
@@ -188,19 +199,19 @@ def plan(recipe: Path, selectors: tuple[str, ...], no_log: bool, as_json: bool) 
     SELECTORS are model.hardware:target, globs allowed ('*.h200', '*:onnx')."""
     import os
 
-    use_log = not no_log and not os.environ.get("MOPT_NO_LOG")
-    if use_log and not as_json and recipe.exists():
-        from mopt import buildlog
+    from mopt import buildlog
 
+    use_log = not no_log and not os.environ.get("MOPT_NO_LOG")
+    if use_log and recipe.exists():
         log, _why = buildlog.noop(str(recipe), selectors, False, learn=False)
-        if log is not None:  # the last build of these selectors, and nothing changed since
+        if log is not None and not as_json:  # the last build of these selectors, nothing changed since
             import marshal
 
             for w in log.doc["result"]["warnings"]:
                 err.print(f"warning: {w}")
             plan_table((i, n, kind, deps, "up to date", sec) for i, n, kind, deps, sec in marshal.loads(log.doc["result"]["plan"]))
             return
-    s = Session(recipe)
+    s = Session(recipe, buildlog.plugins_of_last_build() if use_log else None)
     ids = s.graph.select(list(selectors))
     statuses = _statuses(s, ids, selectors, use_log)
     if as_json:

@@ -200,7 +200,7 @@ def register(app: click.Group) -> None:
                 return
         from mopt.build import Engine
 
-        s = Session(recipe)
+        s = Session(recipe, buildlog.plugins_of_last_build() if use_log else None)
         wanted = s.graph.match(list(selectors))
         ids = s.graph.closure(wanted)
         if not no_check:
@@ -450,6 +450,9 @@ def _report_build(engine: Any, states: dict[str, Any], seconds: float, as_json: 
                     # why this build was not a no-op, and why the log was not used
                     "noop_miss": miss,
                     "log_miss": engine.log_miss,
+                    # the plugins loaded besides the built-ins (after an edit, only those the
+                    # last build used, while the log shows them unchanged)
+                    "plugins": sorted(p for p in engine.registry.plugins if not p.startswith("mopt.builtin")),
                 },
                 "build_dir": str(engine.build_dir),
                 "nodes": [st.as_json() for st in states.values()],

@@ -7,6 +7,7 @@ hooks as third parties (pytest's model). Entry points are loaded lazily, on firs
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.metadata as md
 import inspect
@@ -36,10 +37,12 @@ ENTRY_POINT_GROUP = "mopt"
 
 
 
+@functools.cache
 def _entry_points() -> list[md.EntryPoint]:
     """The `mopt` entry points in registration order: mopt's own plugin distributions
     (mopt-*, modules mopt_*) first, then the others, each by name; so a third party that
-    registers a name mopt's plugins already have is the one blamed, however pip ordered them."""
+    registers a name mopt's plugins already have is the one blamed, however pip ordered them.
+    Read once a process (each scan of the installed distributions costs ~7 ms)."""
 
     def third_party(ep: md.EntryPoint) -> bool:
         dist = getattr(ep, "dist", None)
@@ -140,8 +143,9 @@ def installed_plugin_names() -> list[str]:
     return [*BUILTIN_PLUGINS, *(ep.name for ep in _entry_points())]
 
 
-def make_plugin_manager(disable: Iterable[str] = ()) -> pluggy.PluginManager:
-    """A plugin manager with the built-ins and installed entry points, minus `disable`."""
+def make_plugin_manager(disable: Iterable[str] = (), only: Iterable[str] | None = None) -> pluggy.PluginManager:
+    """A plugin manager with the built-ins and installed entry points, minus `disable` (and,
+    with `only`, the entry points not named there)."""
     pm = pluggy.PluginManager("mopt")
     pm.add_hookspecs(hookspecs)
     blocked = set(disable)
@@ -152,7 +156,7 @@ def make_plugin_manager(disable: Iterable[str] = ()) -> pluggy.PluginManager:
             continue
         pm.register(importlib.import_module(modname), name=modname)
     for ep in _entry_points():
-        if ep.name in blocked or pm.get_plugin(ep.name) is not None:
+        if ep.name in blocked or pm.get_plugin(ep.name) is not None or (only is not None and ep.name not in only):
             continue
         try:
             plugin = ep.load()
@@ -434,9 +438,10 @@ def _check_executor(obj: Any, plugin: str) -> str:
 _REGISTRY: dict[Any, Registry] = {}
 
 
-def _full_registry(blocked: tuple[str, ...], from_env: list[str]) -> Registry:
-    """Every plugin loaded, its warnings collected (not yet printed)."""
-    reg = build_registry(make_plugin_manager(blocked), blocked)
+def _load(blocked: tuple[str, ...], from_env: list[str], only: frozenset[str] | None) -> Registry:
+    """The plugins loaded (every one, or the built-ins and `only`), their warnings collected
+    (not yet printed)."""
+    reg = build_registry(make_plugin_manager(blocked, only), blocked)
     for name in blocked:
         reg.disabled_by[name] = "MOPT_DISABLE_PLUGINS" if name in from_env else "[plugins] disable"
     known = installed_plugin_names()
@@ -451,15 +456,19 @@ def _full_registry(blocked: tuple[str, ...], from_env: list[str]) -> Registry:
     return reg
 
 
-def get_registry(disable: Iterable[str] = ()) -> Registry:
-    """The registry for this process, every plugin loaded on first use (idempotent per
-    disable list). `disable` is the project's `[plugins] disable`; MOPT_DISABLE_PLUGINS adds
-    to it. Its warnings (undecorated hooks, disabled names that are no plugin) go to stderr
-    once."""
+def get_registry(disable: Iterable[str] = (), only: Iterable[str] | None = None) -> Registry:
+    """The registry for this process, loaded on first use (idempotent per disable list).
+    `disable` is the project's `[plugins] disable`; MOPT_DISABLE_PLUGINS adds to it. With
+    `only`, just the built-ins and those plugins are loaded (the ones a recipe's last build
+    used, per its build log: see `mopt.cli.Session`). Warnings (undecorated hooks, disabled
+    names that are no plugin) go to stderr once."""
     from_env = disabled_from_env()
     blocked = tuple(sorted(set(disable) | set(from_env)))
-    if blocked not in _REGISTRY:
-        reg = _REGISTRY[blocked] = _full_registry(blocked, from_env)
+    some = None if only is None else frozenset(only)
+    if (blocked, None) in _REGISTRY:  # every plugin: it serves every caller
+        return _REGISTRY[(blocked, None)]
+    if (blocked, some) not in _REGISTRY:
+        reg = _REGISTRY[(blocked, some)] = _load(blocked, from_env, some)
         for w in reg.warnings:
             sys.stderr.write(f"warning: {w}\n")
-    return _REGISTRY[blocked]
+    return _REGISTRY[(blocked, some)]

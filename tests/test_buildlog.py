@@ -424,3 +424,26 @@ def test_a_stamp_left_in_the_default_store_does_not_shadow_the_configured_one(pr
     data = build(proj)
     assert data["io"].get("noop"), data["io"]["noop_miss"]
     assert list((proj / ".other" / "log").glob("*.log"))
+
+
+def test_after_an_edit_only_the_plugins_the_last_build_used_are_loaded(proj: Path) -> None:
+    """The log names the plugins its build used; while no module file or sys.path folder it
+    recorded changed, the next build loads only those (here: none but the built-ins). A recipe
+    that then names another plugin's kind loads every plugin, as it would have anyway."""
+    first = build(proj)
+    assert "fixture" in first["io"]["plugins"]  # no log yet: every plugin
+    edit(proj)
+    assert build(proj)["io"]["plugins"] == []  # `command` is built in
+    edit(proj)
+    assert "fixture" in build(proj, "--no-log")["io"]["plugins"]
+    # another plugin's kind (the fixture's), named in the recipe now
+    (proj / "toy-model").mkdir()
+    (proj / "toy-model" / "config.json").write_text("{}")
+    (proj / "toy-model" / "w.bin").write_bytes(b"w")
+    with open(proj / "r.toml", "a") as fh:
+        fh.write('\n[models.toy]\nfamily = "toyfam"\nsource = { path = "toy-model" }\n[toy.cpu]\ntargets = ["toy-weights"]\n')
+    data = build(proj)
+    assert "fixture" in data["io"]["plugins"]
+    assert {n["id"] for n in data["nodes"]} == NODES | {"toy.cpu:toy-weights"}
+    edit(proj)
+    assert build(proj)["io"]["plugins"] == ["fixture"]
