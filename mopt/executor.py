@@ -490,7 +490,6 @@ def _run(spec: Spawn, store: Store, registry: Any, remote: Any, *, executor: str
                     out=str(out_dir),
                     tmp=str(tmp_dir),
                     log=str(log_path),
-                    logger_prefix=f"mopt.{executor}.action",
                     host=host,
                 ),
                 registry,

@@ -21,8 +21,8 @@ ACTION_FDS: tuple[int, ...] = ()
 def _child_setup() -> None:
     # between fork and exec: die with the worker that started us (PR_SET_PDEATHSIG);
     # the prctl function is looked up before forking
-    if _prctl is not None:
-        _prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
+    if prctl is not None:
+        prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
 
 
 def _load_prctl() -> Any:
@@ -34,7 +34,8 @@ def _load_prctl() -> Any:
         return None
 
 
-_prctl = _load_prctl()
+#: libc's prctl (None without one), looked up once: the worker processes call it too
+prctl = _load_prctl()
 
 
 class Terminated(KeyboardInterrupt):

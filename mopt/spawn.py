@@ -61,8 +61,7 @@ class Spawn:
     out: str = ""
     tmp: str = ""
     log: str = ""
-    #: prefix of the action's logger name (a remote executor's differs)
-    logger_prefix: str = "mopt.action"
+    #: the machine, named in the log when the action runs on another one
     host: str = ""
 
     def to_json(self) -> str:
@@ -90,9 +89,6 @@ class SpawnResult:
     duration: float = 0.0
     #: one line: the exception, or how the process ended
     error: str = ""
-    #: the signal that ended the worker (crashed), else None
-    signal: int | None = None
-    exit_code: int | None = None
     out: Path = Path()
     log: Path = Path()
 
