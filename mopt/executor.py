@@ -30,7 +30,7 @@ from mopt.api import ActionNode, Artifact, HardwareProfile
 from mopt.errors import MoptError
 from mopt.runner import InputWatch, execute_spawn
 from mopt.schedule import NodeState, Reporter, built_inputs, readiness
-from mopt.spawn import Spawn
+from mopt.spawn import Spawn, SpawnResult
 from mopt.store import ActionEntry, Store
 
 LOG_TAIL_BYTES = 64 * 1024
@@ -51,26 +51,12 @@ class RemoteResult:
     host: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "status": self.status,
-            "entry": None if self.entry is None else self.entry.model_dump(mode="json"),
-            "reason": self.reason,
-            "duration": self.duration,
-            "log_tail": self.log_tail,
-            "host": self.host,
-        }
+        return {**vars(self), "entry": None if self.entry is None else self.entry.model_dump(mode="json")}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> RemoteResult:
-        entry = d.get("entry")
-        return cls(
-            status=str(d["status"]),
-            entry=None if entry is None else ActionEntry.model_validate(entry),
-            reason=str(d.get("reason") or ""),
-            duration=float(d.get("duration") or 0.0),
-            log_tail=str(d.get("log_tail") or ""),
-            host=str(d.get("host") or ""),
-        )
+        entry = d["entry"]
+        return cls(**{**d, "entry": None if entry is None else ActionEntry.model_validate(entry)})
 
 
 # ---------------------------------------------------------------------- the driver side
@@ -377,17 +363,15 @@ def run_remote_spawn(spawn_json: str, worker: dict[str, Any], *, executor: str =
             return RemoteResult("cached", entry=entry, host=host).to_json()
         registry = get_registry(spec.disabled_plugins)
         try:
-            result = _run(spec, store, registry, remote, executor=executor)
+            result = _run(spec, store, registry, remote, executor=executor, host=host)
         except (RemoteError, StoreError) as exc:
-            return RemoteResult("failed", reason=f"fetching inputs on {host}: {exc}", host=host).to_json()
+            result = RemoteResult("failed", reason=f"fetching inputs on {host}: {exc}")
         if result.entry is not None and result.status in ("built", "cached"):
             try:
                 remote.push(spec.key, result.entry)
             except (RemoteError, StoreError) as exc:
-                return RemoteResult(
-                    "failed", reason=f"built on {host}, but pushing the outputs failed: {exc}", host=host
-                ).to_json()
-        return result.to_json()
+                result = RemoteResult("failed", reason=f"built on {host}, but pushing the outputs failed: {exc}")
+        return replace(result, host=host).to_json()
     finally:
         store.close()
 
@@ -398,17 +382,15 @@ def fingerprint_diff(want: dict[str, Any], have: dict[str, Any]) -> list[str]:
     return [f"{n} {want.get(n)!r} → {have.get(n)!r}" for n in names if want.get(n) != have.get(n)]
 
 
-def _run(spec: Spawn, store: Store, registry: Any, remote: Any, *, executor: str) -> RemoteResult:
+def _run(spec: Spawn, store: Store, registry: Any, remote: Any, *, executor: str, host: str) -> RemoteResult:
     """Run `spec` into `store` (under the action's lock), its inputs fetched from `remote`."""
     from mopt.machine import unmet
 
-    host = socket.gethostname()
     kind_cls = registry.targets.get(spec.kind)
     if kind_cls is None:
         return RemoteResult(
             "unbuildable",
             reason=f"target kind {spec.kind!r} is not installed on {host} (install its plugin on the workers)",
-            host=host,
         )
     kind = kind_cls()
     hardware = HardwareProfile.model_validate(spec.hardware)
@@ -422,12 +404,11 @@ def _run(spec: Spawn, store: Store, registry: Any, remote: Any, *, executor: str
                 + "; ".join(fingerprint_diff(want_fp, have_fp))
                 + " (install the same versions on the driver and the workers)"
             ),
-            host=host,
         )
     params = kind.Params.model_validate(spec.params)
     why = unmet(kind.requirements(params, hardware), hardware)
     if why:
-        return RemoteResult("unbuildable", reason=f"unbuildable on {host}: {why}", host=host)
+        return RemoteResult("unbuildable", reason=f"unbuildable on {host}: {why}")
 
     def tree_into(tree: str, dest: Path) -> None:
         remote.fetch_tree(tree)
@@ -437,7 +418,7 @@ def _run(spec: Spawn, store: Store, registry: Any, remote: Any, *, executor: str
     with store.lock(spec.key), ExitStack() as stack:
         entry = store.ac_entry(spec.key)
         if entry is not None:
-            return RemoteResult("cached", entry=entry, host=host)
+            return RemoteResult("cached", entry=entry)
         # the store keeps a scratch folder from `cleanup_tmp` while in use; removed at the end
         scratch = stack.enter_context(store.scratch_dir(prefix="action-"))
         out_dir, tmp_dir, in_dir = scratch / "out", scratch / "tmp", scratch / "in"
@@ -505,49 +486,40 @@ def _run(spec: Spawn, store: Store, registry: Any, remote: Any, *, executor: str
                 with contextlib.suppress(OSError), open(log_path, "a") as fh:  # a full disk: `why` is reported all the same
                     fh.write(f"mopt: FAILED: {why}\n")
                 res = replace(res, status="failed", error=why)
-            if not res.ok:
-                store.keep_failed_log(spec.key, log_path)
-                return RemoteResult(
-                    "failed", reason=res.error, duration=res.duration, log_tail=_tail(log_path), host=host
-                )
-            with store.in_use():
-                tree, _entries = store.put_tree(out_dir)
-                log_digest = store.put_log(log_path)
-                entry = store.ac_put(
-                    spec.key,
-                    ActionEntry(
-                        key=spec.key,
-                        kind=spec.kind,
-                        target=spec.node_id,
-                        outputs_tree=tree,
-                        log=log_digest,
-                        duration_s=res.duration,
-                        fingerprint=want_fp,
-                        host=host,
-                        meta={
-                            "result": res.meta,
-                            "parts": spec.parts,
-                            "reproducible": kind.reproducible,
-                            "recipe": spec.recipe,
-                            "executor": executor,
-                        },
-                    ),
-                )
-            return RemoteResult("built", entry=entry, duration=res.duration, host=host)
+            if res.ok:
+                with store.in_use():
+                    tree, _entries = store.put_tree(out_dir)
+                    log_digest = store.put_log(log_path)
+                    entry = store.ac_put(
+                        spec.key,
+                        ActionEntry(
+                            key=spec.key,
+                            kind=spec.kind,
+                            target=spec.node_id,
+                            outputs_tree=tree,
+                            log=log_digest,
+                            duration_s=res.duration,
+                            fingerprint=want_fp,
+                            host=host,
+                            meta={
+                                "result": res.meta,
+                                "parts": spec.parts,
+                                "reproducible": kind.reproducible,
+                                "recipe": spec.recipe,
+                                "executor": executor,
+                            },
+                        ),
+                    )
+                return RemoteResult("built", entry=entry, duration=res.duration)
         except BaseException as exc:  # fetching or storing failed: the action fails, not the worker
             if isinstance(exc, KeyboardInterrupt | SystemExit):
                 raise
             with contextlib.suppress(OSError), open(log_path, "a") as fh:  # a full disk: the reason is reported
                 fh.write("mopt: FAILED: " + "".join(traceback.format_exception_only(exc)).strip() + "\n")
                 fh.write(traceback.format_exc())
-            store.keep_failed_log(spec.key, log_path)
-            return RemoteResult(
-                "failed",
-                reason=f"{type(exc).__name__}: {exc}",
-                duration=time.time() - t0,
-                log_tail=_tail(log_path),
-                host=host,
-            )
+            res = SpawnResult("failed", duration=time.time() - t0, error=f"{type(exc).__name__}: {exc}")
+        store.keep_failed_log(spec.key, log_path)
+        return RemoteResult("failed", reason=res.error, duration=res.duration, log_tail=_tail(log_path))
 
 
 def _tail(path: Path) -> str:
