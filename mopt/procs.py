@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -25,17 +26,12 @@ def _child_setup() -> None:
         prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
 
 
-def _load_prctl() -> Any:
-    try:
-        import ctypes
-
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
 #: libc's prctl (None without one), looked up once: the worker processes call it too
-prctl = _load_prctl()
+prctl: Any
+try:
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):
+    prctl = None
 
 
 class Terminated(KeyboardInterrupt):

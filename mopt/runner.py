@@ -141,7 +141,11 @@ def execute_spawn(spawn: Spawn, registry: Any, on_line: Callable[[str], None] | 
         tempfile.tempdir = None  # recomputed from this action's TMPDIR, if it sets one
         where = f" on {spawn.host}" if spawn.host else ""
         logger.info(f"mopt: building {spawn.node_id} ({spawn.kind}) key {spawn.key[:16]}{where}")
-        restore.set_env(spawn.env)
+        for k, v in spawn.env.items():  # None: unset
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         meta = kind.run(ctx) or {}
         json.dumps(meta)  # metadata must be JSON: fail here, not in the cache
         duration = time.time() - t0
@@ -193,13 +197,6 @@ class _Restore:
         os.umask(self.umask)
         torch = sys.modules.get("torch")
         self.torch_threads = torch.get_num_threads() if torch is not None else None
-
-    def set_env(self, values: dict[str, str | None]) -> None:
-        for k, v in values.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
     def restore(self) -> None:
         if dict(os.environ) != self.env:
@@ -353,7 +350,6 @@ class _Worker(_Child):
         super().__init__(proc, sock, cleanup)
         self.scratch = scratch
         self.sandboxed = sandboxed
-        self.plugins: set[str] = set()  # whose kinds it ran (their imports are warm in it)
         self.last_used = 0.0
         #: modules imported in it: by its zygote before the fork, and by the kinds it ran
         self.warm = set(warm)
@@ -419,7 +415,7 @@ class ProcessRunner:
     whether they have the network, so a pool may hold both sorts. Each has a scratch
     folder of its own from `scratch()` (a context manager that yields a new folder).
 
-    Where it can (`zygote_reason`), the pool forks its workers from a fork server, one
+    Where it can (`_forks`), the pool forks its workers from a fork server, one
     per sort (a "zygote", as Android's): a process started like a worker that imports the
     modules the actions' kinds declare (`TargetKind.preload`: torch, transformers, ...)
     once, then forks a worker per request. So torch is imported once per build and sort,
@@ -461,11 +457,6 @@ class ProcessRunner:
         if not (self.sandbox and spawn_sandboxed):
             return "host"
         return "net" if network else "nonet"
-
-    @staticmethod
-    def _forks(sort: str) -> bool:
-        """Whether workers of `sort` are forked by a zygote."""
-        return zygote_reason(sort != "host") is None
 
     def _argv(self, child_fd: int, scratch: Path, sort: str, role: str) -> list[str]:
         ppid = os.getpid() if sort == "host" else 0  # in bubblewrap its parent is bubblewrap's init
@@ -530,7 +521,7 @@ class ProcessRunner:
         wanted: dict[str, list[str]] = {}
         for sandboxed, network, preload in kinds:
             sort = self._sort(sandboxed, network)
-            if preload and self._forks(sort):
+            if preload and _forks(sort):
                 mods = wanted.setdefault(sort, [])
                 mods += [m for m in preload if m not in mods]
 
@@ -544,12 +535,12 @@ class ProcessRunner:
             self._spawner.submit(start, sort, tuple(mods))
 
     def _start(self, sort: str, needs: tuple[str, ...]) -> _Worker:
-        if self._forks(sort):
+        if _forks(sort):
             return self._zygote(sort).fork(needs)
         proc, sock, scratch, cleanup = self._launch(sort, "worker")
         return _Worker(proc, sock, scratch, cleanup, sandboxed=sort != "host")
 
-    def _spawn(self, key: str, spare: bool, needs: tuple[str, ...]) -> Future[_Worker]:
+    def _spawn(self, key: str, needs: tuple[str, ...]) -> Future[_Worker]:
         """Start a worker on the spawner thread (counted as starting until it is up).
 
         One long-lived thread forks every worker and zygote: PR_SET_PDEATHSIG fires when
@@ -559,43 +550,38 @@ class ProcessRunner:
 
         def start() -> _Worker:
             try:
-                w = self._start(key, needs)
+                return self._start(key, needs)
             finally:
                 with self._cond:
                     self._starting -= 1
                     self._cond.notify_all()
-            if spare:
-                self._release(w, key)
-            return w
 
         return self._spawner.submit(start)
 
-    def _acquire(self, key: str, plugin: str, needs: tuple[str, ...]) -> _Worker:
+    def _acquire(self, key: str, needs: tuple[str, ...]) -> _Worker:
         with self._cond:
             while True:
                 if self._closed:
                     raise RuntimeError("the action runner was shut down")
-                # a worker that has the kind's modules warm, then the one that already ran
-                # this plugin's kinds most recently; a never-used spare only when none has
+                # a worker that has the kind's modules warm, the most recently used first
                 fits = [
-                    (w.warm.issuperset(needs), plugin in w.plugins, w.last_used, i)
+                    (w.warm.issuperset(needs), w.last_used, i)
                     for i, (k, w) in enumerate(self._idle)
                     if k == key and w.proc.poll() is None
                 ]
-                forks = self._forks(key)
+                forks = _forks(key)
                 if fits:
-                    warm, _, _, i = max(fits)
+                    warm, _, i = max(fits)
                     if warm or not forks:
                         w = self._idle.pop(i)[1]
                         self._busy.add(w)
-                        self._keep_spare(key, needs)
                         return w
                     # forked workers are cheap: a fresh one from the zygote (which imports
                     # the modules once) beats importing them here, in one worker of several
                     self._idle.pop(i)[1].close()
                 total = len(self._idle) + len(self._busy) + self._starting
                 if total < self.max_workers:
-                    fut = self._spawn(key, spare=False, needs=needs)
+                    fut = self._spawn(key, needs)
                     break
                 if self._idle:  # only workers of the other sort are idle: make room
                     _k, old = self._idle.pop(0)
@@ -605,15 +591,7 @@ class ProcessRunner:
         w = fut.result()
         with self._cond:
             self._busy.add(w)
-            self._keep_spare(key, needs)
         return w
-
-    def _keep_spare(self, key: str, needs: tuple[str, ...]) -> None:
-        """Start one more worker in the background while there is room, so that the next
-        action that can run beside this one finds a warm worker (called with the lock)."""
-        total = len(self._idle) + len(self._busy) + self._starting
-        if total < self.max_workers and not self._starting and not any(k == key for k, _ in self._idle):
-            self._spawn(key, spare=True, needs=needs)
 
     def _release(self, w: _Worker, key: str) -> None:
         with self._cond:
@@ -630,8 +608,7 @@ class ProcessRunner:
         self, spawn: Spawn, *, on_line: Callable[[str], None] | None = None, lock_fd: int | None = None
     ) -> Iterator[SpawnResult]:
         key = self._sort(spawn.sandboxed, spawn.network)
-        w = self._acquire(key, spawn.plugin, spawn.preload)
-        w.plugins.add(spawn.plugin)
+        w = self._acquire(key, spawn.preload)
         w.warm.update(spawn.preload)
         w.last_used = time.monotonic()
         out, tmp, log = _workdir(w.scratch)
@@ -685,20 +662,16 @@ SpawnRunner = ProcessRunner
 # ---------------------------------------------------------------------- the zygote (fork server)
 
 
-def zygote_reason(sandboxed: bool) -> str | None:
-    """Why workers are NOT forked from a zygote here (None: they are).
+def _forks(sort: str) -> bool:
+    """Whether workers of `sort` are forked from a zygote here.
 
-    Off with MOPT_ZYGOTE=0; Linux only (fork with the inherited state is what Linux
+    Not with MOPT_ZYGOTE=0; Linux only (fork with the inherited state is what Linux
     offers; elsewhere `fork` after imports such as torch's is unsafe); in a sandbox it
     needs Landlock (Linux 5.13+, `landlock` in the kernel's LSM list), because the workers
     of one sandbox share its mounts and must fence themselves off from each other."""
-    if os.environ.get("MOPT_ZYGOTE", "1") == "0":
-        return "MOPT_ZYGOTE=0"
-    if not sys.platform.startswith("linux"):
-        return "not Linux"
-    if sandboxed and landlock_abi() < 1:
-        return "Landlock is not available (needed to keep forked sandboxed workers apart)"
-    return None
+    if os.environ.get("MOPT_ZYGOTE", "1") == "0" or not sys.platform.startswith("linux"):
+        return False
+    return sort == "host" or landlock_abi() >= 1
 
 
 class _ForkedProc:
