@@ -1,15 +1,9 @@
-"""What an executor other than `local` gets (see `mopt.api.Executor`): a `BuildSession` on
-the driver, and `run_remote_spawn`, the remote runner, on the machine that runs an action.
-
-Bazel's remote execution, in mopt's terms: the driver keys each action, takes hits from
-the local store and the remote cache, and hands the executor the misses as `Spawn`s (the
-value the local runners run, as JSON; its inputs by digest, already on the remote cache).
-Wherever the executor runs one, `run_remote_spawn` fetches the inputs from the remote cache
-into a local store, runs the kind through `mopt.runner.execute_spawn` (the function the
-local workers run), checks that the inputs did not change, and pushes the outputs (blobs
-first, the action entry last). Its result goes back to the session (`finished`), which
-records it like a local build: the build/ folders, the lock file and the reporter's lines
-are the session's business, never the executor's.
+"""What an executor other than `local` gets (Bazel's remote execution; the contract is
+`mopt.api.Executor`): a `BuildSession` on the driver, which keys the actions, takes the hits
+and hands out the misses as `Spawn`s, and `run_remote_spawn`, the remote runner, on the
+machine that runs one: it fetches the inputs from the remote cache into a local store, runs
+the kind through `mopt.runner.execute_spawn` (as the local workers do), checks that the
+inputs did not change, and pushes the outputs (blobs first, the action entry last).
 """
 
 from __future__ import annotations
@@ -34,9 +28,6 @@ from mopt.spawn import Spawn, SpawnResult
 from mopt.store import ActionEntry, Store
 
 LOG_TAIL_BYTES = 64 * 1024
-
-
-# ---------------------------------------------------------------------- the result
 
 
 @dataclass
@@ -370,16 +361,11 @@ def run_remote_spawn(spawn_json: str, worker: dict[str, Any], *, executor: str =
             try:
                 remote.push(spec.key, result.entry)
             except (RemoteError, StoreError) as exc:
-                result = RemoteResult("failed", reason=f"built on {host}, but pushing the outputs failed: {exc}")
+                why = f"built on {host}, but pushing the outputs failed: {exc}"
+                result = RemoteResult("failed", reason=why)
         return replace(result, host=host).to_json()
     finally:
         store.close()
-
-
-def fingerprint_diff(want: dict[str, Any], have: dict[str, Any]) -> list[str]:
-    """`name a → b` for each tool whose version differs between the key and this machine."""
-    names = sorted(set(want) | set(have))
-    return [f"{n} {want.get(n)!r} → {have.get(n)!r}" for n in names if want.get(n) != have.get(n)]
 
 
 def _run(spec: Spawn, store: Store, registry: Any, remote: Any, *, executor: str, host: str) -> RemoteResult:
@@ -397,13 +383,12 @@ def _run(spec: Spawn, store: Store, registry: Any, remote: Any, *, executor: str
     want_fp = dict(spec.parts.get("fingerprint") or {})
     have_fp = dict(kind.fingerprint())
     if have_fp != want_fp:
+        names = sorted(n for n in set(want_fp) | set(have_fp) if want_fp.get(n) != have_fp.get(n))
+        diff = "; ".join(f"{n} {want_fp.get(n)!r} → {have_fp.get(n)!r}" for n in names)
         return RemoteResult(
             "failed",
-            reason=(
-                f"tools on {host} differ from the ones the action key was made with: "
-                + "; ".join(fingerprint_diff(want_fp, have_fp))
-                + " (install the same versions on the driver and the workers)"
-            ),
+            reason=f"tools on {host} differ from the ones the action key was made with: {diff} "
+            "(install the same versions on the driver and the workers)",
         )
     params = kind.Params.model_validate(spec.params)
     why = unmet(kind.requirements(params, hardware), hardware)
@@ -428,14 +413,13 @@ def _run(spec: Spawn, store: Store, registry: Any, remote: Any, *, executor: str
         log_path.touch()
         t0 = time.time()
         try:
-            inputs: dict[str, list[Artifact]] = {}
-            for slot, arts in spec.inputs.items():
-                got = []
-                for k, a in enumerate(arts):
-                    dest = in_dir / f"{slot}-{k}"
-                    tree_into(a.digest, dest)
-                    got.append(replace(a, path=dest))
-                inputs[slot] = got
+            inputs = {
+                slot: [replace(a, path=in_dir / f"{slot}-{k}") for k, a in enumerate(arts)]
+                for slot, arts in spec.inputs.items()
+            }
+            for arts in inputs.values():
+                for a in arts:
+                    tree_into(a.digest, a.path)
             source = None
             if spec.source_tree is not None:
                 source = scratch / "source"
@@ -453,9 +437,9 @@ def _run(spec: Spawn, store: Store, registry: Any, remote: Any, *, executor: str
                     os.chmod(dest, 0o444)
             # its inputs must come out of the action as they went in (blobs are hard-linked)
             digests = {
-                os.path.join(str(in_dir / f"{slot}-{k}"), e.path): e.digest
-                for slot, arts in spec.inputs.items()
-                for k, a in enumerate(arts)
+                os.path.join(a.path, e.path): e.digest
+                for arts in inputs.values()
+                for a in arts
                 for e in store.tree_entries(a.digest)
             }
             watched = [in_dir, project_dir, *([source] if source is not None else [])]

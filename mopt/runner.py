@@ -30,7 +30,6 @@ import ctypes
 import faulthandler
 import functools
 import gc
-import itertools
 import json
 import logging
 import os
@@ -67,9 +66,6 @@ _PR_SET_CHILD_SUBREAPER = 36
 # ---------------------------------------------------------------------- the action logger
 
 
-_logger_ids = itertools.count(1)
-
-
 class _TailHandler(logging.Handler):
     def __init__(self, cb: Callable[[str], None]) -> None:
         super().__init__()
@@ -81,10 +77,9 @@ class _TailHandler(logging.Handler):
 
 def action_logger(key: str, path: Path, on_line: Callable[[str], None] | None = None) -> logging.Logger:
     """A logger of its own for one action: INFO and up into `path` (the action's log),
-    every message to `on_line` (the live last line); close it with `close_logger`."""
-    logger = logging.getLogger(f"mopt.action.{key[:16]}.{next(_logger_ids)}")
-    logger.setLevel(logging.DEBUG)
-    logger.propagate = False
+    every message to `on_line` (the live last line); close it with `close_logger`. Not
+    registered with `logging` (no name to find it by): it goes with the action."""
+    logger = logging.Logger(f"mopt.action.{key[:16]}", logging.DEBUG)
     fh = logging.FileHandler(path, encoding="utf-8")
     fh.setFormatter(logging.Formatter("%(message)s"))
     fh.setLevel(logging.INFO)
@@ -254,31 +249,17 @@ def resolve_sandbox(mode: str) -> tuple[bool, str]:
     return False, "bubblewrap not found (apt-get install bubblewrap): actions run unsandboxed"
 
 
-#: set for a zygote's own imports where mopt's environment does not set them (its forked
-#: workers inherit the libraries' state but not the variables: the actions, and what they
-#: start, see mopt's environment as it is)
-ZYGOTE_ENV_DEFAULTS = {
-    # OpenMP threads (torch's intra-op pool, MKL) sleep when idle instead of spinning: in
-    # worker processes beside each other (and beside other processes on the same cores)
-    # the spinning pools made a tiny model's ops ~10x slower (a linear 25 ms instead of
-    # 3 ms on a loaded 2-core machine) and burnt the CPU that the other actions needed
-    "OMP_WAIT_POLICY": "PASSIVE",
-}
-
-
 def _worker_env(zygote: bool) -> dict[str, str]:
     env = {**os.environ, "MOPT_WORKER": "1"}
-    if zygote:
-        added = [k for k in ZYGOTE_ENV_DEFAULTS if k not in env]
-        env.update({k: ZYGOTE_ENV_DEFAULTS[k] for k in added})
-        env["MOPT_ZYGOTE_ADDED"] = " ".join(added)
+    if zygote and "OMP_WAIT_POLICY" not in env:
+        # OpenMP threads (torch's intra-op pool, MKL) sleep when idle instead of spinning: in
+        # worker processes beside each other (and beside other processes on the same cores)
+        # the spinning pools made a tiny model's ops ~10x slower (a linear 25 ms instead of
+        # 3 ms on a loaded 2-core machine) and burnt the CPU that the other actions needed.
+        # For the zygote's imports only: its forked workers inherit the libraries' state but
+        # drop the variable (MOPT_ZYGOTE_OMP), so actions see mopt's environment as it is.
+        env["OMP_WAIT_POLICY"] = env["MOPT_ZYGOTE_OMP"] = "PASSIVE"
     return env
-
-
-def _drop_zygote_env() -> None:
-    """In a forked worker: the variables `_worker_env` added for its zygote's imports go."""
-    for k in os.environ.pop("MOPT_ZYGOTE_ADDED", "").split():
-        os.environ.pop(k, None)
 
 
 def _kill_group(pid: int) -> None:
@@ -415,15 +396,12 @@ class ProcessRunner:
     whether they have the network, so a pool may hold both sorts. Each has a scratch
     folder of its own from `scratch()` (a context manager that yields a new folder).
 
-    Where it can (`_forks`), the pool forks its workers from a fork server, one
-    per sort (a "zygote", as Android's): a process started like a worker that imports the
-    modules the actions' kinds declare (`TargetKind.preload`: torch, transformers, ...)
-    once, then forks a worker per request. So torch is imported once per build and sort,
-    not once per worker; a worker that lacks a module the next action needs is replaced
-    by a fresh fork (milliseconds) rather than made to import it (seconds). Under
-    bubblewrap the zygote runs inside the sandbox and each worker it forks restricts its
-    own writes to its scratch folder and the store's `cache/` with Landlock, so workers
-    of one sandbox cannot write into each other's folders.
+    Where it can (`_forks`), workers are forked by their sort's zygote (as Android's); a
+    worker that lacks a module the next action needs is replaced by a fresh fork
+    (milliseconds) rather than made to import it (seconds). Under bubblewrap the zygote
+    runs inside the sandbox and each worker it forks fences its own writes in to its
+    scratch folder and the store's `cache/` with Landlock, as the workers of one sandbox
+    share its mounts.
     """
 
     def __init__(
@@ -1168,7 +1146,8 @@ def zygote_main(argv: list[str]) -> int:
                 try:
                     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # its children are its own
                     signal.pthread_sigmask(signal.SIG_UNBLOCK, chld)
-                    _drop_zygote_env()
+                    if os.environ.pop("MOPT_ZYGOTE_OMP", None):
+                        del os.environ["OMP_WAIT_POLICY"]
                     conn.close()
                     sock.close()
                     os.setsid()  # a process group of its own: killed as one
