@@ -295,15 +295,10 @@ class _Child:
 
     def kill_group(self) -> None:
         """SIGKILL it and its process group, also right after it died: its pid stays
-        reserved as the group's id while any member lives (children it left behind). A
-        forked worker's group is killed by its zygote (in a sandbox its pids are the
-        sandbox's own)."""
-        if isinstance(self.proc, _ForkedProc):
-            if self.proc.poll() is None:  # else its zygote killed the group when it reaped it
-                self.proc.kill()
-            return
-        with contextlib.suppress(OSError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        reserved as the group's id while any member lives (children it left behind)."""
+        if not isinstance(self.proc, _ForkedProc):  # a forked one's zygote kills the group as it reaps
+            with contextlib.suppress(OSError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
         if self.proc.poll() is None:
             with contextlib.suppress(OSError):
                 self.proc.kill()
@@ -349,17 +344,15 @@ class _Worker(_Child):
             if lock_fd is not None:
                 sendfds(self.sock, [lock_fd])
             while True:
-                if not self.conn.poll(0.5):
-                    if self.proc.poll() is not None:
+                while not self.conn.poll(0.5):
+                    if self.proc.poll() is not None:  # dead, though its socket may live on in a child
                         raise EOFError
-                    continue
-                msg = self.conn.recv()
-                if msg[0] == "line":
-                    if on_line is not None:
-                        on_line(msg[1])
-                elif msg[0] == "done":
-                    res: SpawnResult = msg[1]
+                what, value = self.conn.recv()
+                if what == "done":
+                    res: SpawnResult = value
                     return res
+                if on_line is not None:  # a "line"
+                    on_line(value)
         except (EOFError, OSError):
             return self._crashed(spawn, time.time() - t0)
 
@@ -496,12 +489,11 @@ class ProcessRunner:
         a build calls this before it keys its actions (resolving sources, hashing inputs),
         so the imports overlap that work instead of following the first miss. Kinds that
         preload nothing start nothing here (their zygote starts at their first miss)."""
-        wanted: dict[str, list[str]] = {}
+        wanted: dict[str, dict[str, None]] = {}  # sort → its modules, in order
         for sandboxed, network, preload in kinds:
             sort = self._sort(sandboxed, network)
             if preload and _forks(sort):
-                mods = wanted.setdefault(sort, [])
-                mods += [m for m in preload if m not in mods]
+                wanted.setdefault(sort, {}).update(dict.fromkeys(preload))
 
         def start(sort: str, mods: tuple[str, ...]) -> None:
             with self._cond:
@@ -511,12 +503,6 @@ class ProcessRunner:
 
         for sort, mods in wanted.items():
             self._spawner.submit(start, sort, tuple(mods))
-
-    def _start(self, sort: str, needs: tuple[str, ...]) -> _Worker:
-        if _forks(sort):
-            return self._zygote(sort).fork(needs)
-        proc, sock, scratch, cleanup = self._launch(sort, "worker")
-        return _Worker(proc, sock, scratch, cleanup, sandboxed=sort != "host")
 
     def _spawn(self, key: str, needs: tuple[str, ...]) -> Future[_Worker]:
         """Start a worker on the spawner thread (counted as starting until it is up).
@@ -528,7 +514,10 @@ class ProcessRunner:
 
         def start() -> _Worker:
             try:
-                return self._start(key, needs)
+                if _forks(key):
+                    return self._zygote(key).fork(needs)
+                proc, sock, scratch, cleanup = self._launch(key, "worker")
+                return _Worker(proc, sock, scratch, cleanup, sandboxed=key != "host")
             finally:
                 with self._cond:
                     self._starting -= 1
@@ -962,14 +951,15 @@ def _become_worker(ppid: int) -> bool:
 
 
 def worker_main(argv: list[str]) -> int:
-    if argv[:1] == ["--zygote"]:
-        return zygote_main(argv[1:])
-    fd, ppid = int(argv[0]), int(argv[1])
-    if _become_worker(ppid):
+    """`python -m mopt.runner [--zygote] FD PPID [DISABLED_PLUGIN...]`: a worker or a zygote
+    that talks to mopt over socket FD and dies with PPID (0: no check)."""
+    zygote = argv[:1] == ["--zygote"]
+    fd, ppid, *disabled = argv[1:] if zygote else argv
+    if _become_worker(int(ppid)):
         # the plugins load now, while mopt is still busy elsewhere: the first action then
         # finds a warm worker
-        _registry(tuple(argv[2:]))
-        _serve(fd)
+        _registry(tuple(disabled))
+        (zygote_main if zygote else _serve)(int(fd))
     return 0
 
 
@@ -1039,8 +1029,8 @@ def landlock_writes(allowed: list[str]) -> None:
 # ---------------------------------------------------------------------- the zygote process
 
 
-def zygote_main(argv: list[str]) -> int:
-    """The fork server: load the plugins, then serve `fork` / `kill` requests until EOF.
+def zygote_main(fd: int) -> None:
+    """The fork server: serve `preload` / `fork` / `kill` requests on socket `fd` until EOF.
 
     It never runs an action itself and starts no thread of its own, so a fork copies a
     process that holds no lock of another thread. The modules a request names are
@@ -1053,16 +1043,10 @@ def zygote_main(argv: list[str]) -> int:
     same process would get the first's), it is started as a plain interpreter (it cannot
     be put inside bubblewrap, one per sandbox sort), and it imports everything up front;
     this one is per build and sort, runs inside the sandbox, and imports on demand."""
-    fd, ppid = int(argv[0]), int(argv[1])
-    if not _become_worker(ppid):
-        return 0
     sock = socket.socket(fileno=fd)
     conn = Connection(os.dup(fd))
-    disabled = tuple(argv[2:])
-    _registry(disabled)
     zygote_pid = os.getpid()
-    loaded: list[str] = []
-    failed: list[str] = []
+    tried: list[str] = []  # modules imported here, or that failed to (a fork would fail too)
     workers: set[int] = set()
     chld = {signal.SIGCHLD}
 
@@ -1091,28 +1075,23 @@ def zygote_main(argv: list[str]) -> int:
                 send(("exit", pid, code))
 
     def on_sigchld(_sig: int, _frame: Any) -> None:
-        # report a worker's end at once, also while a long import runs here
+        # a worker's end is reported at once, also while a long import runs here
         with contextlib.suppress(OSError):
             reap()
 
     def preload(needs: tuple[str, ...]) -> None:
         for mod in needs:
-            if mod not in loaded and mod not in failed:
+            if mod not in tried:
+                tried.append(mod)
                 try:
                     __import__(mod)
-                    loaded.append(mod)
                 except BaseException as exc:  # the action meets it again, in its log
-                    failed.append(mod)
                     print(f"mopt zygote: preloading {mod} failed: {exc!r}", file=sys.stderr, flush=True)
 
     signal.signal(signal.SIGCHLD, on_sigchld)
 
     try:
         while True:
-            ready = conn.poll(0.1)
-            reap()
-            if not ready:
-                continue
             try:
                 msg = conn.recv()
             except (EOFError, OSError):
@@ -1167,13 +1146,11 @@ def zygote_main(argv: list[str]) -> int:
                     os._exit(code)
             os.close(wfd)
             workers.add(pid)
-            # modules that failed to import count as preloaded: a new fork would not have them either
-            send(("forked", pid, loaded + failed))
+            send(("forked", pid, tried))
     finally:
         for pid in list(workers):
             _kill_group(pid)
         _end_leftovers()
-    return 0
 
 
 if __name__ == "__main__":
