@@ -77,7 +77,6 @@ class BuildSession:
         self._want = set(ids) if materialize is None else set(materialize)
         self._states = {i: NodeState(self._graph.nodes[i]) for i in ids}
         self._outputs: dict[str, str] = {}
-        self._meta: dict[str, dict[str, Any]] = {}
         self._on_remote: set[str] = set()  # node ids whose entry is known to be on the remote
         self._sources: dict[str, str] = {}  # model name → source tree digest, uploaded
         self.store_tmp = engine.store.tmp_dir
@@ -169,11 +168,11 @@ class BuildSession:
             for d in dep_ids:
                 if d not in self._outputs:  # a partial slot's missing input
                     continue
-                self._ensure_on_remote(d)
-                dep = self._graph.nodes[d]
+                entry = self._ensure_on_remote(d)
+                dep, meta = self._graph.nodes[d], dict(entry.meta.get("result") or {})
                 # no path: the remote runner puts the tree where its action reads it
                 arts.append(
-                    Artifact(Path(), dep.kind, dep.target.name, self._outputs[d], self._meta[d],
+                    Artifact(Path(), dep.kind, dep.target.name, entry.outputs_tree, meta,
                              label=dep.label, input_labels=self._graph.input_labels(dep))
                 )  # fmt: skip
             inputs[slot] = arts
@@ -238,10 +237,9 @@ class BuildSession:
             if res.entry.key != st.key:
                 self.done(node_id, "failed", f"worker returned an entry for another key ({res.entry.key[:16]})")
                 return False
-            self._on_remote.add(node_id)
             if res.duration:
                 st.duration = res.duration
-            if not self._finish(st, res.entry, "built" if res.status == "built" else "cached", local=False):
+            if not self._finish(st, res.entry, res.status, local=False):
                 st.status = "failed"
                 st.reason = f"built on {res.host}, but its outputs could not be downloaded (see the log)"
                 return False
@@ -281,15 +279,15 @@ class BuildSession:
 
     # -- inside
 
-    def _ensure_on_remote(self, node_id: str) -> None:
-        """Push an input that only the local store has (a local hit) before a worker needs it."""
-        if node_id in self._on_remote:
-            return
+    def _ensure_on_remote(self, node_id: str) -> ActionEntry:
+        """An input's entry, pushed first if only the local store has it (a local hit)."""
         st = self._states.get(node_id)
         if st is None or st.entry is None or st.key is None:
             raise ValueError(f"input {node_id} has no action entry")
-        self.remote.push(st.key, st.entry)
-        self._on_remote.add(node_id)
+        if node_id not in self._on_remote:
+            self.remote.push(st.key, st.entry)
+            self._on_remote.add(node_id)
+        return st.entry
 
     def _upload_source(self, model_name: str) -> str:
         """Put the model's source checkpoint into the remote CAS (once); return its tree digest."""
@@ -321,7 +319,6 @@ class BuildSession:
                     self._engine.store.materialize(entry.outputs_tree, self._engine.address_path(address))
         st.entry = entry
         self._outputs[node.id] = entry.outputs_tree
-        self._meta[node.id] = dict(entry.meta.get("result") or {})
         self.done(node.id, status, st.reason)
         return True
 

@@ -1,19 +1,14 @@
 """Running one action: a `Spawn` (mopt.spawn) in, a `SpawnResult` out (Bazel's SpawnRunner).
 
-`execute_spawn` is the one function that turns a spawn into a `BuildContext` and runs the
-kind; every runner ends there, in a process of its own:
-
-* `ProcessRunner`: a pool of warm worker processes on this machine, forked from a fork
-  server (`python -m mopt.runner --zygote`, one per sort of worker) that has imported the
-  modules the kinds declare (`TargetKind.preload`), so heavy imports (torch) are paid once
-  per build, not once per worker or action (`MOPT_ZYGOTE=0`: each worker is a new
-  `python -m mopt.runner`);
-* the same pool with `sandbox=True`: each worker runs inside bubblewrap with the whole
-  filesystem read-only except its own scratch folder and the store's `cache/` (the GPU
-  devices bound in; no network for kinds with `network = False`);
-* the remote runner (`mopt.executor.run_remote_spawn`), which an executor plugin calls in a
-  process of its own on another machine: it fetches the spawn's inputs by digest and calls
-  `execute_spawn` there.
+`execute_spawn` turns a spawn into a `BuildContext` and runs the kind, always in a process
+of its own: a worker of `ProcessRunner`'s warm pool on this machine (with `sandbox=True`
+inside bubblewrap: the filesystem read-only but for its scratch folder and the store's
+`cache/`, the GPUs bound in, no network for kinds with `network = False`), or the remote
+runner (`mopt.executor.run_remote_spawn`) that an executor plugin calls on another machine.
+The pool forks its workers from a fork server per sort of worker (a "zygote", `python -m
+mopt.runner --zygote`) that has imported the modules the kinds declare
+(`TargetKind.preload`), so torch is imported once per build, not once per worker or action
+(`MOPT_ZYGOTE=0`: each worker is a new `python -m mopt.runner`).
 
 A worker that crashes, calls `os._exit`, segfaults or is OOM-killed fails that action (its
 log and the signal are kept) and is replaced; the environment, the working folder and
@@ -99,12 +94,8 @@ def close_logger(logger: logging.Logger) -> None:
 
 
 def execute_spawn(spawn: Spawn, registry: Any, on_line: Callable[[str], None] | None = None) -> SpawnResult:
-    """Run `spawn`'s kind in this process; never raises for a failing kind.
-
-    Builds the `BuildContext` (its logger writes `spawn.log`, each message also goes to
-    `on_line`), sets `spawn.env` for the duration of the run and restores the environment,
-    the working folder and torch's thread count afterwards.
-    """
+    """Run `spawn`'s kind in this process, `spawn.env` set meanwhile; never raises for a
+    failing kind. Its log goes to `spawn.log`, each line also to `on_line`."""
     out, log = Path(spawn.out), Path(spawn.log)
     logger = action_logger(spawn.key, log, on_line)
     t0 = time.time()
@@ -271,9 +262,7 @@ def _kill_group(pid: int) -> None:
 
 class _Child:
     """Our end of a worker or zygote process: its socket, and `cleanup` (its scratch folder).
-
-    `proc` is a `subprocess.Popen` (a process exec'd by us) or a `_ForkedProc` (a worker
-    forked by a zygote); both answer `pid`, `poll()`, `wait(timeout)` and `kill()`."""
+    `proc`: a `subprocess.Popen`, or a `_ForkedProc` for a worker forked by a zygote."""
 
     def __init__(self, proc: Any, sock: socket.socket, cleanup: ExitStack) -> None:
         self.proc = proc
@@ -326,7 +315,6 @@ class _Worker(_Child):
         super().__init__(proc, sock, cleanup)
         self.scratch = scratch
         self.sandboxed = sandboxed
-        self.last_used = 0.0
         #: modules imported in it: by its zygote before the fork, and by the kinds it ran
         self.warm = set(warm)
 
@@ -530,15 +518,15 @@ class ProcessRunner:
             while True:
                 if self._closed:
                     raise RuntimeError("the action runner was shut down")
-                # a worker that has the kind's modules warm, the most recently used first
+                # a worker that has the kind's modules warm, the last one released first
                 fits = [
-                    (w.warm.issuperset(needs), w.last_used, i)
+                    (w.warm.issuperset(needs), i)
                     for i, (k, w) in enumerate(self._idle)
                     if k == key and w.proc.poll() is None
                 ]
                 forks = _forks(key)
                 if fits:
-                    warm, _, i = max(fits)
+                    warm, i = max(fits)
                     if warm or not forks:
                         w = self._idle.pop(i)[1]
                         self._busy.add(w)
@@ -577,7 +565,6 @@ class ProcessRunner:
         key = self._sort(spawn.sandboxed, spawn.network)
         w = self._acquire(key, spawn.preload)
         w.warm.update(spawn.preload)
-        w.last_used = time.monotonic()
         out, tmp, log = _workdir(w.scratch)
         spawn = replace(spawn, out=str(out), tmp=str(tmp), log=str(log))
         if key != "host":  # /tmp is read-only in there: temp files go to the action's tmp
