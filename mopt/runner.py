@@ -38,7 +38,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
@@ -492,26 +492,14 @@ class ProcessRunner:
         for sort, mods in wanted.items():
             self._spawner.submit(start, sort, tuple(mods))
 
-    def _spawn(self, key: str, needs: tuple[str, ...]) -> Future[_Worker]:
-        """Start a worker on the spawner thread (counted as starting until it is up).
-
-        One long-lived thread forks every worker and zygote: PR_SET_PDEATHSIG fires when
-        the *thread* that forked a process ends, so none may be forked by a short-lived one.
-        """
-        self._starting += 1
-
-        def start() -> _Worker:
-            try:
-                if _forks(key):
-                    return self._zygote(key).fork(needs)
-                proc, sock, scratch, cleanup = self._launch(key, "worker")
-                return _Worker(proc, sock, scratch, cleanup, sandboxed=key != "host")
-            finally:
-                with self._cond:
-                    self._starting -= 1
-                    self._cond.notify_all()
-
-        return self._spawner.submit(start)
+    def _start(self, sort: str, needs: tuple[str, ...]) -> _Worker:
+        """A new worker, started on the spawner thread only: one long-lived thread forks every
+        worker and zygote, as PR_SET_PDEATHSIG fires when the *thread* that forked a process
+        ends, so none may be forked by a short-lived one."""
+        if _forks(sort):
+            return self._zygote(sort).fork(needs)
+        proc, sock, scratch, cleanup = self._launch(sort, "worker")
+        return _Worker(proc, sock, scratch, cleanup, sandboxed=sort != "host")
 
     def _acquire(self, key: str, needs: tuple[str, ...]) -> _Worker:
         with self._cond:
@@ -536,14 +524,20 @@ class ProcessRunner:
                     self._idle.pop(i)[1].close()
                 total = len(self._idle) + len(self._busy) + self._starting
                 if total < self.max_workers:
-                    fut = self._spawn(key, needs)
+                    self._starting += 1  # until it is up
+                    fut = self._spawner.submit(self._start, key, needs)
                     break
                 if self._idle:  # only workers of the other sort are idle: make room
                     _k, old = self._idle.pop(0)
                     old.close()
                     continue
                 self._cond.wait()
-        w = fut.result()
+        try:
+            w = fut.result()
+        finally:
+            with self._cond:
+                self._starting -= 1
+                self._cond.notify_all()
         with self._cond:
             self._busy.add(w)
         return w
@@ -583,7 +577,7 @@ class ProcessRunner:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        self._spawner.shutdown(wait=True)  # a worker being started joins the idle list
+        self._spawner.shutdown(wait=True)  # no process is started after this
         with self._cond:
             idle = [w for _k, w in self._idle]
             busy = list(self._busy)
@@ -739,13 +733,7 @@ class _Zygote(_Child):
 
     def kill(self) -> None:
         super().kill()
-        self.end()
-
-    def end(self) -> None:
-        with self._cond:
-            self.alive = False
-            self._cond.notify_all()
-        super().end()
+        self.end()  # the reader thread wakes those who wait for it, at its socket's EOF
 
 
 _RUNNERS: set[ProcessRunner] = set()
