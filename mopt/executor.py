@@ -20,12 +20,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from mopt import machine
 from mopt.api import ActionNode, Artifact, HardwareProfile
 from mopt.errors import MoptError
+from mopt.remote import RemoteCache, RemoteError
 from mopt.runner import InputWatch, execute_spawn
 from mopt.schedule import NodeState, Reporter, built_inputs, readiness
 from mopt.spawn import Spawn, SpawnResult
-from mopt.store import ActionEntry, Store
+from mopt.store import ActionEntry, Store, StoreError
 
 LOG_TAIL_BYTES = 64 * 1024
 
@@ -103,13 +105,9 @@ class BuildSession:
         return self._states[node_id].status
 
     def probe_gpus(self) -> Any:
-        from mopt import machine
-
         return machine.probe_gpus()
 
     def gpu_matches(self, gpu: Any, profile: HardwareProfile) -> str | None:
-        from mopt import machine
-
         return machine.gpu_matches(gpu, profile)
 
     def remote_connection(self) -> dict[str, Any] | None:
@@ -336,8 +334,6 @@ def run_remote_spawn(spawn_json: str, worker: dict[str, Any], *, executor: str =
     in the local store (swept later) and at most some content-addressed blobs on the
     remote, never an entry."""
     from mopt.plugins import get_registry
-    from mopt.remote import RemoteCache, RemoteError
-    from mopt.store import StoreError
 
     spec = Spawn.from_json(spawn_json)
     host = socket.gethostname()
@@ -367,8 +363,6 @@ def run_remote_spawn(spawn_json: str, worker: dict[str, Any], *, executor: str =
 
 def _run(spec: Spawn, store: Store, registry: Any, remote: Any, *, executor: str, host: str) -> RemoteResult:
     """Run `spec` into `store` (under the action's lock), its inputs fetched from `remote`."""
-    from mopt.machine import unmet
-
     kind_cls = registry.targets.get(spec.kind)
     if kind_cls is None:
         return RemoteResult(
@@ -388,7 +382,7 @@ def _run(spec: Spawn, store: Store, registry: Any, remote: Any, *, executor: str
             "(install the same versions on the driver and the workers)",
         )
     params = kind.Params.model_validate(spec.params)
-    why = unmet(kind.requirements(params, hardware), hardware)
+    why = machine.unmet(kind.requirements(params, hardware), hardware)
     if why:
         return RemoteResult("unbuildable", reason=f"unbuildable on {host}: {why}")
 

@@ -969,12 +969,9 @@ def landlock_writes(allowed: list[str]) -> None:
     abi = landlock_abi()
     if abi < 1:
         raise OSError("Landlock is not available")
-    # WRITE_FILE, REMOVE_DIR, REMOVE_FILE, MAKE_CHAR .. MAKE_SYM; REFER (ABI 2); TRUNCATE (ABI 3)
-    rights = (1 << 1) | sum(1 << b for b in range(4, 13))
-    if abi >= 2:
-        rights |= 1 << 13
-    if abi >= 3:
-        rights |= 1 << 14
+    # WRITE_FILE (bit 1); REMOVE_DIR, REMOVE_FILE, MAKE_CHAR .. MAKE_SYM (4-12), then REFER
+    # (13) from ABI 2 on and TRUNCATE (14) from ABI 3 on
+    rights = (1 << 1) | sum(1 << b for b in range(4, 12 + min(abi, 3)))
     libc = ctypes.CDLL(None, use_errno=True)
     attr = ctypes.c_uint64(rights)  # struct landlock_ruleset_attr's first field, handled_access_fs
     rfd = libc.syscall(_SYS_LANDLOCK[0], ctypes.byref(attr), ctypes.c_size_t(8), ctypes.c_uint32(0))
