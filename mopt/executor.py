@@ -81,7 +81,6 @@ class BuildSession:
         self._outputs: dict[str, str] = {}
         self._on_remote: set[str] = set()  # node ids whose entry is known to be on the remote
         self._sources: dict[str, str] = {}  # model name → source tree digest, uploaded
-        self.store_tmp = engine.store.tmp_dir
         self.registry = engine.registry
         #: the remote runner, for the executor to call on its workers (picklable by name)
         self.run_spawn = run_remote_spawn
@@ -243,12 +242,10 @@ class BuildSession:
                 return False
             return True
         if res.log_tail:
-            with tempfile.NamedTemporaryFile("w", delete=False, dir=self.store_tmp, suffix=".log") as fh:
+            with tempfile.NamedTemporaryFile("w", dir=self._engine.store.tmp_dir, suffix=".log") as fh:
                 fh.write(res.log_tail)
-            try:
+                fh.flush()
                 st.log_path = self._engine.store.keep_failed_log(st.key or "", fh.name)
-            finally:
-                Path(fh.name).unlink(missing_ok=True)
         self.done(node_id, res.status if res.status == "unbuildable" else "failed", res.reason)
         return False
 
@@ -326,13 +323,11 @@ class BuildSession:
 
 def run_remote_spawn(spawn_json: str, worker: dict[str, Any], *, executor: str = "remote") -> dict[str, Any]:
     """The remote runner: run one `ExecutorSession.spawn` result (a `Spawn` as JSON) on this
-    machine, through the remote cache; never raises for a failing action.
-
-    `worker`: `store` (this machine's local store, `~` expanded here), `remote`
-    (`ExecutorSession.remote_connection()`). Returns the result
-    as JSON, for `ExecutorSession.finished`. A process killed midway leaves a scratch folder
-    in the local store (swept later) and at most some content-addressed blobs on the
-    remote, never an entry."""
+    machine, through the remote cache, and return the result as JSON for
+    `ExecutorSession.finished`; never raises for a failing action. `worker`: `store` (this
+    machine's local store, `~` expanded here) and `remote` (`ExecutorSession.remote_connection()`).
+    A process killed midway leaves a scratch folder in the local store (swept later) and at
+    most some content-addressed blobs on the remote, never an entry."""
     from mopt.plugins import get_registry
 
     spec = Spawn.from_json(spawn_json)
