@@ -1,15 +1,9 @@
-"""What an executor other than `local` gets (see `mopt.api.Executor`): a `BuildSession` on
-the driver, and `run_remote_spawn`, the remote runner, on the machine that runs an action.
-
-Bazel's remote execution, in mopt's terms: the driver keys each action, takes hits from
-the local store and the remote cache, and hands the executor the misses as `Spawn`s (the
-value the local runners run, as JSON; its inputs by digest, already on the remote cache).
-Wherever the executor runs one, `run_remote_spawn` fetches the inputs from the remote cache
-into a local store, runs the kind through `mopt.runner.execute_spawn` (the function the
-local workers run), checks that the inputs did not change, and pushes the outputs (blobs
-first, the action entry last). Its result goes back to the session (`finished`), which
-records it like a local build: the build/ folders, the lock file and the reporter's lines
-are the session's business, never the executor's.
+"""What an executor other than `local` gets (Bazel's remote execution; the contract is
+`mopt.api.Executor`): a `BuildSession` on the driver, which keys the actions, takes the hits
+and hands out the misses as `Spawn`s, and `run_remote_spawn`, the remote runner, on the
+machine that runs one: it fetches the inputs from the remote cache into a local store, runs
+the kind through `mopt.runner.execute_spawn` (as the local workers do), checks that the
+inputs did not change, and pushes the outputs (blobs first, the action entry last).
 """
 
 from __future__ import annotations
@@ -26,17 +20,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from mopt import machine
 from mopt.api import ActionNode, Artifact, HardwareProfile
 from mopt.errors import MoptError
+from mopt.remote import RemoteCache, RemoteError
 from mopt.runner import InputWatch, execute_spawn
 from mopt.schedule import NodeState, Reporter, built_inputs, readiness
-from mopt.spawn import Spawn
-from mopt.store import ActionEntry, Store
+from mopt.spawn import Spawn, SpawnResult
+from mopt.store import ActionEntry, Store, StoreError
 
 LOG_TAIL_BYTES = 64 * 1024
-
-
-# ---------------------------------------------------------------------- the result
 
 
 @dataclass
@@ -51,26 +44,12 @@ class RemoteResult:
     host: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "status": self.status,
-            "entry": None if self.entry is None else self.entry.model_dump(mode="json"),
-            "reason": self.reason,
-            "duration": self.duration,
-            "log_tail": self.log_tail,
-            "host": self.host,
-        }
+        return {**vars(self), "entry": None if self.entry is None else self.entry.model_dump(mode="json")}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> RemoteResult:
-        entry = d.get("entry")
-        return cls(
-            status=str(d["status"]),
-            entry=None if entry is None else ActionEntry.model_validate(entry),
-            reason=str(d.get("reason") or ""),
-            duration=float(d.get("duration") or 0.0),
-            log_tail=str(d.get("log_tail") or ""),
-            host=str(d.get("host") or ""),
-        )
+        entry = d["entry"]
+        return cls(**{**d, "entry": None if entry is None else ActionEntry.model_validate(entry)})
 
 
 # ---------------------------------------------------------------------- the driver side
@@ -100,10 +79,8 @@ class BuildSession:
         self._want = set(ids) if materialize is None else set(materialize)
         self._states = {i: NodeState(self._graph.nodes[i]) for i in ids}
         self._outputs: dict[str, str] = {}
-        self._meta: dict[str, dict[str, Any]] = {}
         self._on_remote: set[str] = set()  # node ids whose entry is known to be on the remote
         self._sources: dict[str, str] = {}  # model name → source tree digest, uploaded
-        self.store_tmp = engine.store.tmp_dir
         self.registry = engine.registry
         #: the remote runner, for the executor to call on its workers (picklable by name)
         self.run_spawn = run_remote_spawn
@@ -127,13 +104,9 @@ class BuildSession:
         return self._states[node_id].status
 
     def probe_gpus(self) -> Any:
-        from mopt import machine
-
         return machine.probe_gpus()
 
     def gpu_matches(self, gpu: Any, profile: HardwareProfile) -> str | None:
-        from mopt import machine
-
         return machine.gpu_matches(gpu, profile)
 
     def remote_connection(self) -> dict[str, Any] | None:
@@ -192,11 +165,11 @@ class BuildSession:
             for d in dep_ids:
                 if d not in self._outputs:  # a partial slot's missing input
                     continue
-                self._ensure_on_remote(d)
-                dep = self._graph.nodes[d]
+                entry = self._ensure_on_remote(d)
+                dep, meta = self._graph.nodes[d], dict(entry.meta.get("result") or {})
                 # no path: the remote runner puts the tree where its action reads it
                 arts.append(
-                    Artifact(Path(), dep.kind, dep.target.name, self._outputs[d], self._meta[d],
+                    Artifact(Path(), dep.kind, dep.target.name, entry.outputs_tree, meta,
                              label=dep.label, input_labels=self._graph.input_labels(dep))
                 )  # fmt: skip
             inputs[slot] = arts
@@ -261,21 +234,18 @@ class BuildSession:
             if res.entry.key != st.key:
                 self.done(node_id, "failed", f"worker returned an entry for another key ({res.entry.key[:16]})")
                 return False
-            self._on_remote.add(node_id)
             if res.duration:
                 st.duration = res.duration
-            if not self._finish(st, res.entry, "built" if res.status == "built" else "cached", local=False):
+            if not self._finish(st, res.entry, res.status, local=False):
                 st.status = "failed"
                 st.reason = f"built on {res.host}, but its outputs could not be downloaded (see the log)"
                 return False
             return True
         if res.log_tail:
-            with tempfile.NamedTemporaryFile("w", delete=False, dir=self.store_tmp, suffix=".log") as fh:
+            with tempfile.NamedTemporaryFile("w", dir=self._engine.store.tmp_dir, suffix=".log") as fh:
                 fh.write(res.log_tail)
-            try:
+                fh.flush()
                 st.log_path = self._engine.store.keep_failed_log(st.key or "", fh.name)
-            finally:
-                Path(fh.name).unlink(missing_ok=True)
         self.done(node_id, res.status if res.status == "unbuildable" else "failed", res.reason)
         return False
 
@@ -304,15 +274,15 @@ class BuildSession:
 
     # -- inside
 
-    def _ensure_on_remote(self, node_id: str) -> None:
-        """Push an input that only the local store has (a local hit) before a worker needs it."""
-        if node_id in self._on_remote:
-            return
+    def _ensure_on_remote(self, node_id: str) -> ActionEntry:
+        """An input's entry, pushed first if only the local store has it (a local hit)."""
         st = self._states.get(node_id)
         if st is None or st.entry is None or st.key is None:
             raise ValueError(f"input {node_id} has no action entry")
-        self.remote.push(st.key, st.entry)
-        self._on_remote.add(node_id)
+        if node_id not in self._on_remote:
+            self.remote.push(st.key, st.entry)
+            self._on_remote.add(node_id)
+        return st.entry
 
     def _upload_source(self, model_name: str) -> str:
         """Put the model's source checkpoint into the remote CAS (once); return its tree digest."""
@@ -344,7 +314,6 @@ class BuildSession:
                     self._engine.store.materialize(entry.outputs_tree, self._engine.address_path(address))
         st.entry = entry
         self._outputs[node.id] = entry.outputs_tree
-        self._meta[node.id] = dict(entry.meta.get("result") or {})
         self.done(node.id, status, st.reason)
         return True
 
@@ -354,16 +323,12 @@ class BuildSession:
 
 def run_remote_spawn(spawn_json: str, worker: dict[str, Any], *, executor: str = "remote") -> dict[str, Any]:
     """The remote runner: run one `ExecutorSession.spawn` result (a `Spawn` as JSON) on this
-    machine, through the remote cache; never raises for a failing action.
-
-    `worker`: `store` (this machine's local store, `~` expanded here), `remote`
-    (`ExecutorSession.remote_connection()`). Returns the result
-    as JSON, for `ExecutorSession.finished`. A process killed midway leaves a scratch folder
-    in the local store (swept later) and at most some content-addressed blobs on the
-    remote, never an entry."""
+    machine, through the remote cache, and return the result as JSON for
+    `ExecutorSession.finished`; never raises for a failing action. `worker`: `store` (this
+    machine's local store, `~` expanded here) and `remote` (`ExecutorSession.remote_connection()`).
+    A process killed midway leaves a scratch folder in the local store (swept later) and at
+    most some content-addressed blobs on the remote, never an entry."""
     from mopt.plugins import get_registry
-    from mopt.remote import RemoteCache, RemoteError
-    from mopt.store import StoreError
 
     spec = Spawn.from_json(spawn_json)
     host = socket.gethostname()
@@ -377,57 +342,44 @@ def run_remote_spawn(spawn_json: str, worker: dict[str, Any], *, executor: str =
             return RemoteResult("cached", entry=entry, host=host).to_json()
         registry = get_registry(spec.disabled_plugins)
         try:
-            result = _run(spec, store, registry, remote, executor=executor)
+            result = _run(spec, store, registry, remote, executor=executor, host=host)
         except (RemoteError, StoreError) as exc:
-            return RemoteResult("failed", reason=f"fetching inputs on {host}: {exc}", host=host).to_json()
+            result = RemoteResult("failed", reason=f"fetching inputs on {host}: {exc}")
         if result.entry is not None and result.status in ("built", "cached"):
             try:
                 remote.push(spec.key, result.entry)
             except (RemoteError, StoreError) as exc:
-                return RemoteResult(
-                    "failed", reason=f"built on {host}, but pushing the outputs failed: {exc}", host=host
-                ).to_json()
-        return result.to_json()
+                why = f"built on {host}, but pushing the outputs failed: {exc}"
+                result = RemoteResult("failed", reason=why)
+        return replace(result, host=host).to_json()
     finally:
         store.close()
 
 
-def fingerprint_diff(want: dict[str, Any], have: dict[str, Any]) -> list[str]:
-    """`name a → b` for each tool whose version differs between the key and this machine."""
-    names = sorted(set(want) | set(have))
-    return [f"{n} {want.get(n)!r} → {have.get(n)!r}" for n in names if want.get(n) != have.get(n)]
-
-
-def _run(spec: Spawn, store: Store, registry: Any, remote: Any, *, executor: str) -> RemoteResult:
+def _run(spec: Spawn, store: Store, registry: Any, remote: Any, *, executor: str, host: str) -> RemoteResult:
     """Run `spec` into `store` (under the action's lock), its inputs fetched from `remote`."""
-    from mopt.machine import unmet
-
-    host = socket.gethostname()
     kind_cls = registry.targets.get(spec.kind)
     if kind_cls is None:
         return RemoteResult(
             "unbuildable",
             reason=f"target kind {spec.kind!r} is not installed on {host} (install its plugin on the workers)",
-            host=host,
         )
     kind = kind_cls()
     hardware = HardwareProfile.model_validate(spec.hardware)
     want_fp = dict(spec.parts.get("fingerprint") or {})
     have_fp = dict(kind.fingerprint())
     if have_fp != want_fp:
+        names = sorted(n for n in set(want_fp) | set(have_fp) if want_fp.get(n) != have_fp.get(n))
+        diff = "; ".join(f"{n} {want_fp.get(n)!r} → {have_fp.get(n)!r}" for n in names)
         return RemoteResult(
             "failed",
-            reason=(
-                f"tools on {host} differ from the ones the action key was made with: "
-                + "; ".join(fingerprint_diff(want_fp, have_fp))
-                + " (install the same versions on the driver and the workers)"
-            ),
-            host=host,
+            reason=f"tools on {host} differ from the ones the action key was made with: {diff} "
+            "(install the same versions on the driver and the workers)",
         )
     params = kind.Params.model_validate(spec.params)
-    why = unmet(kind.requirements(params, hardware), hardware)
+    why = machine.unmet(kind.requirements(params, hardware), hardware)
     if why:
-        return RemoteResult("unbuildable", reason=f"unbuildable on {host}: {why}", host=host)
+        return RemoteResult("unbuildable", reason=f"unbuildable on {host}: {why}")
 
     def tree_into(tree: str, dest: Path) -> None:
         remote.fetch_tree(tree)
@@ -437,7 +389,7 @@ def _run(spec: Spawn, store: Store, registry: Any, remote: Any, *, executor: str
     with store.lock(spec.key), ExitStack() as stack:
         entry = store.ac_entry(spec.key)
         if entry is not None:
-            return RemoteResult("cached", entry=entry, host=host)
+            return RemoteResult("cached", entry=entry)
         # the store keeps a scratch folder from `cleanup_tmp` while in use; removed at the end
         scratch = stack.enter_context(store.scratch_dir(prefix="action-"))
         out_dir, tmp_dir, in_dir = scratch / "out", scratch / "tmp", scratch / "in"
@@ -447,14 +399,13 @@ def _run(spec: Spawn, store: Store, registry: Any, remote: Any, *, executor: str
         log_path.touch()
         t0 = time.time()
         try:
-            inputs: dict[str, list[Artifact]] = {}
-            for slot, arts in spec.inputs.items():
-                got = []
-                for k, a in enumerate(arts):
-                    dest = in_dir / f"{slot}-{k}"
-                    tree_into(a.digest, dest)
-                    got.append(replace(a, path=dest))
-                inputs[slot] = got
+            inputs = {
+                slot: [replace(a, path=in_dir / f"{slot}-{k}") for k, a in enumerate(arts)]
+                for slot, arts in spec.inputs.items()
+            }
+            for arts in inputs.values():
+                for a in arts:
+                    tree_into(a.digest, a.path)
             source = None
             if spec.source_tree is not None:
                 source = scratch / "source"
@@ -472,9 +423,9 @@ def _run(spec: Spawn, store: Store, registry: Any, remote: Any, *, executor: str
                     os.chmod(dest, 0o444)
             # its inputs must come out of the action as they went in (blobs are hard-linked)
             digests = {
-                os.path.join(str(in_dir / f"{slot}-{k}"), e.path): e.digest
-                for slot, arts in spec.inputs.items()
-                for k, a in enumerate(arts)
+                os.path.join(a.path, e.path): e.digest
+                for arts in inputs.values()
+                for a in arts
                 for e in store.tree_entries(a.digest)
             }
             watched = [in_dir, project_dir, *([source] if source is not None else [])]
@@ -490,7 +441,6 @@ def _run(spec: Spawn, store: Store, registry: Any, remote: Any, *, executor: str
                     out=str(out_dir),
                     tmp=str(tmp_dir),
                     log=str(log_path),
-                    logger_prefix=f"mopt.{executor}.action",
                     host=host,
                 ),
                 registry,
@@ -506,49 +456,40 @@ def _run(spec: Spawn, store: Store, registry: Any, remote: Any, *, executor: str
                 with contextlib.suppress(OSError), open(log_path, "a") as fh:  # a full disk: `why` is reported all the same
                     fh.write(f"mopt: FAILED: {why}\n")
                 res = replace(res, status="failed", error=why)
-            if not res.ok:
-                store.keep_failed_log(spec.key, log_path)
-                return RemoteResult(
-                    "failed", reason=res.error, duration=res.duration, log_tail=_tail(log_path), host=host
-                )
-            with store.in_use():
-                tree, _entries = store.put_tree(out_dir)
-                log_digest = store.put_log(log_path)
-                entry = store.ac_put(
-                    spec.key,
-                    ActionEntry(
-                        key=spec.key,
-                        kind=spec.kind,
-                        target=spec.node_id,
-                        outputs_tree=tree,
-                        log=log_digest,
-                        duration_s=res.duration,
-                        fingerprint=want_fp,
-                        host=host,
-                        meta={
-                            "result": res.meta,
-                            "parts": spec.parts,
-                            "reproducible": kind.reproducible,
-                            "recipe": spec.recipe,
-                            "executor": executor,
-                        },
-                    ),
-                )
-            return RemoteResult("built", entry=entry, duration=res.duration, host=host)
+            if res.ok:
+                with store.in_use():
+                    tree, _entries = store.put_tree(out_dir)
+                    log_digest = store.put_log(log_path)
+                    entry = store.ac_put(
+                        spec.key,
+                        ActionEntry(
+                            key=spec.key,
+                            kind=spec.kind,
+                            target=spec.node_id,
+                            outputs_tree=tree,
+                            log=log_digest,
+                            duration_s=res.duration,
+                            fingerprint=want_fp,
+                            host=host,
+                            meta={
+                                "result": res.meta,
+                                "parts": spec.parts,
+                                "reproducible": kind.reproducible,
+                                "recipe": spec.recipe,
+                                "executor": executor,
+                            },
+                        ),
+                    )
+                return RemoteResult("built", entry=entry, duration=res.duration)
         except BaseException as exc:  # fetching or storing failed: the action fails, not the worker
             if isinstance(exc, KeyboardInterrupt | SystemExit):
                 raise
             with contextlib.suppress(OSError), open(log_path, "a") as fh:  # a full disk: the reason is reported
                 fh.write("mopt: FAILED: " + "".join(traceback.format_exception_only(exc)).strip() + "\n")
                 fh.write(traceback.format_exc())
-            store.keep_failed_log(spec.key, log_path)
-            return RemoteResult(
-                "failed",
-                reason=f"{type(exc).__name__}: {exc}",
-                duration=time.time() - t0,
-                log_tail=_tail(log_path),
-                host=host,
-            )
+            res = SpawnResult("failed", duration=time.time() - t0, error=f"{type(exc).__name__}: {exc}")
+        store.keep_failed_log(spec.key, log_path)
+        return RemoteResult("failed", reason=res.error, duration=res.duration, log_tail=_tail(log_path))
 
 
 def _tail(path: Path) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -21,20 +22,16 @@ ACTION_FDS: tuple[int, ...] = ()
 def _child_setup() -> None:
     # between fork and exec: die with the worker that started us (PR_SET_PDEATHSIG);
     # the prctl function is looked up before forking
-    if _prctl is not None:
-        _prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
+    if prctl is not None:
+        prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
 
 
-def _load_prctl() -> Any:
-    try:
-        import ctypes
-
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-_prctl = _load_prctl()
+#: libc's prctl (None without one), looked up once: the worker processes call it too
+prctl: Any
+try:
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):
+    prctl = None
 
 
 class Terminated(KeyboardInterrupt):

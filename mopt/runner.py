@@ -1,19 +1,14 @@
 """Running one action: a `Spawn` (mopt.spawn) in, a `SpawnResult` out (Bazel's SpawnRunner).
 
-`execute_spawn` is the one function that turns a spawn into a `BuildContext` and runs the
-kind; every runner ends there, in a process of its own:
-
-* `ProcessRunner`: a pool of warm worker processes on this machine, forked from a fork
-  server (`python -m mopt.runner --zygote`, one per sort of worker) that has imported the
-  modules the kinds declare (`TargetKind.preload`), so heavy imports (torch) are paid once
-  per build, not once per worker or action (`MOPT_ZYGOTE=0`: each worker is a new
-  `python -m mopt.runner`);
-* the same pool with `sandbox=True`: each worker runs inside bubblewrap with the whole
-  filesystem read-only except its own scratch folder and the store's `cache/` (the GPU
-  devices bound in; no network for kinds with `network = False`);
-* the remote runner (`mopt.executor.run_remote_spawn`), which an executor plugin calls in a
-  process of its own on another machine: it fetches the spawn's inputs by digest and calls
-  `execute_spawn` there.
+`execute_spawn` turns a spawn into a `BuildContext` and runs the kind, always in a process
+of its own: a worker of `ProcessRunner`'s warm pool on this machine (with `sandbox=True`
+inside bubblewrap: the filesystem read-only but for its scratch folder and the store's
+`cache/`, the GPUs bound in, no network for kinds with `network = False`), or the remote
+runner (`mopt.executor.run_remote_spawn`) that an executor plugin calls on another machine.
+The pool forks its workers from a fork server per sort of worker (a "zygote", `python -m
+mopt.runner --zygote`) that has imported the modules the kinds declare
+(`TargetKind.preload`), so torch is imported once per build, not once per worker or action
+(`MOPT_ZYGOTE=0`: each worker is a new `python -m mopt.runner`).
 
 A worker that crashes, calls `os._exit`, segfaults or is OOM-killed fails that action (its
 log and the signal are kept) and is replaced; the environment, the working folder and
@@ -28,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import faulthandler
+import functools
 import gc
 import json
 import logging
@@ -42,13 +38,15 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recvfds, sendfds
 from pathlib import Path
 from typing import Any
 
+from mopt import procs
 from mopt.api import BuildContext, HardwareProfile
 from mopt.filehash import hash_file
 from mopt.spawn import Spawn, SpawnResult
@@ -63,10 +61,6 @@ _PR_SET_CHILD_SUBREAPER = 36
 # ---------------------------------------------------------------------- the action logger
 
 
-_logger_seq = 0
-_logger_lock = threading.Lock()
-
-
 class _TailHandler(logging.Handler):
     def __init__(self, cb: Callable[[str], None]) -> None:
         super().__init__()
@@ -76,18 +70,11 @@ class _TailHandler(logging.Handler):
         self.cb(record.getMessage())
 
 
-def action_logger(
-    key: str, path: Path, on_line: Callable[[str], None] | None = None, prefix: str = "mopt.action"
-) -> logging.Logger:
+def action_logger(key: str, path: Path, on_line: Callable[[str], None] | None = None) -> logging.Logger:
     """A logger of its own for one action: INFO and up into `path` (the action's log),
-    every message to `on_line` (the live last line); close it with `close_logger`."""
-    global _logger_seq
-    with _logger_lock:
-        _logger_seq += 1
-        name = f"{prefix}.{key[:16]}.{_logger_seq}"
-    logger = logging.getLogger(name)
-    logger.setLevel(logging.DEBUG)
-    logger.propagate = False
+    every message to `on_line` (the live last line); close it with `close_logger`. Not
+    registered with `logging` (no name to find it by): it goes with the action."""
+    logger = logging.Logger(f"mopt.action.{key[:16]}", logging.DEBUG)
     fh = logging.FileHandler(path, encoding="utf-8")
     fh.setFormatter(logging.Formatter("%(message)s"))
     fh.setLevel(logging.INFO)
@@ -107,14 +94,10 @@ def close_logger(logger: logging.Logger) -> None:
 
 
 def execute_spawn(spawn: Spawn, registry: Any, on_line: Callable[[str], None] | None = None) -> SpawnResult:
-    """Run `spawn`'s kind in this process; never raises for a failing kind.
-
-    Builds the `BuildContext` (its logger writes `spawn.log`, each message also goes to
-    `on_line`), sets `spawn.env` for the duration of the run and restores the environment,
-    the working folder and torch's thread count afterwards.
-    """
+    """Run `spawn`'s kind in this process, `spawn.env` set meanwhile; never raises for a
+    failing kind. Its log goes to `spawn.log`, each line also to `on_line`."""
     out, log = Path(spawn.out), Path(spawn.log)
-    logger = action_logger(spawn.key, log, on_line, prefix=spawn.logger_prefix)
+    logger = action_logger(spawn.key, log, on_line)
     t0 = time.time()
     restore = _Restore()
     try:
@@ -144,7 +127,11 @@ def execute_spawn(spawn: Spawn, registry: Any, on_line: Callable[[str], None] | 
         tempfile.tempdir = None  # recomputed from this action's TMPDIR, if it sets one
         where = f" on {spawn.host}" if spawn.host else ""
         logger.info(f"mopt: building {spawn.node_id} ({spawn.kind}) key {spawn.key[:16]}{where}")
-        restore.set_env(spawn.env)
+        for k, v in spawn.env.items():  # None: unset
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         meta = kind.run(ctx) or {}
         json.dumps(meta)  # metadata must be JSON: fail here, not in the cache
         duration = time.time() - t0
@@ -197,13 +184,6 @@ class _Restore:
         torch = sys.modules.get("torch")
         self.torch_threads = torch.get_num_threads() if torch is not None else None
 
-    def set_env(self, values: dict[str, str | None]) -> None:
-        for k, v in values.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
     def restore(self) -> None:
         if dict(os.environ) != self.env:
             os.environ.clear()
@@ -220,29 +200,7 @@ class _Restore:
                     torch.set_num_threads(want)
 
 
-# ---------------------------------------------------------------------- runners
-
-
-class SpawnRunner:
-    """Runs spawns (Bazel's SpawnRunner): `exec` is a context manager that yields the
-    result; the caller stores `result.out` / `result.log` before it exits, then the
-    runner removes them."""
-
-    name = "?"
-
-    @contextlib.contextmanager
-    def exec(
-        self, spawn: Spawn, *, on_line: Callable[[str], None] | None = None, lock_fd: int | None = None
-    ) -> Iterator[SpawnResult]:
-        raise NotImplementedError
-        yield  # pragma: no cover
-
-    def prestart(self, kinds: Iterable[tuple[bool, bool, tuple[str, ...]]]) -> None:
-        """Get ready for actions of these kinds (`(sandboxed, network, preload)`), if the
-        runner has anything to start ahead (see `ProcessRunner.prestart`)."""
-
-    def shutdown(self) -> None:
-        """Stop the runner's processes (idle ones are asked to exit, busy ones killed)."""
+# ---------------------------------------------------------------------- the runner
 
 
 def _workdir(parent: Path) -> tuple[Path, Path, Path]:
@@ -252,30 +210,22 @@ def _workdir(parent: Path) -> tuple[Path, Path, Path]:
     return d / "out", d / "tmp", d / "log.txt"
 
 
+@functools.cache
 def bwrap_path() -> str | None:
     """The bubblewrap binary, if installed and able to make a sandbox here (it needs user
     namespaces, or root)."""
-    global _BWRAP
-    if _BWRAP is None:
-        path = shutil.which("bwrap")
-        ok = False
-        if path:
-            try:
-                ok = (
-                    subprocess.run(
-                        [path, "--ro-bind", "/", "/", "--dev", "/dev", "--unshare-pid", "--", "true"],
-                        capture_output=True,
-                        timeout=20,
-                    ).returncode
-                    == 0
-                )
-            except (OSError, subprocess.TimeoutExpired):
-                ok = False
-        _BWRAP = path if ok else ""
-    return _BWRAP or None
-
-
-_BWRAP: str | None = None
+    path = shutil.which("bwrap")
+    if path is None:
+        return None
+    try:
+        probe = subprocess.run(
+            [path, "--ro-bind", "/", "/", "--dev", "/dev", "--unshare-pid", "--", "true"],
+            capture_output=True,
+            timeout=20,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return path if probe.returncode == 0 else None
 
 
 def resolve_sandbox(mode: str) -> tuple[bool, str]:
@@ -290,118 +240,90 @@ def resolve_sandbox(mode: str) -> tuple[bool, str]:
     return False, "bubblewrap not found (apt-get install bubblewrap): actions run unsandboxed"
 
 
-#: set for a zygote's own imports where mopt's environment does not set them (its forked
-#: workers inherit the libraries' state but not the variables: the actions, and what they
-#: start, see mopt's environment as it is)
-ZYGOTE_ENV_DEFAULTS = {
-    # OpenMP threads (torch's intra-op pool, MKL) sleep when idle instead of spinning: in
-    # worker processes beside each other (and beside other processes on the same cores)
-    # the spinning pools made a tiny model's ops ~10x slower (a linear 25 ms instead of
-    # 3 ms on a loaded 2-core machine) and burnt the CPU that the other actions needed
-    "OMP_WAIT_POLICY": "PASSIVE",
-}
-
-
-def _worker_env(zygote: bool = False) -> dict[str, str]:
+def _worker_env(zygote: bool) -> dict[str, str]:
     env = {**os.environ, "MOPT_WORKER": "1"}
-    if zygote:
-        added = [k for k in ZYGOTE_ENV_DEFAULTS if k not in env]
-        env.update({k: ZYGOTE_ENV_DEFAULTS[k] for k in added})
-        env["MOPT_ZYGOTE_ADDED"] = " ".join(added)
+    if zygote and "OMP_WAIT_POLICY" not in env:
+        # OpenMP threads (torch's intra-op pool, MKL) sleep when idle instead of spinning: in
+        # worker processes beside each other (and beside other processes on the same cores)
+        # the spinning pools made a tiny model's ops ~10x slower (a linear 25 ms instead of
+        # 3 ms on a loaded 2-core machine) and burnt the CPU that the other actions needed.
+        # For the zygote's imports only: its forked workers inherit the libraries' state but
+        # drop the variable (MOPT_ZYGOTE_OMP), so actions see mopt's environment as it is.
+        env["OMP_WAIT_POLICY"] = env["MOPT_ZYGOTE_OMP"] = "PASSIVE"
     return env
 
 
-def _drop_zygote_env() -> None:
-    """In a forked worker: the variables `_worker_env` added for its zygote's imports go."""
-    for k in os.environ.pop("MOPT_ZYGOTE_ADDED", "").split():
-        os.environ.pop(k, None)
+def _kill_group(pid: int) -> None:
+    """SIGKILL process `pid` and its process group."""
+    for kill in (os.killpg, os.kill):
+        with contextlib.suppress(OSError):
+            kill(pid, signal.SIGKILL)
 
 
-class _Worker:
-    """One warm worker process and our end of its socket.
+class _Child:
+    """Our end of a worker or zygote process: its socket, and `cleanup` (its scratch folder).
+    `proc`: a `subprocess.Popen`, or a `_ForkedProc` for a worker forked by a zygote."""
 
-    `proc` is a `subprocess.Popen` (a worker exec'd by us) or a `_ForkedProc` (a worker
-    forked by a zygote); both answer `pid`, `poll()`, `wait(timeout)` and `kill()`."""
-
-    def __init__(self, proc: Any, sock: socket.socket, scratch: Path, ctx: Any, *,
-                 sandboxed: bool, errlog: Any = None, preloaded: frozenset[str] = frozenset()) -> None:
+    def __init__(self, proc: Any, sock: socket.socket, cleanup: ExitStack) -> None:
+        self.proc = proc
         self.sock = sock
         self.conn = Connection(os.dup(sock.fileno()))
-        self.scratch = scratch
-        self._scratch_ctx = ctx
-        self.errlog = errlog
-        self.proc = proc
+        self.cleanup = cleanup
         self.alive = True
-        self.plugins: set[str] = set()  # whose kinds it ran (their imports are warm in it)
-        self.last_used = 0.0
-        self.sandboxed = sandboxed
-        #: the modules its zygote had imported when it forked it (warm in it)
-        self.preloaded = preloaded
-        #: modules of the kinds it ran (imported by them)
-        self.imported: set[str] = set()
 
-    @classmethod
-    def exec(cls, argv: list[str], child_fd: int, sock: socket.socket, scratch: Path, ctx: Any) -> _Worker:
-        errlog = open(scratch / "worker.log", "ab")  # noqa: SIM115 (lives as long as the worker)
+    def hang_up(self, timeout: float) -> bool:
+        """Close our end of its socket (at EOF it exits) and wait for it; False: it still runs."""
+        for end in (self.conn, self.sock):
+            with contextlib.suppress(OSError):
+                end.close()
         try:
-            proc = subprocess.Popen(
-                argv,
-                pass_fds=(child_fd,),
-                stdin=subprocess.DEVNULL,
-                stdout=errlog,
-                stderr=errlog,
-                start_new_session=True,  # Ctrl-C reaches mopt only; mopt stops the workers
-                env=_worker_env(),
-            )
-        except BaseException:
-            errlog.close()
-            raise
-        finally:
-            os.close(child_fd)
-        return cls(proc, sock, scratch, ctx, sandboxed=os.path.basename(argv[0]) == "bwrap", errlog=errlog)
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
 
-    def has(self, modules: tuple[str, ...]) -> bool:
-        """Whether `modules` are already imported in this worker (warm)."""
-        return all(m in self.preloaded or m in self.imported for m in modules)
-
-    def _killpg(self) -> None:
-        """SIGKILL the worker's process group, also right after the worker itself died: its
-        pid stays reserved as the group's id while any member lives (children it left
-        behind). A forked worker's group is killed by its zygote (in a sandbox its pids
-        are the sandbox's own)."""
-        if isinstance(self.proc, _ForkedProc):
-            if self.proc.poll() is None:  # else its zygote killed the group when it reaped it
+    def kill_group(self) -> None:
+        """SIGKILL it and its process group, also right after it died: its pid stays
+        reserved as the group's id while any member lives (children it left behind)."""
+        if not isinstance(self.proc, _ForkedProc):  # a forked one's zygote kills the group as it reaps
+            with contextlib.suppress(OSError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        if self.proc.poll() is None:
+            with contextlib.suppress(OSError):
                 self.proc.kill()
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
 
     def kill(self) -> None:
-        self._killpg()
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                self.proc.kill()
+        self.kill_group()
         with contextlib.suppress(subprocess.TimeoutExpired):
             # a forked worker's end is reported by its zygote, which may be busy importing
             self.proc.wait(timeout=5 if isinstance(self.proc, _ForkedProc) else 30)
         self.alive = False
 
+    def end(self) -> None:
+        self.alive = False
+        with contextlib.suppress(Exception):
+            self.cleanup.close()
+
+
+class _Worker(_Child):
+    """One warm worker process."""
+
+    def __init__(
+        self, proc: Any, sock: socket.socket, scratch: Path, cleanup: ExitStack, *,
+        sandboxed: bool, warm: Iterable[str] = (),
+    ) -> None:  # fmt: skip
+        super().__init__(proc, sock, cleanup)
+        self.scratch = scratch
+        self.sandboxed = sandboxed
+        #: modules imported in it: by its zygote before the fork, and by the kinds it ran
+        self.warm = set(warm)
+
     def close(self) -> None:
         """Ask an idle worker to exit (EOF on its socket), kill it if it does not."""
-        with contextlib.suppress(OSError):
-            self.conn.close()
-        with contextlib.suppress(OSError):
-            self.sock.close()
-        try:
-            self.proc.wait(timeout=2)
-        except subprocess.TimeoutExpired:
+        if not self.hang_up(2):
             self.kill()
-        self._killpg()  # anything left in its process group
-        self.alive = False
-        if self.errlog is not None:
-            self.errlog.close()
-        with contextlib.suppress(Exception):
-            self._scratch_ctx.__exit__(None, None, None)
+        self.kill_group()  # anything left in its process group
+        self.end()
 
     def run(self, spawn: Spawn, on_line: Callable[[str], None] | None, lock_fd: int | None) -> SpawnResult:
         t0 = time.time()
@@ -410,17 +332,15 @@ class _Worker:
             if lock_fd is not None:
                 sendfds(self.sock, [lock_fd])
             while True:
-                if not self.conn.poll(0.5):
-                    if self.proc.poll() is not None:
+                while not self.conn.poll(0.5):
+                    if self.proc.poll() is not None:  # dead, though its socket may live on in a child
                         raise EOFError
-                    continue
-                msg = self.conn.recv()
-                if msg[0] == "line":
-                    if on_line is not None:
-                        on_line(msg[1])
-                elif msg[0] == "done":
-                    res: SpawnResult = msg[1]
+                what, value = self.conn.recv()
+                if what == "done":
+                    res: SpawnResult = value
                     return res
+                if on_line is not None:  # a "line"
+                    on_line(value)
         except (EOFError, OSError):
             return self._crashed(spawn, time.time() - t0)
 
@@ -444,55 +364,42 @@ class _Worker:
             why = f"the action's process exited with code {code} (os._exit?) before the action finished"
         with contextlib.suppress(OSError), open(spawn.log, "a") as fh:
             fh.write(f"mopt: FAILED: {why}\n")
-        return SpawnResult(
-            "crashed",
-            duration=duration,
-            error=why,
-            signal=sig,
-            exit_code=code,
-            out=Path(spawn.out),
-            log=Path(spawn.log),
-        )
+        return SpawnResult("crashed", duration=duration, error=why, out=Path(spawn.out), log=Path(spawn.log))
 
 
-class ProcessRunner(SpawnRunner):
-    """A pool of warm worker processes, optionally each in a bubblewrap sandbox.
+class ProcessRunner:
+    """A pool of warm worker processes, optionally each in a bubblewrap sandbox (Bazel's
+    SpawnRunner): `exec` is a context manager that yields a spawn's result; the caller
+    stores `result.out` / `result.log` before it exits, then the runner removes them.
 
     Workers are started on first use (a no-op build starts none), reused across actions
     of any kind, and at most `max_workers` live at once. Sandboxed workers differ by
-    whether they have the network, so a pool may hold both sorts.
+    whether they have the network, so a pool may hold both sorts. Each has a scratch
+    folder of its own from `scratch()` (a context manager that yields a new folder).
 
-    Where it can (`zygote_reason`), the pool forks its workers from a fork server, one
-    per sort (a "zygote", as Android's): a process started like a worker that imports the
-    modules the actions' kinds declare (`TargetKind.preload`: torch, transformers, ...)
-    once, then forks a worker per request. So torch is imported once per build and sort,
-    not once per worker; a worker that lacks a module the next action needs is replaced
-    by a fresh fork (milliseconds) rather than made to import it (seconds). Under
-    bubblewrap the zygote runs inside the sandbox and each worker it forks restricts its
-    own writes to its scratch folder and the store's `cache/` with Landlock, so workers
-    of one sandbox cannot write into each other's folders.
+    Where it can (`_forks`), workers are forked by their sort's zygote (as Android's); a
+    worker that lacks a module the next action needs is replaced by a fresh fork
+    (milliseconds) rather than made to import it (seconds). Under bubblewrap the zygote
+    runs inside the sandbox and each worker it forks fences its own writes in to its
+    scratch folder and the store's `cache/` with Landlock, as the workers of one sandbox
+    share its mounts.
     """
 
     def __init__(
         self,
         *,
-        tmp_dir: Path,
         max_workers: int,
+        scratch: Callable[[], AbstractContextManager[Path]],
         sandbox: bool = False,
         writable: tuple[str, ...] = (),
-        scratch: Callable[[], Any] | None = None,
         disabled_plugins: tuple[str, ...] = (),
-        zygote: bool | None = None,
+        tmp_dir: Path | None = None,  # not used (workers get `scratch` folders); mopt.build passes it
     ) -> None:
-        self.name = "bwrap" if sandbox else "process"
-        self.tmp_dir = Path(tmp_dir)
         self.max_workers = max(1, max_workers)
         self.sandbox = sandbox
         self.writable = tuple(writable)
         self._scratch = scratch
         self.disabled_plugins = tuple(disabled_plugins)
-        #: fork workers from a zygote (None: where `zygote_reason` finds nothing against it)
-        self.zygote = zygote
         self._zygotes: dict[str, _Zygote] = {}
         self._idle: list[tuple[str, _Worker]] = []
         self._busy: set[_Worker] = set()
@@ -504,22 +411,16 @@ class ProcessRunner(SpawnRunner):
 
     # -- workers
 
-    @staticmethod
-    def _sort(sandbox: bool, spawn_sandboxed: bool, network: bool) -> str:
+    def _sort(self, spawn_sandboxed: bool, network: bool) -> str:
         """Which sort of worker runs an action: "host" (no sandbox), "net" or "nonet"."""
-        if not (sandbox and spawn_sandboxed):
+        if not (self.sandbox and spawn_sandboxed):
             return "host"
         return "net" if network else "nonet"
 
-    def _forks(self, sort: str) -> bool:
-        """Whether workers of `sort` are forked by a zygote."""
-        if self.zygote is False:
-            return False
-        return zygote_reason(sort != "host") is None
-
-    def _argv(self, child_fd: int, scratch: Path, sort: str, role: str = "worker") -> list[str]:
+    def _argv(self, child_fd: int, scratch: Path, sort: str, role: str) -> list[str]:
+        ppid = os.getpid() if sort == "host" else 0  # in bubblewrap its parent is bubblewrap's init
         py = [sys.executable, "-m", "mopt.runner", *(["--zygote"] if role == "zygote" else []),
-              str(child_fd), str(os.getpid())]
+              str(child_fd), str(ppid), *self.disabled_plugins]  # fmt: skip
         if sort == "host":
             return py
         bwrap = bwrap_path()
@@ -536,22 +437,38 @@ class ProcessRunner(SpawnRunner):
         # its own pid namespace: when bubblewrap dies (with mopt: --die-with-parent) every
         # process of the action dies with it, however deep
         argv += ["--unshare-pid", "--die-with-parent", "--new-session", "--chdir", str(scratch), "--"]
-        return argv + py[:-1] + ["0"]  # the parent is bubblewrap's init: no pid check
+        return argv + py
 
-    def _new_scratch(self) -> tuple[Any, Path]:
-        ctx = self._scratch() if self._scratch is not None else _TmpScratch(self.tmp_dir)
-        return ctx, Path(ctx.__enter__())
+    def _launch(self, sort: str, role: str) -> tuple[subprocess.Popen[bytes], socket.socket, Path, ExitStack]:
+        """Start a worker or zygote (`role`) of `sort` in a new scratch folder, its output
+        into `<role>.log` there; return it, our end of its socket, the folder, its cleanup."""
+        cleanup = ExitStack()
+        parent, child = socket.socketpair()
+        try:
+            scratch = Path(cleanup.enter_context(self._scratch()))
+            with open(scratch / f"{role}.log", "ab") as errlog:
+                proc = subprocess.Popen(
+                    self._argv(child.fileno(), scratch, sort, role),
+                    pass_fds=(child.fileno(),),
+                    stdin=subprocess.DEVNULL,
+                    stdout=errlog,
+                    stderr=errlog,
+                    start_new_session=True,  # Ctrl-C reaches mopt only; mopt stops them
+                    env=_worker_env(zygote=role == "zygote"),
+                )
+        except BaseException:
+            parent.close()
+            cleanup.close()
+            raise
+        finally:
+            child.close()
+        return proc, parent, scratch, cleanup
 
     def _zygote(self, sort: str) -> _Zygote:
         """The zygote of `sort`, started if it is not running (on the spawner thread only)."""
         z = self._zygotes.get(sort)
         if z is None or not z.alive:
-            ctx, root = self._new_scratch()
-            try:
-                z = self._zygotes[sort] = _Zygote(self, sort, root, ctx)
-            except BaseException:
-                ctx.__exit__(None, None, None)
-                raise
+            z = self._zygotes[sort] = _Zygote(self, sort, *self._launch(sort, "zygote"))
         return z
 
     def prestart(self, kinds: Iterable[tuple[bool, bool, tuple[str, ...]]]) -> None:
@@ -560,12 +477,11 @@ class ProcessRunner(SpawnRunner):
         a build calls this before it keys its actions (resolving sources, hashing inputs),
         so the imports overlap that work instead of following the first miss. Kinds that
         preload nothing start nothing here (their zygote starts at their first miss)."""
-        wanted: dict[str, list[str]] = {}
+        wanted: dict[str, dict[str, None]] = {}  # sort → its modules, in order
         for sandboxed, network, preload in kinds:
-            sort = self._sort(self.sandbox, sandboxed, network)
-            if preload and self._forks(sort):
-                mods = wanted.setdefault(sort, [])
-                mods += [m for m in preload if m not in mods]
+            sort = self._sort(sandboxed, network)
+            if preload and _forks(sort):
+                wanted.setdefault(sort, {}).update(dict.fromkeys(preload))
 
         def start(sort: str, mods: tuple[str, ...]) -> None:
             with self._cond:
@@ -576,88 +492,55 @@ class ProcessRunner(SpawnRunner):
         for sort, mods in wanted.items():
             self._spawner.submit(start, sort, tuple(mods))
 
-    def _start(self, sort: str, needs: tuple[str, ...] = ()) -> _Worker:
-        if self._forks(sort):
+    def _start(self, sort: str, needs: tuple[str, ...]) -> _Worker:
+        """A new worker, started on the spawner thread only: one long-lived thread forks every
+        worker and zygote, as PR_SET_PDEATHSIG fires when the *thread* that forked a process
+        ends, so none may be forked by a short-lived one."""
+        if _forks(sort):
             return self._zygote(sort).fork(needs)
-        ctx, scratch = self._new_scratch()
-        parent, child = socket.socketpair()
-        try:
-            fd = os.dup(child.fileno())
-            argv = self._argv(fd, scratch, sort) + list(self.disabled_plugins)
-            w = _Worker.exec(argv, fd, parent, scratch, ctx)
-        except BaseException:
-            parent.close()
-            ctx.__exit__(None, None, None)
-            raise
-        finally:
-            child.close()
-        return w
+        proc, sock, scratch, cleanup = self._launch(sort, "worker")
+        return _Worker(proc, sock, scratch, cleanup, sandboxed=sort != "host")
 
-    def _spawn(self, key: str, spare: bool, needs: tuple[str, ...] = ()) -> Future[_Worker]:
-        """Start a worker on the spawner thread (counted as starting until it is up).
-
-        One long-lived thread forks every worker and zygote: PR_SET_PDEATHSIG fires when
-        the *thread* that forked a process ends, so none may be forked by a short-lived one.
-        """
-        self._starting += 1
-
-        def start() -> _Worker:
-            try:
-                w = self._start(key, needs)
-            finally:
-                with self._cond:
-                    self._starting -= 1
-                    self._cond.notify_all()
-            if spare:
-                self._release(w, key)
-            return w
-
-        return self._spawner.submit(start)
-
-    def _acquire(self, key: str, plugin: str = "", needs: tuple[str, ...] = ()) -> _Worker:
+    def _acquire(self, key: str, needs: tuple[str, ...]) -> _Worker:
         with self._cond:
             while True:
                 if self._closed:
                     raise RuntimeError("the action runner was shut down")
-                # a worker that has the kind's modules warm, then the one that already ran
-                # this plugin's kinds most recently; a never-used spare only when none has
+                # a worker that has the kind's modules warm, the last one released first
                 fits = [
-                    (w.has(needs), plugin in w.plugins, w.last_used, i)
+                    (w.warm.issuperset(needs), i)
                     for i, (k, w) in enumerate(self._idle)
                     if k == key and w.proc.poll() is None
                 ]
-                forks = self._forks(key)
+                forks = _forks(key)
                 if fits:
-                    warm, _, _, i = max(fits)
+                    warm, i = max(fits)
                     if warm or not forks:
                         w = self._idle.pop(i)[1]
                         self._busy.add(w)
-                        self._keep_spare(key, needs)
                         return w
                     # forked workers are cheap: a fresh one from the zygote (which imports
                     # the modules once) beats importing them here, in one worker of several
                     self._idle.pop(i)[1].close()
                 total = len(self._idle) + len(self._busy) + self._starting
                 if total < self.max_workers:
-                    fut = self._spawn(key, spare=False, needs=needs)
+                    self._starting += 1  # until it is up
+                    fut = self._spawner.submit(self._start, key, needs)
                     break
                 if self._idle:  # only workers of the other sort are idle: make room
                     _k, old = self._idle.pop(0)
                     old.close()
                     continue
                 self._cond.wait()
-        w = fut.result()
+        try:
+            w = fut.result()
+        finally:
+            with self._cond:
+                self._starting -= 1
+                self._cond.notify_all()
         with self._cond:
             self._busy.add(w)
-            self._keep_spare(key, needs)
         return w
-
-    def _keep_spare(self, key: str, needs: tuple[str, ...] = ()) -> None:
-        """Start one more worker in the background while there is room, so that the next
-        action that can run beside this one finds a warm worker (called with the lock)."""
-        total = len(self._idle) + len(self._busy) + self._starting
-        if total < self.max_workers and not self._starting and not any(k == key for k, _ in self._idle):
-            self._spawn(key, spare=True, needs=needs)
 
     def _release(self, w: _Worker, key: str) -> None:
         with self._cond:
@@ -673,11 +556,9 @@ class ProcessRunner(SpawnRunner):
     def exec(
         self, spawn: Spawn, *, on_line: Callable[[str], None] | None = None, lock_fd: int | None = None
     ) -> Iterator[SpawnResult]:
-        key = self._sort(self.sandbox, spawn.sandboxed, spawn.network)
-        w = self._acquire(key, spawn.plugin, spawn.preload)
-        w.plugins.add(spawn.plugin)
-        w.imported.update(spawn.preload)
-        w.last_used = time.monotonic()
+        key = self._sort(spawn.sandboxed, spawn.network)
+        w = self._acquire(key, spawn.preload)
+        w.warm.update(spawn.preload)
         out, tmp, log = _workdir(w.scratch)
         spawn = replace(spawn, out=str(out), tmp=str(tmp), log=str(log))
         if key != "host":  # /tmp is read-only in there: temp files go to the action's tmp
@@ -692,10 +573,11 @@ class ProcessRunner(SpawnRunner):
             self._release(w, key)
 
     def shutdown(self) -> None:
+        """Stop the runner's processes (idle ones are asked to exit, busy ones killed)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        self._spawner.shutdown(wait=True)  # a worker being started joins the idle list
+        self._spawner.shutdown(wait=True)  # no process is started after this
         with self._cond:
             idle = [w for _k, w in self._idle]
             busy = list(self._busy)
@@ -721,23 +603,23 @@ class ProcessRunner(SpawnRunner):
                 z.kill()
 
 
+#: the name mopt.build types its runner with
+SpawnRunner = ProcessRunner
+
+
 # ---------------------------------------------------------------------- the zygote (fork server)
 
 
-def zygote_reason(sandboxed: bool) -> str | None:
-    """Why workers are NOT forked from a zygote here (None: they are).
+def _forks(sort: str) -> bool:
+    """Whether workers of `sort` are forked from a zygote here.
 
-    Off with MOPT_ZYGOTE=0; Linux only (fork with the inherited state is what Linux
+    Not with MOPT_ZYGOTE=0; Linux only (fork with the inherited state is what Linux
     offers; elsewhere `fork` after imports such as torch's is unsafe); in a sandbox it
     needs Landlock (Linux 5.13+, `landlock` in the kernel's LSM list), because the workers
     of one sandbox share its mounts and must fence themselves off from each other."""
-    if os.environ.get("MOPT_ZYGOTE", "1") == "0":
-        return "MOPT_ZYGOTE=0"
-    if not sys.platform.startswith("linux"):
-        return "not Linux"
-    if sandboxed and landlock_abi() < 1:
-        return "Landlock is not available (needed to keep forked sandboxed workers apart)"
-    return None
+    if os.environ.get("MOPT_ZYGOTE", "1") == "0" or not sys.platform.startswith("linux"):
+        return False
+    return sort == "host" or landlock_abi() >= 1
 
 
 class _ForkedProc:
@@ -748,12 +630,8 @@ class _ForkedProc:
         self.zygote = zygote
         self.pid = pid
 
-    @property
-    def returncode(self) -> int | None:
-        return self.zygote.status(self.pid)
-
     def poll(self) -> int | None:
-        return self.returncode
+        return self.zygote.status(self.pid)
 
     def wait(self, timeout: float | None = None) -> int:
         code = self.zygote.wait(self.pid, timeout)
@@ -765,53 +643,26 @@ class _ForkedProc:
         """SIGKILL the worker's process group: here when its pid is ours to see (a plain
         zygote), else by the zygote (a sandbox's pids are its own)."""
         if self.zygote.sort == "host":
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.pid, signal.SIGKILL)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(self.pid, signal.SIGKILL)
+            _kill_group(self.pid)
         self.zygote.send(("kill", self.pid))
 
 
-class _Zygote:
-    """mopt's side of one fork server: start it, ask it for workers, learn how they ended."""
+class _Zygote(_Child):
+    """mopt's side of one fork server: ask it for workers, learn how they ended."""
 
-    def __init__(self, runner: ProcessRunner, sort: str, root: Path, ctx: Any) -> None:
+    def __init__(
+        self, runner: ProcessRunner, sort: str, proc: Any, sock: socket.socket, root: Path, cleanup: ExitStack
+    ) -> None:
+        super().__init__(proc, sock, cleanup)
         self.runner = runner
         self.sort = sort
         self.root = root
-        self._ctx = ctx
-        self.sock, child = socket.socketpair()
-        self.conn = Connection(os.dup(self.sock.fileno()))
         self.send_lock = threading.Lock()
         self._cond = threading.Condition()
         self._status: dict[int, int] = {}
         self._replies: list[Any] = []
-        self.alive = True
         self.forked = 0
-        self.errlog = open(root / "zygote.log", "ab")  # noqa: SIM115 (lives as long as the zygote)
-        try:
-            fd = os.dup(child.fileno())
-            argv = runner._argv(fd, root, sort, role="zygote") + list(runner.disabled_plugins)
-            try:
-                self.proc = subprocess.Popen(
-                    argv,
-                    pass_fds=(fd,),
-                    stdin=subprocess.DEVNULL,
-                    stdout=self.errlog,
-                    stderr=self.errlog,
-                    start_new_session=True,
-                    env=_worker_env(zygote=True),
-                )
-            finally:
-                os.close(fd)
-        except BaseException:
-            self.errlog.close()
-            self.sock.close()
-            raise
-        finally:
-            child.close()
-        self._reader = threading.Thread(target=self._read, name=f"mopt-zygote-{sort}", daemon=True)
-        self._reader.start()
+        threading.Thread(target=self._read, name=f"mopt-zygote-{sort}", daemon=True).start()
 
     def send(self, msg: Any, fds: list[int] | None = None) -> None:
         with self.send_lock, contextlib.suppress(OSError):
@@ -842,37 +693,32 @@ class _Zygote:
             return None if self.alive else -signal.SIGKILL
 
     def wait(self, pid: int, timeout: float | None) -> int | None:
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while pid not in self._status and self.alive:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return None
-                self._cond.wait(left)
+            self._cond.wait_for(lambda: pid in self._status or not self.alive, timeout)
         return self.status(pid)
 
     def fork(self, needs: tuple[str, ...]) -> _Worker:
         """A new worker (called on the runner's spawner thread only)."""
         scratch = Path(tempfile.mkdtemp(prefix="w-", dir=self.root))
-        ctx = _TmpScratch(self.root, scratch)
+        cleanup = ExitStack()
+        cleanup.callback(_rmtree, scratch)
         parent, child = socket.socketpair()
         try:
             landlock = self.sort != "host"
             self.send(("fork", str(scratch), tuple(needs), self.runner.writable, landlock), [child.fileno()])
             with self._cond:
-                while not self._replies and self.alive:
-                    self._cond.wait()
+                self._cond.wait_for(lambda: self._replies or not self.alive)
                 if not self._replies:
-                    raise RuntimeError(f"the action runner's fork server died (see {self.root / 'zygote.log'})")
+                    raise RuntimeError(f"the action runner's fork server died (see {self.root}/zygote.log)")
                 reply = self._replies.pop(0)
             if reply[0] != "forked":
                 raise RuntimeError(f"the action runner's fork server could not fork a worker: {reply[1]}")
             self.forked += 1
-            return _Worker(_ForkedProc(self, reply[1]), parent, scratch, ctx, sandboxed=False,
-                           preloaded=frozenset(reply[2]))
+            proc = _ForkedProc(self, reply[1])
+            return _Worker(proc, parent, scratch, cleanup, sandboxed=False, warm=reply[2])
         except BaseException:
             parent.close()
-            ctx.__exit__(None, None, None)
+            cleanup.close()
             raise
         finally:
             child.close()
@@ -881,53 +727,13 @@ class _Zygote:
         """Ask the zygote to end (it kills what it forked); kill it if it does not. One
         that forked nothing is killed at once: it may be in the middle of a long import
         (started ahead by `prestart` for a build that turned out to be all hits)."""
-        if not self.forked:
+        if not (self.forked and self.hang_up(5)):
             self.kill()
-            return
-        with contextlib.suppress(OSError):
-            self.conn.close()
-        with contextlib.suppress(OSError):
-            self.sock.close()
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.kill()
-        self._end()
+        self.end()
 
     def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            self.proc.kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10)
-        self._end()
-
-    def _end(self) -> None:
-        with self._cond:
-            self.alive = False
-            self._cond.notify_all()
-        if not self.errlog.closed:
-            self.errlog.close()
-        with contextlib.suppress(Exception):
-            self._ctx.__exit__(None, None, None)
-
-
-class _TmpScratch:
-    """A worker's scratch folder when no store provides one (tests, the benchmark)."""
-
-    def __init__(self, parent: Path, path: Path | None = None) -> None:
-        self.parent = parent
-        self.path: Path | None = path
-
-    def __enter__(self) -> Path:
-        if self.path is None:
-            self.path = Path(tempfile.mkdtemp(prefix="worker-", dir=self.parent))
-        return self.path
-
-    def __exit__(self, *exc: object) -> None:
-        if self.path is not None:
-            _rmtree(self.path)
+        super().kill()
+        self.end()  # the reader thread wakes those who wait for it, at its socket's EOF
 
 
 _RUNNERS: set[ProcessRunner] = set()
@@ -1008,59 +814,40 @@ def _stat_tree(roots: list[Path]) -> dict[str, tuple[int, int, int, int]]:
     return out
 
 
-# ---------------------------------------------------------------------- orphans
-
-
-def set_pdeathsig(sig: int = signal.SIGKILL) -> None:
-    """Ask the kernel to send `sig` to this process when its parent (thread) dies."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-
-
 # ---------------------------------------------------------------------- the worker process
 
 
-class _Worker_:
-    """The worker side: receive spawns, run them with `execute_spawn`, answer."""
+def _serve(fd: int) -> None:
+    """The worker's loop: receive spawns, run them with `execute_spawn`, answer; at EOF end."""
+    sock = socket.socket(fileno=fd)
+    conn = Connection(os.dup(fd))
+    send_lock = threading.Lock()  # the kind may log from threads of its own
 
-    def __init__(self, fd: int) -> None:
-        self.sock = socket.socket(fileno=fd)
-        self.conn = Connection(os.dup(fd))
-        self.send_lock = threading.Lock()
+    def send(msg: Any) -> None:
+        with send_lock:
+            conn.send(msg)
 
-    def send(self, msg: Any) -> None:
-        with self.send_lock:
-            self.conn.send(msg)
-
-    @staticmethod
-    def registry(disabled: tuple[str, ...]) -> Any:
-        return _registry(disabled)
-
-    def serve(self) -> None:
-        from mopt import procs
-
-        while True:
-            try:
-                msg = self.conn.recv()
-            except (EOFError, OSError):
-                msg = ("exit",)
-            if msg[0] != "run":
-                _end_leftovers()
-                return
-            spawn: Spawn = msg[1]
-            lock = recvfds(self.sock, 1)[0] if msg[2] else None
-            registry = self.registry(spawn.disabled_plugins)
-            procs.ACTION_FDS = (lock,) if lock is not None else ()
-            saved = _redirect_output(spawn.log)
-            try:
-                res = execute_spawn(spawn, registry, lambda line: self.send(("line", line)))
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            msg = ("exit",)
+        if msg[0] != "run":
+            _end_leftovers()
+            return
+        spawn: Spawn = msg[1]
+        lock = recvfds(sock, 1)[0] if msg[2] else None
+        procs.ACTION_FDS = (lock,) if lock is not None else ()
+        try:
+            with _output_to(spawn.log):
+                registry = _registry(spawn.disabled_plugins)
+                res = execute_spawn(spawn, registry, lambda line: send(("line", line)))
                 _reap()
-            finally:
-                _restore_output(saved)
-                procs.ACTION_FDS = ()
-                if lock is not None:
-                    os.close(lock)
-            self.send(("done", res))
+        finally:
+            procs.ACTION_FDS = ()
+            if lock is not None:
+                os.close(lock)
+        send(("done", res))
 
 
 def _children() -> list[int]:
@@ -1095,9 +882,10 @@ def _end_leftovers() -> None:
         time.sleep(0.01)
 
 
-def _redirect_output(log: str) -> tuple[int, int]:
-    """Point fds 1 and 2 at the action's log (native libraries' output, faulthandler's
-    trace of a segfault) until `_restore_output`."""
+@contextlib.contextmanager
+def _output_to(log: str) -> Iterator[None]:
+    """Point fds 1 and 2 at the action's log meanwhile (native libraries' output,
+    faulthandler's trace of a segfault)."""
     sys.stdout.flush()
     sys.stderr.flush()
     saved = (os.dup(1), os.dup(2))
@@ -1105,37 +893,31 @@ def _redirect_output(log: str) -> tuple[int, int]:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    return saved
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        for std, fd in zip((1, 2), saved, strict=True):
+            os.dup2(fd, std)
+            os.close(fd)
 
 
-def _restore_output(saved: tuple[int, int]) -> None:
-    with contextlib.suppress(Exception):
-        sys.stdout.flush()
-        sys.stderr.flush()
-    os.dup2(saved[0], 1)
-    os.dup2(saved[1], 2)
-    os.close(saved[0])
-    os.close(saved[1])
-
-
-_REGISTRIES: dict[tuple[str, ...], Any] = {}
-
-
+@functools.cache
 def _registry(disabled: tuple[str, ...]) -> Any:
     """The plugin registry (loaded once per process; a forked worker inherits its zygote's)."""
     from mopt.plugins import get_registry
 
-    if disabled not in _REGISTRIES:
-        _REGISTRIES[disabled] = get_registry(disabled)
-    return _REGISTRIES[disabled]
+    return get_registry(disabled)
 
 
 def _become_worker(ppid: int) -> bool:
-    """What every worker does first: die with its parent, adopt its actions' orphans,
-    leave Ctrl-C to mopt, trace segfaults into fd 2. False: the parent is already gone."""
-    set_pdeathsig(signal.SIGKILL)
-    with contextlib.suppress(Exception):  # orphans of an action's processes become ours to end
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    """What every worker does first: die with its parent (thread), adopt its actions'
+    orphans, leave Ctrl-C to mopt, trace segfaults into fd 2. False: the parent is already gone."""
+    if procs.prctl is not None:
+        procs.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        procs.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # an action's orphans become ours to end
     if ppid and os.getppid() != ppid:
         return False  # the parent died before the line above took effect
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # mopt decides when an action stops
@@ -1144,16 +926,15 @@ def _become_worker(ppid: int) -> bool:
 
 
 def worker_main(argv: list[str]) -> int:
-    if argv[:1] == ["--zygote"]:
-        return zygote_main(argv[1:])
-    fd, ppid = int(argv[0]), int(argv[1])
-    if not _become_worker(ppid):
-        return 0
-    worker = _Worker_(fd)
-    # load the plugins now, while mopt is still busy elsewhere: the first action then
-    # finds a warm worker
-    worker.registry(tuple(argv[2:]))
-    worker.serve()
+    """`python -m mopt.runner [--zygote] FD PPID [DISABLED_PLUGIN...]`: a worker or a zygote
+    that talks to mopt over socket FD and dies with PPID (0: no check)."""
+    zygote = argv[:1] == ["--zygote"]
+    fd, ppid, *disabled = argv[1:] if zygote else argv
+    if _become_worker(int(ppid)):
+        # the plugins load now, while mopt is still busy elsewhere: the first action then
+        # finds a warm worker
+        _registry(tuple(disabled))
+        (zygote_main if zygote else _serve)(int(fd))
     return 0
 
 
@@ -1188,12 +969,9 @@ def landlock_writes(allowed: list[str]) -> None:
     abi = landlock_abi()
     if abi < 1:
         raise OSError("Landlock is not available")
-    # WRITE_FILE, REMOVE_DIR, REMOVE_FILE, MAKE_CHAR .. MAKE_SYM; REFER (ABI 2); TRUNCATE (ABI 3)
-    rights = (1 << 1) | sum(1 << b for b in range(4, 13))
-    if abi >= 2:
-        rights |= 1 << 13
-    if abi >= 3:
-        rights |= 1 << 14
+    # WRITE_FILE (bit 1); REMOVE_DIR, REMOVE_FILE, MAKE_CHAR .. MAKE_SYM (4-12), then REFER
+    # (13) from ABI 2 on and TRUNCATE (14) from ABI 3 on
+    rights = (1 << 1) | sum(1 << b for b in range(4, 12 + min(abi, 3)))
     libc = ctypes.CDLL(None, use_errno=True)
     attr = ctypes.c_uint64(rights)  # struct landlock_ruleset_attr's first field, handled_access_fs
     rfd = libc.syscall(_SYS_LANDLOCK[0], ctypes.byref(attr), ctypes.c_size_t(8), ctypes.c_uint32(0))
@@ -1223,8 +1001,8 @@ def landlock_writes(allowed: list[str]) -> None:
 # ---------------------------------------------------------------------- the zygote process
 
 
-def zygote_main(argv: list[str]) -> int:
-    """The fork server: load the plugins, then serve `fork` / `kill` requests until EOF.
+def zygote_main(fd: int) -> None:
+    """The fork server: serve `preload` / `fork` / `kill` requests on socket `fd` until EOF.
 
     It never runs an action itself and starts no thread of its own, so a fork copies a
     process that holds no lock of another thread. The modules a request names are
@@ -1237,29 +1015,21 @@ def zygote_main(argv: list[str]) -> int:
     same process would get the first's), it is started as a plain interpreter (it cannot
     be put inside bubblewrap, one per sandbox sort), and it imports everything up front;
     this one is per build and sort, runs inside the sandbox, and imports on demand."""
-    fd, ppid = int(argv[0]), int(argv[1])
-    if not _become_worker(ppid):
-        return 0
     sock = socket.socket(fileno=fd)
     conn = Connection(os.dup(fd))
-    disabled = tuple(argv[2:])
-    _registry(disabled)
     zygote_pid = os.getpid()
-    loaded: list[str] = []
-    failed: list[str] = []
+    tried: list[str] = []  # modules imported here, or that failed to (a fork would fail too)
     workers: set[int] = set()
-    early: dict[int, int] = {}
-    sending = [False, False]  # in conn.send; a SIGCHLD came meanwhile
+    chld = {signal.SIGCHLD}
 
     def send(msg: Any) -> None:
-        sending[0] = True
+        # no report from the SIGCHLD handler in the middle of another message: a signal
+        # blocked here is handled when it is unblocked (pthread_sigmask runs the handler)
+        signal.pthread_sigmask(signal.SIG_BLOCK, chld)
         try:
             conn.send(msg)
         finally:
-            sending[0] = False
-        if sending[1]:
-            sending[1] = False
-            reap()
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, chld)
 
     def reap() -> None:
         while True:
@@ -1270,49 +1040,36 @@ def zygote_main(argv: list[str]) -> int:
             if pid == 0:
                 return
             code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-            if pid in workers:
+            if pid in workers:  # else an adopted orphan
                 workers.discard(pid)
                 with contextlib.suppress(OSError):
                     os.killpg(pid, signal.SIGKILL)  # what it left behind in its group
                 send(("exit", pid, code))
-            else:  # a worker that ended before it was counted, or an adopted orphan
-                early[pid] = code
 
     def on_sigchld(_sig: int, _frame: Any) -> None:
-        # report a worker's end at once, also while a long import runs here
-        if sending[0]:
-            sending[1] = True
-        else:
-            with contextlib.suppress(OSError):
-                reap()
+        # a worker's end is reported at once, also while a long import runs here
+        with contextlib.suppress(OSError):
+            reap()
 
     def preload(needs: tuple[str, ...]) -> None:
         for mod in needs:
-            if mod not in loaded and mod not in failed:
+            if mod not in tried:
+                tried.append(mod)
                 try:
                     __import__(mod)
-                    loaded.append(mod)
                 except BaseException as exc:  # the action meets it again, in its log
-                    failed.append(mod)
                     print(f"mopt zygote: preloading {mod} failed: {exc!r}", file=sys.stderr, flush=True)
 
     signal.signal(signal.SIGCHLD, on_sigchld)
 
     try:
         while True:
-            ready = conn.poll(0.1)
-            reap()
-            if not ready:
-                continue
             try:
                 msg = conn.recv()
             except (EOFError, OSError):
                 break
             if msg[0] == "kill":
-                with contextlib.suppress(OSError):
-                    os.killpg(msg[1], signal.SIGKILL)
-                with contextlib.suppress(OSError):
-                    os.kill(msg[1], signal.SIGKILL)
+                _kill_group(msg[1])
                 continue
             if msg[0] == "preload":  # ahead of the first fork: the build is still keying
                 preload(msg[1])
@@ -1327,6 +1084,8 @@ def zygote_main(argv: list[str]) -> int:
             # what is imported so far is never collected in a fork: the collector would touch
             # (and so copy) every page of it in each worker
             gc.freeze()
+            # a worker's end is reported after its "forked" (that send unblocks the signal)
+            signal.pthread_sigmask(signal.SIG_BLOCK, chld)
             try:
                 pid = os.fork()
             except OSError as exc:
@@ -1337,7 +1096,9 @@ def zygote_main(argv: list[str]) -> int:
                 code = 0
                 try:
                     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # its children are its own
-                    _drop_zygote_env()
+                    signal.pthread_sigmask(signal.SIG_UNBLOCK, chld)
+                    if os.environ.pop("MOPT_ZYGOTE_OMP", None):
+                        del os.environ["OMP_WAIT_POLICY"]
                     conn.close()
                     sock.close()
                     os.setsid()  # a process group of its own: killed as one
@@ -1346,7 +1107,7 @@ def zygote_main(argv: list[str]) -> int:
                     if landlock:
                         landlock_writes([scratch, *writable, "/dev"])
                         os.chdir(scratch)
-                    _Worker_(wfd).serve()
+                    _serve(wfd)
                 except BaseException:
                     traceback.print_exc()
                     code = 70
@@ -1357,21 +1118,11 @@ def zygote_main(argv: list[str]) -> int:
                     os._exit(code)
             os.close(wfd)
             workers.add(pid)
-            # modules that failed to import count as preloaded: a new fork would not have them either
-            send(("forked", pid, loaded + failed))
-            if pid in early:
-                workers.discard(pid)
-                with contextlib.suppress(OSError):
-                    os.killpg(pid, signal.SIGKILL)
-                send(("exit", pid, early.pop(pid)))
+            send(("forked", pid, tried))
     finally:
         for pid in list(workers):
-            with contextlib.suppress(OSError):
-                os.killpg(pid, signal.SIGKILL)
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
+            _kill_group(pid)
         _end_leftovers()
-    return 0
 
 
 if __name__ == "__main__":

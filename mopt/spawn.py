@@ -1,11 +1,8 @@
 """One action as any runner runs it, and what came of it (Bazel's Spawn and SpawnResult).
 
 The same value goes to a warm worker process on this machine, to one inside bubblewrap, and
-(as JSON) to a remote worker of an executor plugin: the kind's name and plugin, its params
-as JSON, the input artifacts (each with its tree digest; its path is where the runner put
-it), the model, family, section and hardware, the env overlay the key was made with, and the
-folders it may write (`out`, `tmp`, `log`, filled in by the runner). A remote runner fetches
-the inputs, the source and the declared input files by digest, then runs it like the others.
+(as JSON) to a remote worker of an executor plugin, which fetches the inputs, the source and
+the declared input files by digest, then runs it like the others.
 """
 
 from __future__ import annotations
@@ -61,8 +58,7 @@ class Spawn:
     out: str = ""
     tmp: str = ""
     log: str = ""
-    #: prefix of the action's logger name (a remote executor's differs)
-    logger_prefix: str = "mopt.action"
+    #: the machine, named in the log when the action runs on another one
     host: str = ""
 
     def to_json(self) -> str:
@@ -90,9 +86,6 @@ class SpawnResult:
     duration: float = 0.0
     #: one line: the exception, or how the process ended
     error: str = ""
-    #: the signal that ended the worker (crashed), else None
-    signal: int | None = None
-    exit_code: int | None = None
     out: Path = Path()
     log: Path = Path()
 
