@@ -24,14 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mopt import buildlog, procs
+from mopt import buildlog
 from mopt.api import Artifact, Missing, SourceContext, SourceError, TargetKind
 from mopt.digest import canonical_json, hash_bytes
 from mopt.errors import MoptError
 from mopt.filehash import FileStat, file_stat
 from mopt.graph import Node
 from mopt.keys import action_key, diff_parts
-from mopt.runner import InputWatch, ProcessRunner, SpawnRunner, action_logger, close_logger
+from mopt.runner import InputWatch, ProcessRunner
 from mopt.schedule import NodeState, Reporter, built_inputs, missing_inputs, readiness
 from mopt.spawn import Spawn
 from mopt.store import ActionEntry, Store, StoreError
@@ -171,7 +171,7 @@ class Engine:
         self._pass_thread: int | None = None  # the driver's thread while it is in a pass
         self.planning = False  # plan never downloads a source
         #: the runner `prestart` started, until `build` takes it
-        self._early_runner: SpawnRunner | None = None
+        self._early_runner: ProcessRunner | None = None
         self.remote = _remote_for(self.project, self.store, offline)
         if offline:  # libraries that honour these never touch the network
             os.environ["HF_HUB_OFFLINE"] = "1"
@@ -646,7 +646,7 @@ class Engine:
             from mopt.executor import BuildSession
 
             session = BuildSession(self, ids, remote=self.remote, keep_going=keep_going,
-                                   reporter=reporter or Reporter(), materialize=self._want, jobs=jobs)
+                                   reporter=reporter or Reporter(), materialize=self._want)
             result: dict[str, NodeState] = ex_cls().build(session, settings=settings) or session.states()
             self.store.state.flush()
             return result
@@ -1120,7 +1120,7 @@ class Engine:
         if runner is not None:
             runner.shutdown()
 
-    def _prestarted_runner(self, ids: list[str], workers: int) -> SpawnRunner | None:
+    def _prestarted_runner(self, ids: list[str], workers: int) -> ProcessRunner | None:
         """The local runner with its zygotes importing the modules of `ids`' kinds, or None
         when no kind of them declares `preload` (the runner then starts at the first miss)."""
         kinds = {k for i in ids if (k := self.registry.targets.get(self.graph.nodes[i].kind)) is not None}
@@ -1130,7 +1130,7 @@ class Engine:
         runner.prestart((k.sandbox, k.network, tuple(k.preload)) for k in kinds)
         return runner
 
-    def _local_runner(self, workers: int) -> SpawnRunner:
+    def _local_runner(self, workers: int) -> ProcessRunner:
         """The runner of `[executor] sandbox` ("auto": bubblewrap where it works)."""
         from mopt.runner import resolve_sandbox
 
@@ -1147,7 +1147,6 @@ class Engine:
         cache = self.store.root / "cache"
         cache.mkdir(exist_ok=True)
         return ProcessRunner(
-            tmp_dir=self.store.tmp_dir,
             max_workers=workers,
             sandbox=sandboxed,
             writable=(str(cache),),
@@ -1693,7 +1692,7 @@ def _write_lock(recipe_path: Path, now: LockData, artifacts: dict[str, str]) -> 
         return True
 
 
-__all__ = ["Engine", "NodeState", "Reporter", "action_logger", "address_path", "close_logger", "procs"]
+__all__ = ["Engine", "NodeState", "Reporter", "address_path"]
 
 
 def _remote_for(project: Any, store: Store, offline: bool) -> Any:

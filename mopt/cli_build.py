@@ -419,7 +419,6 @@ def _interrupted(exc: KeyboardInterrupt) -> None:
 
     signum = exc.signum if isinstance(exc, procs.Terminated) else int(signal.SIGINT)
     runner.kill_all()
-    procs.kill_all()
     what = {int(signal.SIGTERM): "terminated (SIGTERM)", int(signal.SIGHUP): "hung up (SIGHUP)"}
     err.print(f"{what.get(signum, 'interrupted')}: running actions stopped; nothing partial was stored")
     sys.stderr.flush()

@@ -67,14 +67,12 @@ class BuildSession:
         keep_going: bool = False,
         reporter: Reporter | None = None,
         materialize: set[str] | None = None,
-        jobs: int | None = None,
     ) -> None:
         self._engine = engine
         self._graph = engine.graph
         self.ids = list(ids)
         self.remote = remote
         self.keep_going = keep_going
-        self.jobs = jobs
         self.reporter = reporter or Reporter()
         self._want = set(ids) if materialize is None else set(materialize)
         self._states = {i: NodeState(self._graph.nodes[i]) for i in ids}

@@ -6,13 +6,9 @@ import ctypes
 import os
 import signal
 import subprocess
-import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
-
-_running: set[subprocess.Popen[str]] = set()
-_lock = threading.Lock()
 
 #: descriptors an action's commands inherit (in a worker: the action's lock, so the lock
 #: stays held while any process of the action lives, orphans included)
@@ -69,25 +65,8 @@ def run(
         pass_fds=ACTION_FDS,
         preexec_fn=_child_setup if os.environ.get("MOPT_WORKER") else None,
     )
-    with _lock:
-        _running.add(proc)
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if on_line:
-                on_line(line.rstrip("\n"))
-        return proc.wait()
-    finally:
-        with _lock:
-            _running.discard(proc)
-
-
-def kill_all() -> None:
-    """Stop every running action process group (on Ctrl-C)."""
-    with _lock:
-        procs = list(_running)
-    for p in procs:
-        try:
-            os.killpg(p.pid, signal.SIGTERM)
-        except (ProcessLookupError, PermissionError):
-            pass
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if on_line:
+            on_line(line.rstrip("\n"))
+    return proc.wait()

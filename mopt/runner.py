@@ -393,7 +393,6 @@ class ProcessRunner:
         sandbox: bool = False,
         writable: tuple[str, ...] = (),
         disabled_plugins: tuple[str, ...] = (),
-        tmp_dir: Path | None = None,  # not used (workers get `scratch` folders); mopt.build passes it
     ) -> None:
         self.max_workers = max(1, max_workers)
         self.sandbox = sandbox
@@ -602,9 +601,6 @@ class ProcessRunner:
             with contextlib.suppress(Exception):
                 z.kill()
 
-
-#: the name mopt.build types its runner with
-SpawnRunner = ProcessRunner
 
 
 # ---------------------------------------------------------------------- the zygote (fork server)
