@@ -19,7 +19,7 @@ import time
 import traceback
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from contextlib import ExitStack, contextmanager, nullcontext, suppress
+from contextlib import ExitStack, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -168,7 +168,6 @@ class Engine:
         self._node_files: dict[str, list[Path]] = {}
         #: section id → (model, section name): the folders of build/<model>/<section>/<target>
         self._section_names = {sec.id: (sec.model, sec.key) for sec in self.recipe.sections}
-        self._pass_thread: int | None = None  # the driver's thread while it is in a pass
         self.planning = False  # plan never downloads a source
         #: the runner `prestart` started, until `build` takes it
         self._early_runner: ProcessRunner | None = None
@@ -422,12 +421,6 @@ class Engine:
             getattr(kind, "install_hints", None),
         )
 
-    def parts(
-        self, node: Node, inputs: dict[str, list[str]], missing: dict[str, list[Missing]] | None = None
-    ) -> dict[str, Any]:
-        """Everything that goes into the node's action key."""
-        return self.keyed(node, inputs, missing)[0]
-
     def keyed(
         self, node: Node, inputs: dict[str, list[str]], missing: dict[str, list[Missing]] | None = None
     ) -> tuple[dict[str, Any], str]:
@@ -677,9 +670,9 @@ class Engine:
                 self.runner = runner
             while pending or running:
                 progressed = False
-                # one shared gc lock over the pass (its hits materialize), not one per hit,
-                # and one stat-cache transaction for what its hits record
-                with self._pass():
+                # one shared gc lock over the pass (its hits materialize), not one per hit
+                # (held again inside, it is granted at once), and one stat-cache transaction
+                with self.store.in_use(), self.store.state.batch():
                     for _ in range(len(pending)):
                         i = pending.popleft()
                         st = states[i]
@@ -1087,21 +1080,6 @@ class Engine:
             "fingerprint_packages = (...)"
         )
 
-    @contextmanager
-    def _pass(self) -> Any:
-        """One scheduling pass of the driver: the shared gc lock held over it (its hits
-        materialize) and one stat-cache transaction for what its hits record, not one of
-        each per hit; the hits of this thread inside take neither again."""
-        with self.store.in_use(), self.store.state.batch():
-            self._pass_thread = threading.get_ident()
-            try:
-                yield
-            finally:
-                self._pass_thread = None
-
-    def _in_pass(self) -> bool:
-        return self._pass_thread == threading.get_ident()
-
     def prestart(self, ids: list[str], jobs: int | None = None) -> None:
         """Start the local runner's zygotes now, ahead of `build(ids, jobs=jobs)`, so that
         they import the kinds' modules while the sources are resolved (the CLI calls this
@@ -1260,7 +1238,7 @@ class Engine:
             return None
         if entry.log:
             members.append(entry.log)
-        with nullcontext() if self._in_pass() else self.store.state.batch():
+        with self.store.state.batch():
             for d in members:
                 if self.store.intact_stat(d, repair=repair) is None:
                     return None
@@ -1320,7 +1298,7 @@ class Engine:
     def _materialize(self, node: Node, tree: str, *, blobs_checked: bool = False) -> None:
         if node.id not in getattr(self, "_want", {node.id}):
             return
-        with nullcontext() if self._in_pass() else self.store.in_use():
+        with self.store.in_use():
             for address in node.addresses:
                 # materialize checks every file by stat (or by inode for large, linked ones)
                 # and rebuilds the folder if one was edited or removed: a repair of this
