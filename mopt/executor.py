@@ -8,13 +8,11 @@ inputs did not change, and pushes the outputs (blobs first, the action entry las
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import socket
 import tempfile
 import time
-import traceback
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -25,7 +23,7 @@ from mopt.api import ActionNode, Artifact, HardwareProfile
 from mopt.errors import MoptError
 from mopt.remote import RemoteCache, RemoteError
 from mopt.runner import InputWatch, execute_spawn
-from mopt.schedule import NodeState, Reporter, built_inputs, readiness
+from mopt.schedule import NodeState, Reporter, built_inputs, log_failure, node_spawn, readiness, store_built
 from mopt.spawn import Spawn, SpawnResult
 from mopt.store import ActionEntry, Store, StoreError
 
@@ -192,25 +190,13 @@ class BuildSession:
                 digest = engine.store.put_file(path)
                 self.remote.push_blob(digest)
                 files.append((rel, digest, False))
-        return Spawn(
-            key=st.key,
-            node_id=node.id,
-            kind=node.kind,
-            plugin=node.plugin,
-            params=node.target.params.model_dump(mode="json"),
-            inputs=inputs,
-            model_name=node.model.name,
-            family=node.model.spec.family,
-            task=node.model.spec.task,
+        return node_spawn(
+            st,
+            inputs,
+            engine.registry,
             source=None,
-            hardware=node.hardware.model_dump(mode="json"),
-            section=node.section.id,
-            target=node.label,
             project_dir="",
-            missing=st.missing,
-            env=dict(st.parts.get("env") or {}),
             offline=bool(getattr(engine, "offline", False)),
-            disabled_plugins=tuple(getattr(engine.registry, "disabled", ()) or ()),
             source_tree=source_tree,
             files=tuple(files),
             recipe=str(engine.recipe.path),
@@ -451,40 +437,15 @@ def _run(spec: Spawn, store: Store, registry: Any, remote: Any, *, executor: str
                 why = f"kind {spec.kind!r} changed its input {os.path.relpath(changed[0][0], scratch)}"
                 if removed:
                     why += f"; {removed} damaged blob(s) removed from {host}'s store"
-                with contextlib.suppress(OSError), open(log_path, "a") as fh:  # a full disk: `why` is reported all the same
-                    fh.write(f"mopt: FAILED: {why}\n")
+                log_failure(log_path, why)
                 res = replace(res, status="failed", error=why)
             if res.ok:
-                with store.in_use():
-                    tree, _entries = store.put_tree(out_dir)
-                    log_digest = store.put_log(log_path)
-                    entry = store.ac_put(
-                        spec.key,
-                        ActionEntry(
-                            key=spec.key,
-                            kind=spec.kind,
-                            target=spec.node_id,
-                            outputs_tree=tree,
-                            log=log_digest,
-                            duration_s=res.duration,
-                            fingerprint=want_fp,
-                            host=host,
-                            meta={
-                                "result": res.meta,
-                                "parts": spec.parts,
-                                "reproducible": kind.reproducible,
-                                "recipe": spec.recipe,
-                                "executor": executor,
-                            },
-                        ),
-                    )
+                entry = store_built(store, spec, res, spec.parts, kind, recipe=spec.recipe, executor=executor)
                 return RemoteResult("built", entry=entry, duration=res.duration)
         except BaseException as exc:  # fetching or storing failed: the action fails, not the worker
             if isinstance(exc, KeyboardInterrupt | SystemExit):
                 raise
-            with contextlib.suppress(OSError), open(log_path, "a") as fh:  # a full disk: the reason is reported
-                fh.write("mopt: FAILED: " + "".join(traceback.format_exception_only(exc)).strip() + "\n")
-                fh.write(traceback.format_exc())
+            log_failure(log_path, exc)
             res = SpawnResult("failed", duration=time.time() - t0, error=f"{type(exc).__name__}: {exc}")
         store.keep_failed_log(spec.key, log_path)
         return RemoteResult("failed", reason=res.error, duration=res.duration, log_tail=_tail(log_path))

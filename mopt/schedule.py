@@ -1,17 +1,22 @@
 """What every scheduler of a build shares (the local one in `mopt.build`, the session an
 executor plugin drives in `mopt.executor`): a node's state, when it may start, what it
-reads, and the reporter they tell. One rule for all of them, so they agree.
+reads, the action it runs, how its result is stored, and the reporter they tell. One rule
+for all of them, so they agree.
 """
 
 from __future__ import annotations
 
+import socket
+import traceback
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mopt.api import Missing
+from mopt.api import Artifact, Missing
 from mopt.graph import Node
-from mopt.store import ActionEntry
+from mopt.spawn import Spawn, SpawnResult
+from mopt.store import ActionEntry, Store
 
 #: statuses after which a node's output will not come in this build
 NOT_BUILT = ("failed", "unbuildable", "blocked")
@@ -86,6 +91,72 @@ class NodeState:
         if self.log_path is not None:
             d["log"] = str(self.log_path)
         return d
+
+
+def node_spawn(st: NodeState, inputs: dict[str, list[Artifact]], registry: Any, **where: Any) -> Spawn:
+    """The keyed node's action as a `Spawn`; `where`: what depends on the machine that runs it
+    (`source`, `project_dir`, ...)."""
+    node = st.node
+    assert st.key is not None and st.parts is not None
+    return Spawn(
+        key=st.key,
+        node_id=node.id,
+        kind=node.kind,
+        plugin=node.plugin,
+        params=node.target.params.model_dump(mode="json"),
+        inputs=inputs,
+        model_name=node.model.name,
+        family=node.model.spec.family,
+        task=node.model.spec.task,
+        hardware=node.hardware.model_dump(mode="json"),
+        section=node.section.id,
+        target=node.label,
+        missing=st.missing,
+        env=dict(st.parts.get("env") or {}),
+        disabled_plugins=tuple(getattr(registry, "disabled", ()) or ()),
+        **where,
+    )
+
+
+def store_built(
+    store: Store, spawn: Spawn, res: SpawnResult, parts: dict[str, Any], kind: Any, **meta: Any
+) -> ActionEntry:
+    """Put what a successful spawn of `kind` wrote (`res.out`, `res.log`) into `store`, the
+    action entry last; `meta`: more to record in the entry's meta."""
+    with store.in_use():
+        tree, _entries = store.put_tree(res.out)
+        log_digest = store.put_log(res.log)
+        return store.ac_put(
+            spawn.key,
+            ActionEntry(
+                key=spawn.key,
+                kind=spawn.kind,
+                target=spawn.node_id,
+                outputs_tree=tree,
+                log=log_digest,
+                duration_s=res.duration,
+                fingerprint=dict(parts.get("fingerprint") or {}),
+                host=socket.gethostname(),
+                meta={
+                    "result": res.meta,
+                    "parts": parts,
+                    "reproducible": bool(kind.reproducible and res.meta.get("reproducible", True)),
+                    **meta,
+                },
+            ),
+        )
+
+
+def log_failure(log_path: Path, why: BaseException | str) -> None:
+    """Append why the action failed to its log: a message as it is, an exception with its
+    traceback. A log that cannot take it (a full disk) is skipped: the reason is reported all
+    the same."""
+    with suppress(OSError), open(log_path, "a") as fh:
+        if isinstance(why, str):
+            fh.write(f"mopt: FAILED: {why}\n")
+        else:
+            fh.write("mopt: FAILED: " + "".join(traceback.format_exception_only(why)).strip() + "\n")
+            fh.write(traceback.format_exc())
 
 
 class Reporter:
