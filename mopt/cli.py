@@ -14,7 +14,7 @@ from mopt.errors import BuildFailed, MoptError
 
 
 class _Console:
-    """Plain output (rich is imported only for tables on a terminal)."""
+    """Plain output to sys.stdout or sys.stderr (whichever they are when it prints)."""
 
     def __init__(self, stream: Any) -> None:
         self._stream = stream
@@ -27,10 +27,13 @@ class _Console:
         self.stream.write(f"{text}\n")
         self.stream.flush()
 
-    def table(self, columns: list[str], rows: list[list[str]]) -> None:
-        """Aligned columns; never wrapped or cut when piped (one write: a 10,000-row plan)."""
+    def table(
+        self, columns: list[str], rows: list[list[str]], indent: str = "", right: tuple[int, ...] = ()
+    ) -> None:
+        """Aligned columns (those numbered in `right` to the right); never wrapped or cut when
+        piped (one write: a 10,000-row plan)."""
         widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(columns)]
-        fmt = "  ".join(f"{{:<{w}}}" for w in widths).format
+        fmt = (indent + "  ".join(f"{{:{'>' if i in right else '<'}{w}}}" for i, w in enumerate(widths))).format
         self.stream.write("".join([fmt(*columns).rstrip() + "\n", *[fmt(*r).rstrip() + "\n" for r in rows]]))
         self.stream.flush()
 
@@ -42,20 +45,17 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
 class _Group(click.Group):
-    """Commands in other modules are imported only when they run (or for --help); plugins'
-    commands are asked for only when the name is none of the core's."""
+    """The core's commands in other modules are added when a command runs (or for --help);
+    plugins' commands are asked for only when the name is none of the core's."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         _register_extra_commands()
         return super().list_commands(ctx)
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        _register_extra_commands(plugins=False)
         if name not in self.commands:
-            mod = _LAZY.get(name)
-            if mod is not None:
-                _register_extra_commands([mod])
-            else:
-                _register_extra_commands()
+            _register_extra_commands()
         return super().get_command(ctx, name)
 
 
@@ -81,20 +81,19 @@ def json_opt(f: Any) -> Any:
 
 
 def _print_json(obj: Any) -> None:
-    sys.stdout.write(dump_json(obj) + "\n")
-
-
-def dump_json(obj: Any) -> str:
-    """Indented for a terminal; compact into a pipe or a file (the C encoder: a 10,000-node
+    """Indented on a terminal; compact into a pipe or a file (the C encoder: a 10,000-node
     listing takes a third of the time the indenting one does)."""
-    if sys.stdout.isatty():
-        return json.dumps(obj, indent=2, default=str)
-    return dump_compact(obj)
+    indent = 2 if sys.stdout.isatty() else None
+    sys.stdout.write(json.dumps(obj, indent=indent, separators=None if indent else (",", ":"), default=str) + "\n")
 
 
-def dump_compact(obj: Any) -> str:
-    """`dump_json`'s form for a pipe or a file."""
-    return json.dumps(obj, separators=(",", ":"), default=str)
+def human(n: float) -> str:
+    """`512 B`, `1.5 KiB`, ... `2.0 TiB` (every size mopt prints)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
 
 
 class Session:
@@ -387,25 +386,19 @@ def schema(output: Path | None) -> None:
 
 # --------------------------------------------------------------------------- entry point
 
-#: which core module holds which command, so running one imports only its module
-_LAZY = {
-    **dict.fromkeys(("build", "explain", "show", "ls", "report", "gc"), "mopt.cli_build"),
-    **dict.fromkeys(("check", "doctor"), "mopt.cli_check"),
-    "cache": "mopt.cli_cache",
-}
 _registered: set[str] = set()
 
 
-def _register_extra_commands(modules: Any = None) -> None:
-    """The core's commands in `modules`; without, all of them (build engine, checks,
-    doctor, cache) and then the plugins' (`mopt_register_commands`)."""
+def _register_extra_commands(plugins: bool = True) -> None:
+    """The core's commands of other modules (build engine, checks, doctor, cache), then, with
+    `plugins`, the plugins' (`mopt_register_commands`)."""
     import importlib
 
-    for modname in modules or dict.fromkeys(_LAZY.values()):
+    for modname in ("mopt.cli_build", "mopt.cli_check", "mopt.cli_cache"):
         if modname not in _registered:
             _registered.add(modname)
             importlib.import_module(modname).register(app)
-    if modules is None and "plugins" not in _registered:
+    if plugins and "plugins" not in _registered:
         from mopt.plugins import register_commands
 
         disabled = _disabled()

@@ -13,7 +13,9 @@ from typing import Any
 
 import click
 
+from mopt.cli import CONTEXT, Session, _print_json, err, human, json_opt, out, recipe_arg, selectors_arg
 from mopt.errors import BuildFailed, MoptError
+from mopt.gcpause import paused_gc
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _DUR = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -35,12 +37,9 @@ def parse_duration(text: str) -> float:
     return float(m.group(1)) * _DUR[m.group(2)]
 
 
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
+def _outcome(st: Any) -> str:
+    """How long a built action took, else why it ended as it did (if it says)."""
+    return f" in {st.duration:.1f}s" if st.status == "built" else f": {st.reason}" if st.reason else ""
 
 
 class LineReporter:
@@ -66,15 +65,9 @@ class LineReporter:
 
     def done(self, st: Any) -> None:
         self.n += 1
-        if self.quiet and st.status == "cached":
-            return
-        extra = ""
-        if st.status == "built":
-            extra = f" in {st.duration:.1f}s"
-        elif st.reason:
-            extra = f": {st.reason}"
-        self.stream.write(f"[{self.n}/{self.total}] {st.status} {st.node.id}{extra}\n")
-        self.stream.flush()
+        if not (self.quiet and st.status == "cached"):
+            self.stream.write(f"[{self.n}/{self.total}] {st.status} {st.node.id}{_outcome(st)}\n")
+            self.stream.flush()
 
     def tick(self) -> None: ...
 
@@ -96,7 +89,7 @@ class LiveReporter(LineReporter):
         self.live = Live(console=console, refresh_per_second=4, transient=True)
 
     def start(self, states: dict[str, Any]) -> None:
-        self.total = len(states)
+        super().start(states)
         self.live.start()
 
     def started(self, st: Any) -> None:
@@ -108,10 +101,7 @@ class LiveReporter(LineReporter):
         self.running.pop(st.node.id, None)
         self.counts[st.status] = self.counts.get(st.status, 0) + 1
         if st.status != "cached":
-            extra = (
-                f" in {st.duration:.1f}s" if st.status == "built" else (f": {st.reason}" if st.reason else "")
-            )
-            self.live.console.print(f"{st.status:>11} {st.node.id}{extra}", markup=False, highlight=False)
+            self.live.console.print(f"{st.status:>11} {st.node.id}{_outcome(st)}", markup=False, highlight=False)
         self._refresh()
 
     def tick(self) -> None:
@@ -137,28 +127,8 @@ class LiveReporter(LineReporter):
         self.live.stop()
 
 
-def _collector_paused(command: Any) -> Any:
-    """Run `command` with Python's cyclic collector off. Keying 10,000 cached nodes makes ~1M
-    objects that live until the end (the graph, the entries, their manifests); each full
-    collection walks them all again, ~1.7 s of ~7.5 s there. The engine turns the collector
-    back on at the first action it runs (a build that runs something takes long anyway), and
-    it is on again at the end."""
-    import functools
-
-    @functools.wraps(command)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        from mopt.gcpause import paused_gc
-
-        with paused_gc():
-            return command(*args, **kwargs)
-
-    return run
-
-
 def register(app: click.Group) -> None:
     """Add the store commands to the CLI."""
-    from mopt.cli import CONTEXT, Session, _print_json, err, json_opt, out, recipe_arg, selectors_arg
-
     @app.command(context_settings=CONTEXT)
     @recipe_arg
     @selectors_arg
@@ -171,7 +141,10 @@ def register(app: click.Group) -> None:
     @click.option("--no-lock", is_flag=True, help="do not write mopt.lock (e.g. a read-only recipe folder)")
     @click.option("--no-log", is_flag=True, help="do not trust the build log: check every hit in the store")
     @json_opt
-    @_collector_paused
+    # keying 10,000 cached nodes makes ~1M objects that live until the end (the graph, the
+    # entries, their manifests); each full collection walks them all again (~1.7 s of 7.5 s
+    # there). The engine turns the collector back on at the first action it runs.
+    @paused_gc()
     def build(
         recipe: Path,
         selectors: tuple[str, ...],
@@ -204,7 +177,9 @@ def register(app: click.Group) -> None:
         wanted = s.graph.match(list(selectors))
         ids = s.graph.closure(wanted)
         if not no_check:
-            _run_check(s, ids)
+            from mopt.cli_check import run_check_for_build
+
+            run_check_for_build(s, ids)
         engine = Engine(s, offline=offline, selectors=selectors, use_log=use_log)
         if as_json or not sys.stderr.isatty() or os.environ.get("CI"):
             reporter: Any = LineReporter(sys.stderr, quiet=quiet or as_json)
@@ -415,8 +390,6 @@ def register(app: click.Group) -> None:
 def _interrupted(exc: KeyboardInterrupt) -> None:
     """Stop every action and exit 128 + the signal: outputs are in the store's tmp/ only."""
     from mopt import procs, runner
-    from mopt.cli import err
-
     signum = exc.signum if isinstance(exc, procs.Terminated) else int(signal.SIGINT)
     runner.kill_all()
     what = {int(signal.SIGTERM): "terminated (SIGTERM)", int(signal.SIGHUP): "hung up (SIGHUP)"}
@@ -427,8 +400,6 @@ def _interrupted(exc: KeyboardInterrupt) -> None:
 
 def _report_build(engine: Any, states: dict[str, Any], seconds: float, as_json: bool, miss: str) -> None:
     """What `mopt build` prints after a build that was not a no-op; BuildFailed if one failed."""
-    from mopt.cli import _print_json, err
-
     counts: dict[str, int] = {}
     for st in states.values():
         counts[st.status] = counts.get(st.status, 0) + 1
@@ -513,7 +484,6 @@ def _lock_roots(
     A lock file that exists but cannot be read stops gc (exit 2 naming it): dropping what
     it pinned is the one thing gc promises not to do. `force` skips it with a warning."""
     from mopt.build import LockFileError, lock_keys
-    from mopt.cli import err
 
     keys: set[str] = set()
     files = {os.path.abspath(p) for p in project_lock_files(root, skip)}
@@ -554,11 +524,3 @@ def _matches(node: Any, sel: str) -> bool:
         )
         for a in node.addresses
     )
-
-
-def _run_check(s: Any, ids: list[str]) -> None:
-    try:
-        from mopt.cli_check import run_check_for_build
-    except ImportError:
-        return
-    run_check_for_build(s, ids)

@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from mopt.cli_build import human as _human
+from mopt.cli import CONTEXT, human, json_opt
 from mopt.errors import MoptError
 
 
@@ -81,8 +81,6 @@ def _each(keys: dict[str, str], fn: Callable[[str], dict[str, Any]]) -> list[dic
 
 def register(app: click.Group) -> None:
     """Add `mopt cache status|push|pull` to the CLI."""
-    from mopt.cli import CONTEXT, json_opt
-
     recipe_opt = click.argument("recipe", required=False, type=click.Path(path_type=Path))
 
     @app.group("cache", context_settings=CONTEXT)
@@ -125,14 +123,14 @@ def register(app: click.Group) -> None:
             lines.append(f"  unreachable: {st.error}")
         else:
             lines.append(
-                f"  {st.ac_entries} action(s), {st.blobs} blob(s), {_human(st.blob_bytes or 0)}"
+                f"  {st.ac_entries} action(s), {st.blobs} blob(s), {human(st.blob_bytes or 0)}"
                 + (f", {st.tmp_files} unfinished upload(s)" if st.tmp_files else "")
             )
             if st.error:
                 lines.append(f"  {st.error}")
         lines.append(
             f"local  {store.root}\n  {usage.ac_entries} action(s), {usage.blobs} blob(s), "
-            f"{_human(usage.blob_bytes)}"
+            f"{human(usage.blob_bytes)}"
         )
         if st.reachable:
             lines.append(
@@ -185,7 +183,7 @@ def register(app: click.Group) -> None:
         ]
         lines.append(
             f"{len(rows)} action(s): {_summary(counts)}; {totals['uploaded_blobs']} blob(s) "
-            f"({_human(totals['uploaded_bytes'])}) uploaded, {totals['present_blobs']} already there, "
+            f"({human(totals['uploaded_bytes'])}) uploaded, {totals['present_blobs']} already there, "
             f"to {remote.url} in {time.time() - t0:.2f}s"
         )
         _emit(as_json, {"remote": remote.url, "counts": counts, **totals, "actions": rows}, lines)
@@ -232,7 +230,7 @@ def register(app: click.Group) -> None:
         lines = [f"{r['status']:>13} {r['target']}" for r in rows]
         lines.append(
             f"{len(rows)} action(s): {_summary(counts)}; {remote.stats.downloaded_blobs} blob(s) "
-            f"({_human(remote.stats.downloaded_bytes - before)}) downloaded and verified, "
+            f"({human(remote.stats.downloaded_bytes - before)}) downloaded and verified, "
             f"{remote.stats.rejected_blobs} rejected, from {remote.url} in {time.time() - t0:.2f}s"
         )
         _emit(

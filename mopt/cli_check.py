@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from mopt.cli import CONTEXT, Session, _print_json, _registry, err, json_opt, out, recipe_arg, selectors_arg
 from mopt.errors import MoptError
 
 if TYPE_CHECKING:
@@ -22,7 +23,6 @@ def run_check_for_build(session: Any, ids: list[str]) -> None:
     """The first step of `mopt build`: print errors and warnings to stderr; raise `MoptError`
     (exit 2) when there is any error, before anything is built."""
     from mopt.check import run_checks
-    from mopt.cli import err
 
     findings = [f for f in run_checks(session.graph, ids).findings if f.severity in ("error", "warning")]
     if not findings:
@@ -91,8 +91,6 @@ def _short_path(p: str) -> str:
 
 
 def _print_check(s: Any, report: CheckReport) -> None:
-    from mopt.cli import out
-
     reg = s.registry
     by_sec: dict[str, list[Finding]] = {}
     for f in report.findings:
@@ -123,7 +121,7 @@ def _print_check(s: Any, report: CheckReport) -> None:
             per = "per GPU" if hw is not None and hw.is_gpu else "in the process"
             out.print(f"  memory, estimated {per} (model config: {_short_path(cfg)}):")
             cols, rows = estimate_rows(ests)
-            _indented_table(out, cols, rows, "    ")
+            out.table(cols, rows, indent="    ", right=(1, 3, 4, 5, 6))
             for ne in ests:
                 out.print(f"    {ne.target}: {ne.basis}")
     out.print()
@@ -131,19 +129,7 @@ def _print_check(s: Any, report: CheckReport) -> None:
     out.print(", ".join(f"{n} {sev}{'s' if n != 1 and sev != 'info' else ''}" for sev, n in counts))
 
 
-def _indented_table(out: Any, cols: list[str], rows: list[list[str]], indent: str) -> None:
-    widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(cols)]
-    right = {1, 3, 4, 5, 6}
-    for r in [cols, *rows]:
-        cells = [
-            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
-        ]
-        out.print((indent + "  ".join(cells)).rstrip())
-
-
 def _print_doctor(report: DoctorReport) -> None:
-    from mopt.cli import out
-
     m = report.machine
     out.print(f"mopt doctor: {m.hostname}")
     width = max(len(c.name) for c in report.checks)
@@ -170,8 +156,6 @@ def _print_doctor(report: DoctorReport) -> None:
 
 def register(app: click.Group) -> None:
     """Add `check` and `doctor` to the main app."""
-    from mopt.cli import CONTEXT, json_opt, recipe_arg, selectors_arg
-
     @app.command(context_settings=CONTEXT)
     @recipe_arg
     @selectors_arg
@@ -185,7 +169,6 @@ def register(app: click.Group) -> None:
 
         SELECTORS are model.hardware:target, globs allowed ('*.h200', '*:trt-engine')."""
         from mopt.check import run_checks
-        from mopt.cli import Session, _print_json
 
         s = Session(recipe)
         report = run_checks(s.graph, s.graph.select(list(selectors)))
@@ -203,7 +186,6 @@ def register(app: click.Group) -> None:
         """This machine: CPU, memory, GPUs, driver, CUDA, backend libraries, container tooling,
         and the hardware profiles it matches; with RECIPE, which of its targets can be built
         here. Every missing or failed check names the likely cause and the fix."""
-        from mopt.cli import Session, _print_json, _registry
         from mopt.doctor import doctor as make_report
 
         session = Session(recipe) if recipe is not None else None

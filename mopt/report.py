@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mopt.cli import human
+
 ACCURACY = ("min_cosine", "mean_cosine", "top1_agreement", "max_abs_diff")
 SPEED = ("speedup_largest", "peak_rss_mb")
 
@@ -104,14 +106,6 @@ def _fmt(v: Any, nd: int = 4) -> str:
     return html.escape(str(v))
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return f"{n:.1f} TiB"
-
-
 def _scatter(rows: list[dict[str, Any]]) -> str:
     pts = [r for r in rows if r.get("speedup_largest") is not None and r.get("min_cosine") is not None]
     if not pts:
@@ -178,7 +172,7 @@ def render(recipe: Path, rows: list[dict[str, Any]]) -> str:
             prov = html.escape(json.dumps({"key": r["key"], "tools": r["fingerprint"]}, sort_keys=True))
             parts.append(
                 f"<tr{cls}><td><a href='{html.escape(r['path'])}'>{html.escape(r['target'])}</a>{won}{links}</td>"
-                f"<td>{html.escape(r['kind'])}</td><td>{_size(r['bytes'])}</td>"
+                f"<td>{html.escape(r['kind'])}</td><td>{human(r['bytes'])}</td>"
                 f"<td>{_fmt(r.get('min_cosine'))}</td><td>{_fmt(r.get('mean_cosine'))}</td>"
                 f"<td>{_fmt(r.get('top1_agreement'), 3)}</td><td>{_fmt(r.get('p50_ms'), 2)}</td>"
                 f"<td>{_fmt(r.get('shape'))}</td><td>{_fmt(r.get('speedup_largest'), 2)}</td>"
