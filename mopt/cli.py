@@ -88,7 +88,7 @@ def _print_json(obj: Any) -> None:
 
 
 def human(n: float) -> str:
-    """`512 B`, `1.5 KiB`, ... `2.0 TiB` (every size mopt prints)."""
+    """`512 B`, `1.5 KiB`, ... `2.0 TiB`: sizes as the CLI prints them."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -142,8 +142,7 @@ def _registry(project_dir: Path | None = None) -> Any:
 class PluginCore:
     """`mopt.api.Core`: what the core does for plugins' commands (`mopt_register_commands`)."""
 
-    def registry(self, project_dir: Path | None = None) -> Any:
-        return _registry(project_dir)
+    registry = staticmethod(_registry)
 
     def probe_gpus(self) -> Any:
         from mopt import machine

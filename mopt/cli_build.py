@@ -8,6 +8,7 @@ import re
 import signal
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -289,18 +290,13 @@ def register(app: click.Group) -> None:
     def ls_(recipe: Path, selectors: tuple[str, ...], as_json: bool) -> None:
         """List built artifacts of RECIPE with their sizes."""
         from mopt.build import Engine
+        from mopt.report import built
 
         s = Session(recipe)
         ids = s.graph.select(list(selectors))
         engine = Engine(s, read_only=True)
-        status = engine.plan(ids)
         rows: list[dict[str, Any]] = []
-        for i in ids:
-            st = status[i]
-            key = st.get("key")
-            entry = engine.store.ac_entry(key) if key and st["state"] == "up-to-date" else None
-            if entry is None:
-                continue
+        for i, entry in built(engine, ids).items():
             files = engine.store.tree_entries(entry.outputs_tree)
             rows.append(
                 {
@@ -390,6 +386,7 @@ def register(app: click.Group) -> None:
 def _interrupted(exc: KeyboardInterrupt) -> None:
     """Stop every action and exit 128 + the signal: outputs are in the store's tmp/ only."""
     from mopt import procs, runner
+
     signum = exc.signum if isinstance(exc, procs.Terminated) else int(signal.SIGINT)
     runner.kill_all()
     what = {int(signal.SIGTERM): "terminated (SIGTERM)", int(signal.SIGHUP): "hung up (SIGHUP)"}
@@ -400,9 +397,7 @@ def _interrupted(exc: KeyboardInterrupt) -> None:
 
 def _report_build(engine: Any, states: dict[str, Any], seconds: float, as_json: bool, miss: str) -> None:
     """What `mopt build` prints after a build that was not a no-op; BuildFailed if one failed."""
-    counts: dict[str, int] = {}
-    for st in states.values():
-        counts[st.status] = counts.get(st.status, 0) + 1
+    counts = dict(Counter(st.status for st in states.values()))
     failed = [st for st in states.values() if st.status in ("failed", "unbuildable", "blocked")]
     if as_json:
         state = engine.store.state

@@ -16,8 +16,8 @@ from mopt.cli import CONTEXT, human, json_opt
 from mopt.errors import MoptError
 
 
-def _open(recipe: Path | None) -> tuple[Any, Any, Any]:
-    """(project, local store, remote cache) for the recipe's folder, or the current one."""
+def _open(recipe: Path | None) -> tuple[Any, Any]:
+    """(local store, remote cache) of the project of the recipe's folder, or the current one."""
     from mopt.config import load_project
     from mopt.remote import RemoteCache, RemoteError
     from mopt.store import Store
@@ -46,7 +46,7 @@ def _open(recipe: Path | None) -> tuple[Any, Any, Any]:
     except RemoteError as exc:
         raise MoptError(str(exc), table="remote", key="url") from None
     assert remote is not None
-    return project, store, remote
+    return store, remote
 
 
 def _lock_keys(recipe: Path) -> dict[str, str]:
@@ -95,7 +95,7 @@ def register(app: click.Group) -> None:
     @json_opt
     def status(recipe: Path | None, as_json: bool) -> None:
         """The remote cache (reachable? entries, blobs, bytes) next to the local store."""
-        _project, store, remote = _open(recipe)
+        store, remote = _open(recipe)
         st = remote.status()
         usage = store.usage()
         local = set(_local_keys(store))
@@ -155,7 +155,7 @@ def register(app: click.Group) -> None:
         from mopt.store import StoreError
 
         t0 = time.time()
-        _project, store, remote = _open(recipe)
+        store, remote = _open(recipe)
         keys = _lock_keys(recipe) if recipe is not None else {k: k for k in _local_keys(store)}
         totals = {"uploaded_blobs": 0, "uploaded_bytes": 0, "present_blobs": 0}
 
@@ -198,7 +198,7 @@ def register(app: click.Group) -> None:
     def pull(recipe: Path | None, keys_opt: tuple[str, ...], all_: bool, as_json: bool) -> None:
         """Download actions (the recipe's, --key, or --all) into the local store, verified."""
         t0 = time.time()
-        _project, store, remote = _open(recipe)
+        store, remote = _open(recipe)
         keys: dict[str, str] = {}
         if recipe is not None:
             keys.update(_lock_keys(recipe))

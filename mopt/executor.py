@@ -56,6 +56,9 @@ class RemoteResult:
 class BuildSession:
     """The driver's side of a build on another executor (`mopt.api.ExecutorSession`)."""
 
+    probe_gpus = staticmethod(machine.probe_gpus)
+    gpu_matches = staticmethod(machine.gpu_matches)
+
     def __init__(
         self,
         engine: Any,
@@ -98,12 +101,6 @@ class BuildSession:
 
     def status(self, node_id: str) -> str:
         return self._states[node_id].status
-
-    def probe_gpus(self) -> Any:
-        return machine.probe_gpus()
-
-    def gpu_matches(self, gpu: Any, profile: HardwareProfile) -> str | None:
-        return machine.gpu_matches(gpu, profile)
 
     def remote_connection(self) -> dict[str, Any] | None:
         """How a worker reaches the remote cache (URL and options: pass to `run_remote_spawn`);
@@ -182,21 +179,17 @@ class BuildSession:
                     "get only files inside it",
                     hint="move the file into the project",
                 ) from None
-            if path.is_dir():
-                tree, _ = engine.store.put_tree(path)
-                self.remote.push_tree(tree)
-                files.append((rel, tree, True))
-            else:
-                digest = engine.store.put_file(path)
-                self.remote.push_blob(digest)
-                files.append((rel, digest, False))
+            is_tree = path.is_dir()
+            digest = engine.store.put_tree(path)[0] if is_tree else engine.store.put_file(path)
+            (self.remote.push_tree if is_tree else self.remote.push_blob)(digest)
+            files.append((rel, digest, is_tree))
         return node_spawn(
             st,
             inputs,
             engine.registry,
             source=None,
             project_dir="",
-            offline=bool(getattr(engine, "offline", False)),
+            offline=engine.offline,
             source_tree=source_tree,
             files=tuple(files),
             recipe=str(engine.recipe.path),
@@ -221,8 +214,8 @@ class BuildSession:
             if res.duration:
                 st.duration = res.duration
             if not self._finish(st, res.entry, res.status, local=False):
-                st.status = "failed"
-                st.reason = f"built on {res.host}, but its outputs could not be downloaded (see the log)"
+                why = f"built on {res.host}, but its outputs could not be downloaded (see the log)"
+                self.done(node_id, "failed", why)
                 return False
             return True
         if res.log_tail:
@@ -454,9 +447,7 @@ def _run(spec: Spawn, store: Store, registry: Any, remote: Any, *, executor: str
 def _tail(path: Path) -> str:
     try:
         with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            size = fh.tell()
-            fh.seek(max(0, size - LOG_TAIL_BYTES))
+            fh.seek(max(0, os.fstat(fh.fileno()).st_size - LOG_TAIL_BYTES))
             return fh.read().decode("utf-8", "replace")
     except OSError:
         return ""

@@ -23,25 +23,17 @@ SPEED = ("speedup_largest", "peak_rss_mb")
 
 def collect(engine: Any, ids: list[str]) -> list[dict[str, Any]]:
     """One row per built artifact of `ids`, joined with its testers' results."""
-    from mopt.build import address_path
-
-    status = engine.plan(ids)
-    entries: dict[str, Any] = {}
-    for i in ids:
-        st = status[i]
-        if st["state"] == "up-to-date":
-            entries[i] = engine.store.ac_entry(st["key"])
+    entries = built(engine, ids)
     testers: dict[str, list[str]] = {}
     for i in ids:
         node = engine.graph.nodes[i]
         for d in node.inputs.get("model", []):
             testers.setdefault(d, []).append(i)
     rows = []
-    for i in ids:
-        entry = entries.get(i)
-        node = engine.graph.nodes[i]
-        if entry is None or _is_tester(entry):
+    for i, entry in entries.items():
+        if _is_tester(entry):
             continue
+        node = engine.graph.nodes[i]
         files = engine.store.tree_entries(entry.outputs_tree)
         row: dict[str, Any] = {
             "id": i,
@@ -49,7 +41,7 @@ def collect(engine: Any, ids: list[str]) -> list[dict[str, Any]]:
             "target": node.label,
             "kind": node.kind,
             "bytes": sum(f.size for f in files),
-            "path": str(address_path(engine.build_dir, i, engine.recipe)),
+            "path": str(engine.address_path(i)),
             "key": entry.key,
             "built": time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.created)),
             "seconds": round(entry.duration_s, 2),
@@ -66,7 +58,7 @@ def collect(engine: Any, ids: list[str]) -> list[dict[str, Any]]:
         ]
         for f in own.get("reports") or []:
             if f in by_path:
-                row.setdefault("reports", []).append(str(address_path(engine.build_dir, i, engine.recipe) / f))
+                row.setdefault("reports", []).append(str(engine.address_path(i) / f))
         if own.get("winner"):
             row["winner"] = own["winner"]
             for k in ("min_cosine", "p50_ms"):
@@ -86,11 +78,18 @@ def collect(engine: Any, ids: list[str]) -> list[dict[str, Any]]:
                 row["shape"] = last[0]
             if res.get("passed") is not None:
                 row["passed"] = res["passed"]
-            reports = sorted(address_path(engine.build_dir, t, engine.recipe).glob("*.html"))
+            reports = sorted(engine.address_path(t).glob("*.html"))
             if reports:
                 row.setdefault("reports", []).append(str(reports[0]))
         rows.append(row)
     return rows
+
+
+def built(engine: Any, ids: list[str]) -> dict[str, Any]:
+    """Node id → action entry of each of `ids` that is built for its current key."""
+    status = engine.plan(ids)
+    found = {i: engine.store.ac_entry(status[i]["key"]) for i in ids if status[i]["state"] == "up-to-date"}
+    return {i: e for i, e in found.items() if e is not None}
 
 
 def _is_tester(entry: Any) -> bool:
