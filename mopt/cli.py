@@ -23,7 +23,7 @@ class _Console:
     def stream(self) -> Any:
         return sys.stderr if self._stream == "stderr" else sys.stdout
 
-    def print(self, text: object = "", **_: Any) -> None:
+    def print(self, text: object = "") -> None:
         self.stream.write(f"{text}\n")
         self.stream.flush()
 
