@@ -13,10 +13,8 @@ import json
 import logging
 import marshal
 import os
-import socket
 import threading
 import time
-import traceback
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import ExitStack, suppress
@@ -32,8 +30,16 @@ from mopt.filehash import FileStat, file_stat
 from mopt.graph import Node
 from mopt.keys import action_key, diff_parts
 from mopt.runner import InputWatch, ProcessRunner
-from mopt.schedule import NodeState, Reporter, built_inputs, missing_inputs, readiness
-from mopt.spawn import Spawn
+from mopt.schedule import (
+    NodeState,
+    Reporter,
+    built_inputs,
+    log_failure,
+    missing_inputs,
+    node_spawn,
+    readiness,
+    store_built,
+)
 from mopt.store import ActionEntry, Store, StoreError
 
 LOCK_NAME = "mopt.lock"
@@ -1332,29 +1338,17 @@ class Engine:
                 watched = [in_dir, *([source] if source is not None else [])]
                 watched += self.node_files(node)
                 watch = InputWatch.take(watched, digests)
-                spawn = Spawn(
-                    key=key,
-                    node_id=node.id,
-                    kind=node.kind,
-                    plugin=node.plugin,
-                    params=node.target.params.model_dump(mode="json"),
-                    inputs=inputs,
-                    model_name=node.model.name,
-                    family=node.model.spec.family,
-                    task=node.model.spec.task,
+                spawn = node_spawn(
+                    st,
+                    inputs,
+                    self.registry,
                     source=str(source) if source is not None else None,
-                    hardware=node.hardware.model_dump(mode="json"),
-                    section=node.section.id,
-                    target=node.label,
                     project_dir=str(self.recipe.project_dir),
-                    missing=st.missing,
-                    env=dict(st.parts.get("env") or {}),
                     offline=self.offline,
                     cache_dir=str(self._cache_dir(node.kind)),
                     network=bool(getattr(kind, "network", True)),
                     sandboxed=bool(getattr(kind, "sandbox", True)),
                     preload=tuple(getattr(kind, "preload", ())),
-                    disabled_plugins=tuple(getattr(self.registry, "disabled", ()) or ()),
                 )
                 res = stack.enter_context(self.runner.exec(spawn, on_line=lambda line: _set_last(st, line),
                                                            lock_fd=lock_fd))
@@ -1368,52 +1362,24 @@ class Engine:
                     st.reason = res.error
                     st.log_path = self.store.keep_failed_log(key, log_path)
                     return st
-                meta, duration = res.meta, res.duration
-                with self.store.in_use():
-                    tree, _entries = self.store.put_tree(res.out)
-                    log_digest = self.store.put_log(log_path)
-                    entry = self.store.ac_put(
-                        key,
-                        ActionEntry(
-                            key=key,
-                            kind=node.kind,
-                            target=node.id,
-                            outputs_tree=tree,
-                            log=log_digest,
-                            duration_s=duration,
-                            fingerprint=st.parts["fingerprint"],
-                            host=socket.gethostname(),
-                            meta={
-                                "result": meta,
-                                "parts": st.parts,
-                                "reproducible": bool(kind.reproducible and meta.get("reproducible", True)),
-                                "recipe": str(self.recipe.path),
-                            },
-                        ),
-                    )
+                entry = store_built(self.store, spawn, res, st.parts, kind, recipe=str(self.recipe.path))
                 st.entry = entry
-                self._meta[tree] = meta
+                self._meta[entry.outputs_tree] = res.meta
                 if self.remote is not None and self.remote.push_enabled:
                     try:
                         self.remote.push(key, entry)
                     except Exception as exc:  # the build succeeded; only sharing failed
                         logging.getLogger("mopt").warning(f"mopt: remote cache not updated: {exc}")
                 st.status = "built"
-                st.duration = duration
-                self._materialize(node, tree)
+                st.duration = res.duration
+                self._materialize(node, entry.outputs_tree)
             except BaseException as exc:  # a failing action must not take the build down
                 st.duration = time.time() - t0
                 if isinstance(exc, KeyboardInterrupt | SystemExit):
                     raise
-                # the log may not take it (a full disk: what failed is in st.reason all the same)
                 # mopt's own errors (a source that cannot be had) are a line for the user, not a traceback
                 clean = isinstance(exc, InputChanged | MoptError)
-                with suppress(OSError), open(log_path, "a") as fh:
-                    if clean:
-                        fh.write(f"mopt: FAILED: {exc}\n")
-                    else:
-                        fh.write("mopt: FAILED: " + "".join(traceback.format_exception_only(exc)).strip() + "\n")
-                        fh.write(traceback.format_exc())
+                log_failure(log_path, str(exc) if clean else exc)
                 st.status = "failed"
                 st.reason = str(exc) if clean else f"{type(exc).__name__}: {exc}"
                 st.log_path = self.store.keep_failed_log(key, log_path)
