@@ -36,7 +36,6 @@ from mopt.errors import PluginError, closest, did_you_mean
 ENTRY_POINT_GROUP = "mopt"
 
 
-
 @functools.cache
 def _entry_points() -> list[md.EntryPoint]:
     """The `mopt` entry points in registration order: mopt's own plugin distributions
@@ -99,9 +98,6 @@ class Registry:
         """The plugin that registered `name` in `category`."""
         return self.plugins[self.origin[(category, name)]]
 
-    def kind(self, name: str) -> type[TargetKind]:
-        return self.targets[name]
-
     def disabled_provider(self, category: str, name: str) -> str | None:
         """The disabled plugin that would register `name` in `category`, or None.
 
@@ -138,11 +134,6 @@ def disabled_from_env() -> list[str]:
     return [p.strip() for p in raw.split(",") if p.strip()]
 
 
-def installed_plugin_names() -> list[str]:
-    """Every plugin name that could load: the built-ins and the entry points."""
-    return [*BUILTIN_PLUGINS, *(ep.name for ep in _entry_points())]
-
-
 def make_plugin_manager(disable: Iterable[str] = (), only: Iterable[str] | None = None) -> pluggy.PluginManager:
     """A plugin manager with the built-ins and installed entry points, minus `disable` (and,
     with `only`, the entry points not named there)."""
@@ -167,47 +158,36 @@ def make_plugin_manager(disable: Iterable[str] = (), only: Iterable[str] | None 
             ) from exc
         check_hook_names(plugin, ep.name)
         pm.register(plugin, name=ep.name)
-        dist = getattr(ep, "dist", None)
-        if dist is not None:
-            pm._mopt_dists = getattr(pm, "_mopt_dists", {})  # type: ignore[attr-defined]
-            pm._mopt_dists[ep.name] = (dist.name, dist.version)  # type: ignore[attr-defined]
     return pm
 
 
 HOOK_NAMES = tuple(sorted(n for n in dir(hookspecs) if n.startswith("mopt_")))
 
 
-def check_hook_names(plugin: Any, name: str) -> None:
-    """Refuse a plugin whose @hookimpl function names no hook (with the closest hook name).
-
-    pluggy's own check_pending says the same with the module's repr twice and no hint."""
+def check_hook_names(plugin: Any, name: str) -> list[str]:
+    """Refuse a plugin whose @hookimpl function names no hook (with the closest hook name;
+    pluggy's own check_pending says it with the module's repr twice and no hint). Returns
+    warnings for hook-like functions without @hookimpl: mopt never calls them, which is never
+    what their author meant."""
+    warnings = []
     for attr in dir(plugin):
         fn = getattr(plugin, attr, None)
-        if not callable(fn) or getattr(fn, "mopt_impl", None) is None:
+        if not callable(fn):
             continue
-        if attr not in HOOK_NAMES:
+        if getattr(fn, "mopt_impl", None) is None:
+            if attr.startswith("mopt_register_") or attr in HOOK_NAMES:
+                warnings.append(
+                    f"plugin {name!r}: function {attr} is not decorated with @hookimpl, so mopt never "
+                    "calls it (from mopt.api import hookimpl)"
+                )
+        elif attr not in HOOK_NAMES:
             best = closest(attr, HOOK_NAMES)
             raise PluginError(
                 f"plugin {name!r} implements an unknown hook {attr!r}",
                 hint=(f"did you mean {best!r}? " if best else "")
                 + "the hooks are listed in mopt/hookspecs.py",
             )
-
-
-def undecorated_hooks(plugin: Any, name: str) -> list[str]:
-    """Warnings for hook-like functions (`mopt_register_*`, or a hook's name) without
-    @hookimpl: mopt never calls them, which is never what their author meant."""
-    out = []
-    for attr in dir(plugin):
-        fn = getattr(plugin, attr, None)
-        if not callable(fn) or getattr(fn, "mopt_impl", None) is not None:
-            continue
-        if attr.startswith("mopt_register_") or attr in HOOK_NAMES:
-            out.append(
-                f"plugin {name!r}: function {attr} is not decorated with @hookimpl, so mopt never "
-                "calls it (from mopt.api import hookimpl)"
-            )
-    return out
+    return warnings
 
 
 def _one_line(exc: BaseException) -> str:
@@ -225,15 +205,15 @@ def _one_line(exc: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def _version_of(pm: pluggy.PluginManager, name: str) -> tuple[str | None, str]:
-    dists: dict[str, tuple[str, str]] = getattr(pm, "_mopt_dists", {})
-    if name in dists:
-        return dists[name]
+def _version_of(name: str) -> tuple[str | None, str]:
+    """(distribution, version) of a loaded plugin; (None, "0") for one registered by hand."""
     if name.startswith("mopt."):
         from mopt import __version__
 
         return "mopt", __version__
-    return None, "0"
+    ep = next((ep for ep in _entry_points() if ep.name == name), None)
+    dist = getattr(ep, "dist", None)
+    return (dist.name, dist.version) if dist is not None else (None, "0")
 
 
 def build_registry(pm: pluggy.PluginManager, disabled: Iterable[str] = ()) -> Registry:
@@ -242,9 +222,8 @@ def build_registry(pm: pluggy.PluginManager, disabled: Iterable[str] = ()) -> Re
     for name, plugin in pm.list_name_plugin():
         if name is None or plugin is None:  # blocked (disabled) names stay listed with None
             continue
-        check_hook_names(plugin, name)
-        reg.warnings += undecorated_hooks(plugin, name)
-        dist, version = _version_of(pm, name)
+        reg.warnings += check_hook_names(plugin, name)
+        dist, version = _version_of(name)
         reg.plugins[name] = PluginInfo(
             name=name,
             version=version,
@@ -255,17 +234,21 @@ def build_registry(pm: pluggy.PluginManager, disabled: Iterable[str] = ()) -> Re
     for category in CATEGORIES:
         hook = getattr(pm.hook, f"mopt_register_{category}")
         for impl in hook.get_hookimpls():  # registration order: the core first
-            plugin_name = impl.plugin_name
-            try:
-                impl.function(register=_registrar(reg, category, plugin_name))
-            except PluginError:
-                raise
-            except Exception as exc:  # the plugin's own bug: one line, not a traceback
-                raise PluginError(
-                    f"plugin {plugin_name!r} failed in hook mopt_register_{category}: {_one_line(exc)}",
-                    hint=f"fix the plugin, or disable it with MOPT_DISABLE_PLUGINS={plugin_name}",
-                ) from exc
+            _call(impl, f"mopt_register_{category}", register=_registrar(reg, category, impl.plugin_name))
     return reg
+
+
+def _call(impl: pluggy.HookImpl, hook: str, **args: Any) -> None:
+    """Call one plugin's hook with the arguments it names; its own bug is one line naming it."""
+    try:
+        impl.function(**{a: args[a] for a in impl.argnames})
+    except PluginError:
+        raise
+    except Exception as exc:  # not a traceback
+        raise PluginError(
+            f"plugin {impl.plugin_name!r} failed in hook {hook}: {_one_line(exc)}",
+            hint=f"fix the plugin, or disable it with MOPT_DISABLE_PLUGINS={impl.plugin_name}",
+        ) from exc
 
 
 def register_commands(cli: Any, core: Any, disable: Iterable[str] = ()) -> None:
@@ -273,18 +256,9 @@ def register_commands(cli: Any, core: Any, disable: Iterable[str] = ()) -> None:
     plugins in `disable` or MOPT_DISABLE_PLUGINS add none. A plugin may not replace a
     command that is already there (the core's own are all there before)."""
     pm = make_plugin_manager(sorted(set(disable) | set(disabled_from_env())))
-    args = {"cli": cli, "core": core}
     for impl in pm.hook.mopt_register_commands.get_hookimpls():
         before = dict(cli.commands)
-        try:
-            impl.function(**{a: args[a] for a in impl.argnames})
-        except PluginError:
-            raise
-        except Exception as exc:  # the plugin's own bug: one line, not a traceback
-            raise PluginError(
-                f"plugin {impl.plugin_name!r} failed in hook mopt_register_commands: {_one_line(exc)}",
-                hint=f"fix the plugin, or disable it with MOPT_DISABLE_PLUGINS={impl.plugin_name}",
-            ) from exc
+        _call(impl, "mopt_register_commands", cli=cli, core=core)
         replaced = sorted(n for n, c in before.items() if cli.commands.get(n) is not c)
         if replaced:
             raise PluginError(
@@ -296,28 +270,21 @@ def register_commands(cli: Any, core: Any, disable: Iterable[str] = ()) -> None:
 def _offers_of(names: Iterable[str]) -> dict[tuple[str, str], str]:
     """(category, name) → plugin, for what the plugins `names` would register."""
     wanted = set(names)
+    loaders: list[tuple[str, Callable[[], Any]]] = [
+        (m, functools.partial(importlib.import_module, m)) for m in BUILTIN_PLUGINS
+    ]
+    loaders += [(ep.name, ep.load) for ep in _entry_points()]
     offers: dict[tuple[str, str], str] = {}
-    modules: list[tuple[str, Any]] = []
-    for modname in BUILTIN_PLUGINS:
-        if modname in wanted:
-            with contextlib.suppress(Exception):
-                modules.append((modname, importlib.import_module(modname)))
-    for ep in _entry_points():
-        if ep.name in wanted:
-            with contextlib.suppress(Exception):
-                modules.append((ep.name, ep.load()))
-    for plugin_name, mod in modules:
+    for plugin_name, load in loaders:
+        if plugin_name not in wanted:
+            continue
         for category in CATEGORIES:
-            fn = getattr(mod, f"mopt_register_{category}", None)
-            if not callable(fn):
-                continue
-            names_of: list[Any] = []
-            with contextlib.suppress(Exception):
-                fn(register=names_of.append)
-            for obj in names_of:
-                n = getattr(obj, "name", None)
-                if isinstance(n, str):
-                    offers.setdefault((category, n), plugin_name)
+            found: list[Any] = []
+            with contextlib.suppress(Exception):  # a plugin that fails offers nothing
+                getattr(load(), f"mopt_register_{category}")(register=found.append)
+            for obj in found:
+                if isinstance(getattr(obj, "name", None), str):
+                    offers.setdefault((category, obj.name), plugin_name)
     return offers
 
 
@@ -442,12 +409,10 @@ def _load(blocked: tuple[str, ...], from_env: list[str], only: frozenset[str] | 
     """The plugins loaded (every one, or the built-ins and `only`), their warnings collected
     (not yet printed)."""
     reg = build_registry(make_plugin_manager(blocked, only), blocked)
+    known = [*BUILTIN_PLUGINS, *(ep.name for ep in _entry_points())]
     for name in blocked:
-        reg.disabled_by[name] = "MOPT_DISABLE_PLUGINS" if name in from_env else "[plugins] disable"
-    known = installed_plugin_names()
-    for name in blocked:
+        source = reg.disabled_by[name] = "MOPT_DISABLE_PLUGINS" if name in from_env else "[plugins] disable"
         if name not in known:
-            source = reg.disabled_by[name]
             reg.warnings.append(
                 f"{source} names {name!r}, which is no installed plugin ("
                 + did_you_mean(name, known, "plugins")
