@@ -31,7 +31,6 @@ class CommandKind(TargetKind):
     name = "command"
     version = "1"
     description = "run a command with declared inputs into $MOPT_OUT"
-    static_fingerprint = True
     consumes = (Input("input", kinds=("*",), required=False),)
     produces = "files"
 
@@ -66,19 +65,10 @@ class CommandKind(TargetKind):
 
     def bind(self, params: Any, *, model: str, hardware: str, section: str) -> Any:
         """Params with {model}, {hardware}, {section} filled in (before keying)."""
-        seen: dict[int, tuple[Any, bool]] = self.__dict__.setdefault("_binds", {})
-        hit = seen.get(id(params))
-        if hit is None or hit[0] is not params:  # params objects are shared by many sections
-            texts = [*params.argv, *params.files]
-            hit = seen[id(params)] = (params, any(_NAMED.search(t) for t in texts))
-        if not hit[1]:
-            return params  # no {model}, {hardware} or {section}: shared as it is
         names = {"model": model, "hardware": hardware, "section": section}
 
         def fill(text: str) -> str:
-            if "{" not in text:
-                return text
-            return _TOKEN.sub(lambda m: names.get(m.group(1), m.group(0)), text)
+            return _NAMED.sub(lambda m: names[m.group(1)], text)
 
         argv = [fill(a) for a in params.argv]
         files = [fill(f) for f in params.files]
