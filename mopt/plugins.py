@@ -140,8 +140,6 @@ def make_plugin_manager(disable: Iterable[str] = (), only: Iterable[str] | None 
     pm = pluggy.PluginManager("mopt")
     pm.add_hookspecs(hookspecs)
     blocked = set(disable)
-    for name in blocked:
-        pm.set_blocked(name)
     for modname in BUILTIN_PLUGINS:
         if modname in blocked:
             continue
@@ -220,8 +218,6 @@ def build_registry(pm: pluggy.PluginManager, disabled: Iterable[str] = ()) -> Re
     """Call every registration hook, plugin by plugin, validating each registration."""
     reg = Registry(disabled=list(disabled))
     for name, plugin in pm.list_name_plugin():
-        if name is None or plugin is None:  # blocked (disabled) names stay listed with None
-            continue
         reg.warnings += check_hook_names(plugin, name)
         dist, version = _version_of(name)
         reg.plugins[name] = PluginInfo(
@@ -405,22 +401,6 @@ def _check_executor(obj: Any, plugin: str) -> str:
 _REGISTRY: dict[Any, Registry] = {}
 
 
-def _load(blocked: tuple[str, ...], from_env: list[str], only: frozenset[str] | None) -> Registry:
-    """The plugins loaded (every one, or the built-ins and `only`), their warnings collected
-    (not yet printed)."""
-    reg = build_registry(make_plugin_manager(blocked, only), blocked)
-    known = [*BUILTIN_PLUGINS, *(ep.name for ep in _entry_points())]
-    for name in blocked:
-        source = reg.disabled_by[name] = "MOPT_DISABLE_PLUGINS" if name in from_env else "[plugins] disable"
-        if name not in known:
-            reg.warnings.append(
-                f"{source} names {name!r}, which is no installed plugin ("
-                + did_you_mean(name, known, "plugins")
-                + ")"
-            )
-    return reg
-
-
 def get_registry(disable: Iterable[str] = (), only: Iterable[str] | None = None) -> Registry:
     """The registry for this process, loaded on first use (idempotent per disable list).
     `disable` is the project's `[plugins] disable`; MOPT_DISABLE_PLUGINS adds to it. With
@@ -433,7 +413,16 @@ def get_registry(disable: Iterable[str] = (), only: Iterable[str] | None = None)
     if (blocked, None) in _REGISTRY:  # every plugin: it serves every caller
         return _REGISTRY[(blocked, None)]
     if (blocked, some) not in _REGISTRY:
-        reg = _REGISTRY[(blocked, some)] = _load(blocked, from_env, some)
+        reg = _REGISTRY[(blocked, some)] = build_registry(make_plugin_manager(blocked, some), blocked)
+        known = [*BUILTIN_PLUGINS, *(ep.name for ep in _entry_points())]
+        for name in blocked:
+            source = reg.disabled_by[name] = "MOPT_DISABLE_PLUGINS" if name in from_env else "[plugins] disable"
+            if name not in known:
+                reg.warnings.append(
+                    f"{source} names {name!r}, which is no installed plugin ("
+                    + did_you_mean(name, known, "plugins")
+                    + ")"
+                )
         for w in reg.warnings:
             sys.stderr.write(f"warning: {w}\n")
     return _REGISTRY[(blocked, some)]
