@@ -109,24 +109,7 @@ class NoParams(Params):
 class Role(str, enum.Enum):
     """What a param means to `mopt check`'s generic rules: mark a field with
     `Annotated[str, Role.precision]`. Only marked fields are checked; the name of a field
-    means nothing to `check` (a storage-only `dtype` is left alone unless marked).
-
-    precision          compute / weight precision ("fp16", "bfloat16", "fp8", "auto"):
-                       refused when the profile's compute capability lacks it
-    kv_cache_precision the KV cache's dtype
-    quantization       a quantization method that names a precision ("fp8", "awq")
-    batch_size         the most sequences at once (TensorRT max_batch_size, vLLM max_num_seqs)
-    seq_len            the longest sequence in tokens: ≤ the model's max positions; memory
-    num_tokens         tokens one forward pass takes (max_num_tokens, max_num_batched_tokens)
-    shapes             [batch, seq] shapes (lists, tables of lists, "NxM" strings): their
-                       sequence lengths are checked like seq_len
-    memory_fraction    share of the GPU's memory the runtime takes, in (0, 1] (vLLM)
-    kv_cache_fraction  share of the memory left after the model given to the KV cache (TRT-LLM)
-    tensor_parallel    GPUs one model is split over: divides heads, ≤ the profile's GPUs
-    pipeline_parallel  pipeline stages
-    kv_block_tokens    tokens per paged-KV block: a power of two
-    workspace_gb       a runtime workspace in GiB, added to the memory estimate
-    """
+    means nothing to `check`. What each role is: docs/plugins.md, *Parameter roles*."""
 
     precision = "precision"
     kv_cache_precision = "kv_cache_precision"
@@ -309,11 +292,9 @@ class TargetKind:
     install_hints: ClassVar[dict[str, str]] = {}
     #: resource slots one action holds while running ("cpu", "gpu")
     resources: ClassVar[dict[str, int]] = {"cpu": 1}
-    #: runs alone: the local scheduler starts it when nothing else runs and starts nothing
-    #: beside it (benchmarks: a timing shared with other work is not a timing)
+    #: runs alone: nothing else starts beside it (benchmarks)
     exclusive: ClassVar[bool] = False
-    #: distributions whose versions shape the output: the default `fingerprint()` returns
-    #: their versions (`package_versions`), and the kind is then `static_fingerprint`
+    #: distributions whose versions shape the output: what the default `fingerprint()` returns
     fingerprint_packages: ClassVar[tuple[str, ...]] = ()
     #: `fingerprint()` reads only installed packages and env variables (no GPU, driver or
     #: other machine state), so a no-op build may skip it; unset, it is True unless the class
@@ -329,16 +310,15 @@ class TargetKind:
     #: heavy modules `run()` imports (e.g. ("torch", "transformers")): the build's fork
     #: server imports them once, before it forks the workers that run this kind
     preload: ClassVar[tuple[str, ...]] = ()
-    #: how `mopt check` sizes its GPU memory: "engine" (batch × sequence through one
-    #: forward pass), "none", or None (a kind whose `kv_pool()` gives a pool is sized as
-    #: that pool; else "engine" when batch / sequence / token / workspace roles are marked)
+    #: how `mopt check` sizes its GPU memory: "engine" (batch × sequence through one pass),
+    #: "none", or None: as its `kv_pool()`, else "engine" when such roles are marked
     memory_model: ClassVar[str | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         # a class that says static_fingerprint decides for its subclasses; otherwise an own
         # fingerprint() (which may read anything: nvidia-smi, a driver) makes it not static
-        own = [c for c in cls.__mro__[: cls.__mro__.index(TargetKind)]]
+        own = cls.__mro__[: cls.__mro__.index(TargetKind)]
         if any("static_fingerprint" in c.__dict__ for c in own):
             return
         if any("fingerprint" in c.__dict__ for c in own):
@@ -353,8 +333,7 @@ class TargetKind:
         return params
 
     def input_files(self, params: Any, project_dir: Path) -> list[Path]:
-        """Files outside the store this target reads (data sets, scripts): their content
-        digests go into the action key."""
+        """Files outside the store it reads (data sets, scripts): their digests go into the key."""
         return []
 
     def fingerprint(self) -> dict[str, str]:
@@ -367,9 +346,8 @@ class TargetKind:
         return {}
 
     def kv_pool(self, hardware: HardwareProfile, task: str) -> KvPool | None:
-        """How the serving runtime this kind configures keeps its KV cache on `hardware`,
-        for a model of `task`, with the runtime's own defaults (`mopt check` sizes the
-        memory with them); None for kinds without one."""
+        """How the serving runtime this kind configures keeps its KV cache on `hardware` for a
+        model of `task`, with the runtime's defaults (for `mopt check`); None: no KV cache."""
         return None
 
     def check(self, params: Any, ctx: CheckContext) -> list[Finding]:
@@ -586,7 +564,8 @@ class Executor:
     `build(session: ExecutorSession, *, settings) -> session.states()`, Bazel's remote
     execution in mopt's terms: the session keys, takes hits, records and reports; the
     executor places each miss, runs its `session.spawn(id)` with `session.run_spawn(spawn,
-    worker)` in a process on the machine it picked, and hands the result back
+    worker)` in a process on the machine it picked (`worker`: `{"store": <a store folder
+    there>, "remote": session.remote_connection()}`), and hands the result back
     (`session.finished`, or `session.done`). docs/plugins.md, *Executors*, walks through it.
     """
 
@@ -677,6 +656,5 @@ class Core(Protocol):
 
     def built_target(self, recipe: Path, selector: str, *, kind: str | None = None) -> BuiltTarget:
         """The one built target of `recipe` that `selector` (model.hardware:target) names, of
-        `kind` when given (`mopt image load` hands its archive on). Raises `MoptError` when
-        the selector names no or several such targets, or the target is not built for its
-        current key (a stale build is never returned)."""
+        `kind` when given; `MoptError` when it names none or several, or the target is not
+        built for its current key (a stale build is never returned)."""
