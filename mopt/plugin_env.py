@@ -59,7 +59,7 @@ def require_module(module: str, kind: str, install: str) -> ModuleType:
 
 @lru_cache(maxsize=1)
 def gpus() -> tuple[dict[str, Any], ...]:
-    """The GPUs nvidia-smi reports: name, compute capability, memory, driver, CUDA (driver)."""
+    """The GPUs nvidia-smi reports: name, compute capability, memory, driver."""
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return ()
@@ -74,12 +74,10 @@ def gpus() -> tuple[dict[str, Any], ...]:
             text=True,
             timeout=20,
         )
-        head = subprocess.run([exe], capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired):
         return ()
     if q.returncode != 0:
         return ()
-    m = re.search(r"CUDA Version:\s*([0-9.]+)", head.stdout)
     out = []
     for line in q.stdout.strip().splitlines():
         parts = [p.strip() for p in line.split(",")]
@@ -92,7 +90,6 @@ def gpus() -> tuple[dict[str, Any], ...]:
                 "compute_capability": cc,
                 "memory_mb": int(float(parts[2])) if parts[2].replace(".", "").isdigit() else None,
                 "driver": parts[3],
-                "cuda_driver": m.group(1) if m else None,
             }
         )
     return tuple(out)
