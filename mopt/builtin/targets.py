@@ -13,7 +13,7 @@ from pydantic import Field, field_validator
 from mopt import api, procs
 from mopt.api import BuildContext, Input, TargetKind, hookimpl
 
-_TOKEN = re.compile(r"\{(out|in|file|model|hardware|section)(?::([^{}]+))?\}")
+_TOKEN = re.compile(r"\{(out|in|file)(?::([^{}]+))?\}")
 _NAMED = re.compile(r"\{(model|hardware|section)(?::[^{}]+)?\}")
 
 
@@ -22,10 +22,11 @@ class CommandKind(TargetKind):
 
     Placeholders in `argv`: `{out}` (the output folder), `{in}` (the first input target's
     folder), `{in:NAME}` (input target NAME's folder), `{file}` / `{file:N}` (the first /
-    N-th declared file, absolute); in `argv` and `files`: `{model}`, `{hardware}` (the
-    section's names), so one `[defaults]` table can serve many sections. The key covers the argv, the declared files' and input
-    targets' digests and the values of the env variables in `env` (nothing else of the
-    environment reaches the command besides PATH, HOME and LANG).
+    N-th declared file, absolute); in `argv` and `files`: `{model}`, `{hardware}`, `{section}`
+    (the section's names), so one `[defaults]` table can serve many sections. The key covers
+    the argv, the declared files' and input targets' digests and the values of the env
+    variables in `env` (nothing else of the environment reaches the command besides PATH,
+    HOME and LANG).
     """
 
     name = "command"
@@ -87,8 +88,6 @@ class CommandKind(TargetKind):
 
         def sub(m: re.Match[str]) -> str:
             what, arg = m.group(1), m.group(2)
-            if what in ("model", "hardware", "section"):
-                return m.group(0)
             if what == "out":
                 return str(ctx.out)
             if what == "in":
