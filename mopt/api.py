@@ -198,11 +198,8 @@ class Input:
 
 @dataclass(frozen=True)
 class Artifact:
-    """A built input as a kind's `run` sees it: a read-only folder and its metadata.
-
-    `meta` is what the producing kind's `run()` returned (its JSON result, as recorded in the
-    action entry), e.g. `{"opset": 17, "check": {...}}` for `onnx`; `{}` when it returned None.
-    """
+    """A built input as a kind's `run` sees it: a read-only folder and its metadata. `meta` is
+    what the producing kind's `run()` returned (as its action entry recorded it; `{}` for None)."""
 
     path: Path
     kind: str
@@ -268,10 +265,8 @@ class BuildContext:
 
 
 class TargetKind:
-    """A kind of artifact: subclass, set the class attributes, implement `run`.
-
-    Bump `version` whenever the bytes `run` writes for the same inputs change.
-    """
+    """A kind of artifact: subclass, set the class attributes, implement `run`. Bump `version`
+    whenever the bytes `run` writes for the same inputs change."""
 
     name: ClassVar[str]
     version: ClassVar[str] = "1"
@@ -544,16 +539,8 @@ class HardwareProfile(BaseModel):
         if not self.is_gpu or self.compute_capability is None:
             return ("fp32", "int8")
         cc = self.compute_capability
-        out = ["fp32", "fp16", "int8"]
-        if cc >= (8, 0):
-            out.append("bf16")
-        if cc >= (8, 9):
-            out.append("fp8")
-        if cc >= (10, 0):
-            out.append("nvfp4")
-        if cc >= (7, 5):
-            out.append("int4")
-        return tuple(out)
+        since = {"bf16": (8, 0), "fp8": (8, 9), "nvfp4": (10, 0), "int4": (7, 5)}
+        return ("fp32", "fp16", "int8", *(p for p, first in since.items() if cc >= first))
 
 
 class Executor:

@@ -33,8 +33,6 @@ from mopt.api import (
 )
 from mopt.errors import PluginError, closest, did_you_mean
 
-ENTRY_POINT_GROUP = "mopt"
-
 
 @functools.cache
 def _entry_points() -> list[md.EntryPoint]:
@@ -48,7 +46,7 @@ def _entry_points() -> list[md.EntryPoint]:
         dist_name = (dist.name if dist is not None else "") or ""
         return not (dist_name.startswith("mopt-") and ep.value.startswith("mopt_"))
 
-    eps = list(md.entry_points(group=ENTRY_POINT_GROUP))
+    eps = list(md.entry_points(group="mopt"))
     return sorted(eps, key=lambda ep: (third_party(ep), ep.name))
 
 
