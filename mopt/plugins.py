@@ -22,15 +22,7 @@ import pluggy
 from pydantic import BaseModel
 
 from mopt import hookspecs
-from mopt.api import (
-    RESERVED_TARGET_KEYS,
-    Executor,
-    Family,
-    HardwareProfile,
-    Input,
-    Source,
-    TargetKind,
-)
+from mopt.api import Executor, Family, HardwareProfile, Input, Source, TargetKind
 from mopt.errors import PluginError, closest, did_you_mean
 
 
@@ -90,23 +82,16 @@ class Registry:
     disabled_by: dict[str, str] = field(default_factory=dict)
     #: problems that do not stop mopt (undecorated hook functions, unknown disabled names)
     warnings: list[str] = field(default_factory=list)
-    _disabled_offer: dict[tuple[str, str], str] | None = None
 
     def plugin_of(self, category: str, name: str) -> PluginInfo:
         """The plugin that registered `name` in `category`."""
         return self.plugins[self.origin[(category, name)]]
 
     def disabled_provider(self, category: str, name: str) -> str | None:
-        """The disabled plugin that would register `name` in `category`, or None.
-
-        Only asked when a recipe names something unknown: the disabled plugins are then
-        imported and their hooks called into a throwaway registry (a plugin that fails to
-        load is taken to offer nothing)."""
-        if not self.disabled:
-            return None
-        if self._disabled_offer is None:
-            self._disabled_offer = _offers_of(self.disabled)
-        return self._disabled_offer.get((category, name))
+        """The disabled plugin that would register `name` in `category`, or None. Only asked
+        when a recipe names something unknown (an error): the disabled plugins are then
+        imported and their hooks called with a throwaway `register`."""
+        return _offers_of(self.disabled).get((category, name)) if self.disabled else None
 
     def disabled_message(self, category: str, name: str) -> str | None:
         """`model family 'toyfam' is disabled by MOPT_DISABLE_PLUGINS (plugin 'fixture')`, or None."""
@@ -346,7 +331,7 @@ def _check_kind(obj: Any, plugin: str) -> str:
         raise _bad(plugin, f"registered target {obj!r} is not a mopt.api.TargetKind subclass")
     name = _check_name(getattr(obj, "name", None), plugin, "target kind")
     _check_params_model(obj.Params, plugin, obj.__name__, "Params")
-    clash = RESERVED_TARGET_KEYS & set(obj.Params.model_fields)
+    clash = {"kind", "input"} & set(obj.Params.model_fields)  # what every target table may hold
     if clash:
         raise _bad(plugin, f"{obj.__name__}.Params uses reserved key(s) {sorted(clash)}")
     if not isinstance(obj.version, str) or not obj.version:
