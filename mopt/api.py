@@ -92,10 +92,6 @@ __all__ = [
     "torch_dtype",
 ]
 
-#: keys every target table may hold besides its kind's params
-RESERVED_TARGET_KEYS = frozenset({"kind", "input"})
-
-
 class Params(BaseModel):
     """Base for a kind's params: unknown keys are errors, values are immutable."""
 
@@ -589,8 +585,7 @@ class ExecutorSession(Protocol):
     keep_going: bool
     #: the build's registry of plugins (`.targets`, `.hardware`, ...)
     registry: Any
-    #: the remote runner: `run_spawn(spawn_json, worker, executor=name)` runs one `spawn()`
-    #: result in the calling process, on the machine that executes it (see `Executor`); a
+    #: the remote runner, `run_spawn(spawn_json, worker, executor=name)` (see `Executor`): a
     #: module-level function, so it pickles by reference to a worker that has mopt installed
     run_spawn: Callable[..., dict[str, Any]]
 
