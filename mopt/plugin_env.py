@@ -112,15 +112,11 @@ def require_gpu(kind: str, hardware: Any = None) -> dict[str, Any]:
     if not found:
         raise RuntimeError(f"target kind {kind!r} needs a CUDA GPU, and nvidia-smi finds none here")
     g = found[0]
-    want = getattr(hardware, "compute_capability", None)
-    if (
-        want is not None
-        and g["compute_capability"] is not None
-        and tuple(want) != tuple(g["compute_capability"])
-    ):
+    want, have = getattr(hardware, "compute_capability", None), g["compute_capability"]
+    if want is not None and have is not None and tuple(want) != tuple(have):
         raise RuntimeError(
             f"target kind {kind!r} builds for profile {hardware.name!r} (compute capability "
             f"{want[0]}.{want[1]}), but this machine's GPU is {g['name']} "
-            f"({g['compute_capability'][0]}.{g['compute_capability'][1]}); build it on a matching GPU"
+            f"({have[0]}.{have[1]}); build it on a matching GPU"
         )
     return g
