@@ -257,10 +257,14 @@ def _offers_of(names: Iterable[str]) -> dict[tuple[str, str], str]:
     for plugin_name, load in loaders:
         if plugin_name not in wanted:
             continue
+        try:
+            plugin = load()
+        except Exception:  # a plugin that fails to load offers nothing
+            continue
         for category in CATEGORIES:
             found: list[Any] = []
-            with contextlib.suppress(Exception):  # a plugin that fails offers nothing
-                getattr(load(), f"mopt_register_{category}")(register=found.append)
+            with contextlib.suppress(Exception):  # nor does a hook that fails
+                getattr(plugin, f"mopt_register_{category}")(register=found.append)
             for obj in found:
                 if isinstance(getattr(obj, "name", None), str):
                     offers.setdefault((category, obj.name), plugin_name)
