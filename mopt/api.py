@@ -10,7 +10,6 @@ library; kinds import theirs inside `run`.
 from __future__ import annotations
 
 import enum
-import importlib.metadata as md
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -93,10 +92,6 @@ __all__ = [
     "torch_dtype",
 ]
 
-#: keys every target table may hold besides its kind's params
-RESERVED_TARGET_KEYS = frozenset({"kind", "input"})
-
-
 class Params(BaseModel):
     """Base for a kind's params: unknown keys are errors, values are immutable."""
 
@@ -110,24 +105,7 @@ class NoParams(Params):
 class Role(str, enum.Enum):
     """What a param means to `mopt check`'s generic rules: mark a field with
     `Annotated[str, Role.precision]`. Only marked fields are checked; the name of a field
-    means nothing to `check` (a storage-only `dtype` is left alone unless marked).
-
-    precision          compute / weight precision ("fp16", "bfloat16", "fp8", "auto"):
-                       refused when the profile's compute capability lacks it
-    kv_cache_precision the KV cache's dtype
-    quantization       a quantization method that names a precision ("fp8", "awq")
-    batch_size         the most sequences at once (TensorRT max_batch_size, vLLM max_num_seqs)
-    seq_len            the longest sequence in tokens: ≤ the model's max positions; memory
-    num_tokens         tokens one forward pass takes (max_num_tokens, max_num_batched_tokens)
-    shapes             [batch, seq] shapes (lists, tables of lists, "NxM" strings): their
-                       sequence lengths are checked like seq_len
-    memory_fraction    share of the GPU's memory the runtime takes, in (0, 1] (vLLM)
-    kv_cache_fraction  share of the memory left after the model given to the KV cache (TRT-LLM)
-    tensor_parallel    GPUs one model is split over: divides heads, ≤ the profile's GPUs
-    pipeline_parallel  pipeline stages
-    kv_block_tokens    tokens per paged-KV block: a power of two
-    workspace_gb       a runtime workspace in GiB, added to the memory estimate
-    """
+    means nothing to `check`. What each role is: docs/plugins.md, *Parameter roles*."""
 
     precision = "precision"
     kv_cache_precision = "kv_cache_precision"
@@ -180,16 +158,12 @@ FORMATS: dict[str, str] = {
 
 @dataclass(frozen=True)
 class Input:
-    """One input slot of a target kind.
+    """One input slot of a target kind (docs/plugins.md, *Inputs*).
 
-    `formats` are the artifact formats that can feed it (`TargetKind.produces`), most
-    preferred first: any kind producing one of them is a candidate, a third party's as
-    much as mopt's. `kinds` narrows it to those kinds (most preferred first; `("*",)`: any
-    kind, only when the recipe names the input). When a section has several candidates of
-    the preferred format (or kind), the recipe must say which with `input = "<target>"`.
-    With `fanout`, the node is repeated once per candidate instead (e.g. `validate` runs
-    once for every artifact under test). With `gather`, one node gets all candidates'
-    nodes in the slot (e.g. `select` over every variant of a sweep).
+    `formats` (`TargetKind.produces` values) and `kinds` (`("*",)`: any kind the recipe names
+    with `input = "<target>"`) say what may fill it, most preferred first. Several candidates
+    of the preferred one: the recipe names one, unless `fanout` (a node per candidate, e.g.
+    `validate`) or `gather` (one node gets them all, e.g. `select`).
     """
 
     name: str
@@ -220,11 +194,8 @@ class Input:
 
 @dataclass(frozen=True)
 class Artifact:
-    """A built input as a kind's `run` sees it: a read-only folder and its metadata.
-
-    `meta` is what the producing kind's `run()` returned (its JSON result, as recorded in the
-    action entry), e.g. `{"opset": 17, "check": {...}}` for `onnx`; `{}` when it returned None.
-    """
+    """A built input as a kind's `run` sees it: a read-only folder and its metadata. `meta` is
+    what the producing kind's `run()` returned (as its action entry recorded it; `{}` for None)."""
 
     path: Path
     kind: str
@@ -290,10 +261,8 @@ class BuildContext:
 
 
 class TargetKind:
-    """A kind of artifact: subclass, set the class attributes, implement `run`.
-
-    Bump `version` whenever the bytes `run` writes for the same inputs change.
-    """
+    """A kind of artifact: subclass, set the class attributes, implement `run`. Bump `version`
+    whenever the bytes `run` writes for the same inputs change."""
 
     name: ClassVar[str]
     version: ClassVar[str] = "1"
@@ -314,40 +283,33 @@ class TargetKind:
     install_hints: ClassVar[dict[str, str]] = {}
     #: resource slots one action holds while running ("cpu", "gpu")
     resources: ClassVar[dict[str, int]] = {"cpu": 1}
-    #: runs alone: the local scheduler starts it when nothing else runs and starts nothing
-    #: beside it (benchmarks: a timing shared with other work is not a timing)
+    #: runs alone: nothing else starts beside it (benchmarks)
     exclusive: ClassVar[bool] = False
-    #: distributions whose versions shape the output: the default `fingerprint()` returns
-    #: their versions (`package_versions`), and the kind is then `static_fingerprint`
+    #: distributions whose versions shape the output: what the default `fingerprint()` returns
     fingerprint_packages: ClassVar[tuple[str, ...]] = ()
-    #: `fingerprint()` depends only on installed packages and env variables (not on the
-    #: GPU, driver or other machine state), so a no-op build may skip calling it. When a
-    #: class does not set it, it is True unless the class overrides `fingerprint()`: a kind
-    #: that reads machine state there says `static_fingerprint = False` … and one that only
-    #: reads versions should use `fingerprint_packages` (or say True)
+    #: `fingerprint()` reads only installed packages and env variables (no GPU, driver or
+    #: other machine state), so a no-op build may skip it; unset, it is True unless the class
+    #: overrides `fingerprint()`
     static_fingerprint: ClassVar[bool] = True
     #: byte-for-byte reproducible output (engines built by timing tactics are not)
     reproducible: ClassVar[bool] = True
     #: the action needs the network; with False, a bubblewrap sandbox runs it without any
     network: ClassVar[bool] = True
     #: the action may run in the bubblewrap sandbox; False for kinds that drive system tools
-    #: keeping state outside the project (buildah, docker: /etc/containers, /var/lib/containers),
-    #: which then run in a plain worker process (the input check still applies)
+    #: keeping state outside the project (buildah, docker), run in a plain worker process
     sandbox: ClassVar[bool] = True
     #: heavy modules `run()` imports (e.g. ("torch", "transformers")): the build's fork
-    #: server imports them once and forks the workers that run this kind from it, instead
-    #: of every worker importing them; names only, never imported by mopt itself
+    #: server imports them once, before it forks the workers that run this kind
     preload: ClassVar[tuple[str, ...]] = ()
-    #: how `mopt check` sizes its GPU memory: "engine" (batch × sequence through one
-    #: forward pass), "none", or None (a kind whose `kv_pool()` gives a pool is sized as
-    #: that pool; else "engine" when batch / sequence / token / workspace roles are marked)
+    #: how `mopt check` sizes its GPU memory: "engine" (batch × sequence through one pass),
+    #: "none", or None: as its `kv_pool()`, else "engine" when such roles are marked
     memory_model: ClassVar[str | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         # a class that says static_fingerprint decides for its subclasses; otherwise an own
         # fingerprint() (which may read anything: nvidia-smi, a driver) makes it not static
-        own = [c for c in cls.__mro__[: cls.__mro__.index(TargetKind)]]
+        own = cls.__mro__[: cls.__mro__.index(TargetKind)]
         if any("static_fingerprint" in c.__dict__ for c in own):
             return
         if any("fingerprint" in c.__dict__ for c in own):
@@ -362,15 +324,12 @@ class TargetKind:
         return params
 
     def input_files(self, params: Any, project_dir: Path) -> list[Path]:
-        """Files outside the store this target reads (data sets, scripts): their content
-        digests go into the action key."""
+        """Files outside the store it reads (data sets, scripts): their digests go into the key."""
         return []
 
     def fingerprint(self) -> dict[str, str]:
-        """Versions of the tools that shape the output (library versions, GPU, driver).
-
-        Default: the versions of `fingerprint_packages`. Override it for machine state
-        (a GPU's compute capability, the driver), and set `static_fingerprint = False`."""
+        """Versions of the tools that shape the output (library versions, GPU, driver);
+        default: the versions of `fingerprint_packages`."""
         return package_versions(*self.fingerprint_packages)
 
     def platform(self, hardware: HardwareProfile) -> dict[str, Any]:
@@ -378,9 +337,8 @@ class TargetKind:
         return {}
 
     def kv_pool(self, hardware: HardwareProfile, task: str) -> KvPool | None:
-        """How the serving runtime this kind configures keeps its KV cache on `hardware`,
-        for a model of `task`, with the runtime's own defaults (`mopt check` sizes the
-        memory with them); None for kinds without one."""
+        """How the serving runtime this kind configures keeps its KV cache on `hardware` for a
+        model of `task`, with the runtime's defaults (for `mopt check`); None: no KV cache."""
         return None
 
     def check(self, params: Any, ctx: CheckContext) -> list[Finding]:
@@ -407,13 +365,7 @@ def run_process(
 def package_versions(*dists: str) -> dict[str, str]:
     """Installed versions of distributions, read from package metadata without importing
     them ("missing" for one that is not installed): the usual `fingerprint()`."""
-    out: dict[str, str] = {}
-    for dist in dists:
-        try:
-            out[dist] = md.version(dist)
-        except md.PackageNotFoundError:
-            out[dist] = "missing"
-    return out
+    return {dist: plugin_env.dist_version(dist) or "missing" for dist in dists}
 
 
 @dataclass(frozen=True)
@@ -432,9 +384,7 @@ class Finding:
 @dataclass(frozen=True)
 class KvPool:
     """A serving runtime's KV-cache pool as `mopt check` sizes it (`TargetKind.kv_pool`):
-    the share of memory it takes, and the runtime's defaults for what a target's params
-    (marked with `Role`) leave out. The core knows no runtime; the kind that writes a
-    runtime's config knows its defaults."""
+    the share of memory it takes, and the runtime's defaults for what the params leave out."""
 
     #: "gpu": `fraction` of the GPU's memory holds the weights, activations and the cache
     #: (vLLM's gpu_memory_utilization); "free": `fraction` of the memory the model leaves
@@ -492,14 +442,10 @@ class Source:
         return f"{self.name}:{getattr(params, self.name, '')}"
 
     def identity(self, params: Any, ctx: SourceContext) -> Any:
-        """None (the default): the folder's bytes are the source's identity, so every plan
-        resolves and hashes it. A source whose bytes follow from its declaration returns
-        instead a JSON value naming everything they depend on (a generator's version, the
-        library versions it writes with, an installed package's version): action keys then
-        use a digest of that value, and `plan`, `explain` and keying never resolve, make or
-        hash the folder. It must be cheap (no heavy import, no download); SourceError if the
-        declaration cannot be met. The folder's digest is recorded in mopt.lock the first
-        time an action reads it and checked on every later read."""
+        """None (the default): the folder's bytes are the source's identity. A source whose
+        bytes follow from its declaration returns a JSON value naming everything they depend
+        on, cheaply (no heavy import, no download): keys then use it, and nothing resolves
+        the folder before an action reads it (docs/plugins.md, *Sources*)."""
         return None
 
     def lock_info(self, params: Any, path: Path) -> dict[str, Any]:
@@ -532,13 +478,8 @@ DEVICES = ("gpu", "cpu", "accelerator")
 
 
 class HardwareProfile(BaseModel):
-    """A deployment target: one machine type.
-
-    `device` is "gpu" (an NVIDIA GPU: `compute_capability` and `memory_gb` required), "cpu"
-    (no accelerator fields), or "accelerator" (anything else: an NPU, a TPU, an Intel or AMD
-    GPU: `accelerator` names its kind, `memory_gb` its memory, `supported_precisions` what it
-    computes natively). Only "gpu" profiles get the CUDA rules of `mopt check`.
-    """
+    """A deployment target: one machine type. `device` is "gpu" (NVIDIA: the CUDA rules of
+    `mopt check` apply), "cpu" or "accelerator" (an NPU, a TPU, another vendor's GPU)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -594,45 +535,21 @@ class HardwareProfile(BaseModel):
         if not self.is_gpu or self.compute_capability is None:
             return ("fp32", "int8")
         cc = self.compute_capability
-        out = ["fp32", "fp16", "int8"]
-        if cc >= (8, 0):
-            out.append("bf16")
-        if cc >= (8, 9):
-            out.append("fp8")
-        if cc >= (10, 0):
-            out.append("nvfp4")
-        if cc >= (7, 5):
-            out.append("int4")
-        return tuple(out)
+        since = {"bf16": (8, 0), "fp8": (8, 9), "nvfp4": (10, 0), "int4": (7, 5)}
+        return ("fp32", "fp16", "int8", *(p for p, first in since.items() if cc >= first))
 
 
 class Executor:
-    """Runs the cache misses of a build somewhere else than this machine's worker pool.
+    """Runs the cache misses of a build somewhere else than this machine's worker pool;
     `Settings` validates `[executor]` in mopt.toml.
 
-    The `local` executor is mopt's own (each action a Spawn run by a warm worker process,
-    optionally in bubblewrap). Any other executor implements
-    `build(session: ExecutorSession, *, settings) -> session.states()` and runs the
-    actions it is given as remote spawns, Bazel's remote execution in mopt's terms:
-
-    - the session keys each action and takes hits from the local store and the remote
-      cache (`readiness`, `key`, `cached`), exactly as a local build would;
-    - for a miss, `spawn(node_id)` returns the action as JSON (the same `Spawn` value the
-      local workers run: the kind, its params, the hardware, the input trees by digest),
-      its inputs already on the remote cache;
-    - the executor runs it wherever it places it (its own business: `node(node_id)` gives
-      the kind class, params and hardware profile to decide with), by calling
-      `session.run_spawn(spawn_json, worker)` in a process there, where `worker` is
-      `{"store": <a local store folder there, ~ expanded there>, "remote":
-      session.remote_connection()}`; that fetches the inputs, runs the kind through the same
-      function the local workers run, and pushes the outputs to the remote cache;
-    - the executor hands the JSON result back with `finished(node_id, result)`, or ends a
-      node with `done(node_id, "blocked" | "unbuildable" | "failed", reason)`; the session
-      records, materializes and reports, and `states()` is what `build` returns.
-
-    `started`, `tick`, `start` and `stop` drive the progress lines; `registry`,
-    `probe_gpus` and `gpu_matches` say what the plugins and this machine offer (e.g. to
-    start a one-machine cluster here). Nothing else of the engine is the executor's to touch.
+    `local` is mopt's own. Any other executor implements
+    `build(session: ExecutorSession, *, settings) -> session.states()`, Bazel's remote
+    execution in mopt's terms: the session keys, takes hits, records and reports; the
+    executor places each miss, runs its `session.spawn(id)` with `session.run_spawn(spawn,
+    worker)` in a process on the machine it picked (`worker`: `{"store": <a store folder
+    there>, "remote": session.remote_connection()}`), and hands the result back
+    (`session.finished`, or `session.done`). docs/plugins.md, *Executors*, walks through it.
     """
 
     name: ClassVar[str]
@@ -668,8 +585,7 @@ class ExecutorSession(Protocol):
     keep_going: bool
     #: the build's registry of plugins (`.targets`, `.hardware`, ...)
     registry: Any
-    #: the remote runner: `run_spawn(spawn_json, worker, executor=name)` runs one `spawn()`
-    #: result in the calling process, on the machine that executes it (see `Executor`); a
+    #: the remote runner, `run_spawn(spawn_json, worker, executor=name)` (see `Executor`): a
     #: module-level function, so it pickles by reference to a worker that has mopt installed
     run_spawn: Callable[..., dict[str, Any]]
 
@@ -722,6 +638,5 @@ class Core(Protocol):
 
     def built_target(self, recipe: Path, selector: str, *, kind: str | None = None) -> BuiltTarget:
         """The one built target of `recipe` that `selector` (model.hardware:target) names, of
-        `kind` when given (`mopt image load` hands its archive on). Raises `MoptError` when
-        the selector names no or several such targets, or the target is not built for its
-        current key (a stale build is never returned)."""
+        `kind` when given; `MoptError` when it names none or several, or the target is not
+        built for its current key (a stale build is never returned)."""

@@ -59,21 +59,13 @@ class Project:
         return (self.root / self.config.store.build_dir).resolve()
 
 
-def find_config(start: Path) -> Path | None:
-    """The nearest mopt.toml at or above `start`."""
-    start = start.resolve()
-    for d in [start, *start.parents]:
-        c = d / CONFIG_NAME
-        if c.is_file():
-            return c
-    return None
-
-
 def load_project(start: Path) -> Project:
-    """Settings from the nearest mopt.toml (defaults, rooted at `start`, when none)."""
-    cfg = find_config(start)
+    """Settings from the nearest mopt.toml at or above `start` (defaults, rooted at `start`,
+    when none)."""
+    start = start.resolve()
+    cfg = next((d / CONFIG_NAME for d in [start, *start.parents] if (d / CONFIG_NAME).is_file()), None)
     if cfg is None:
-        return Project(start.resolve(), ProjectConfig(), None)
+        return Project(start, ProjectConfig(), None)
     data, text = tomlfile.load(cfg)
     try:
         conf = ProjectConfig.model_validate(data)

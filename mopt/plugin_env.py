@@ -59,7 +59,7 @@ def require_module(module: str, kind: str, install: str) -> ModuleType:
 
 @lru_cache(maxsize=1)
 def gpus() -> tuple[dict[str, Any], ...]:
-    """The GPUs nvidia-smi reports: name, compute capability, memory, driver, CUDA (driver)."""
+    """The GPUs nvidia-smi reports: name, compute capability, memory, driver."""
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return ()
@@ -74,12 +74,10 @@ def gpus() -> tuple[dict[str, Any], ...]:
             text=True,
             timeout=20,
         )
-        head = subprocess.run([exe], capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired):
         return ()
     if q.returncode != 0:
         return ()
-    m = re.search(r"CUDA Version:\s*([0-9.]+)", head.stdout)
     out = []
     for line in q.stdout.strip().splitlines():
         parts = [p.strip() for p in line.split(",")]
@@ -92,7 +90,6 @@ def gpus() -> tuple[dict[str, Any], ...]:
                 "compute_capability": cc,
                 "memory_mb": int(float(parts[2])) if parts[2].replace(".", "").isdigit() else None,
                 "driver": parts[3],
-                "cuda_driver": m.group(1) if m else None,
             }
         )
     return tuple(out)
@@ -115,15 +112,11 @@ def require_gpu(kind: str, hardware: Any = None) -> dict[str, Any]:
     if not found:
         raise RuntimeError(f"target kind {kind!r} needs a CUDA GPU, and nvidia-smi finds none here")
     g = found[0]
-    want = getattr(hardware, "compute_capability", None)
-    if (
-        want is not None
-        and g["compute_capability"] is not None
-        and tuple(want) != tuple(g["compute_capability"])
-    ):
+    want, have = getattr(hardware, "compute_capability", None), g["compute_capability"]
+    if want is not None and have is not None and tuple(want) != tuple(have):
         raise RuntimeError(
             f"target kind {kind!r} builds for profile {hardware.name!r} (compute capability "
             f"{want[0]}.{want[1]}), but this machine's GPU is {g['name']} "
-            f"({g['compute_capability'][0]}.{g['compute_capability'][1]}); build it on a matching GPU"
+            f"({have[0]}.{have[1]}); build it on a matching GPU"
         )
     return g

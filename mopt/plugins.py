@@ -22,19 +22,8 @@ import pluggy
 from pydantic import BaseModel
 
 from mopt import hookspecs
-from mopt.api import (
-    RESERVED_TARGET_KEYS,
-    Executor,
-    Family,
-    HardwareProfile,
-    Input,
-    Source,
-    TargetKind,
-)
+from mopt.api import Executor, Family, HardwareProfile, Input, Source, TargetKind
 from mopt.errors import PluginError, closest, did_you_mean
-
-ENTRY_POINT_GROUP = "mopt"
-
 
 
 @functools.cache
@@ -49,7 +38,7 @@ def _entry_points() -> list[md.EntryPoint]:
         dist_name = (dist.name if dist is not None else "") or ""
         return not (dist_name.startswith("mopt-") and ep.value.startswith("mopt_"))
 
-    eps = list(md.entry_points(group=ENTRY_POINT_GROUP))
+    eps = list(md.entry_points(group="mopt"))
     return sorted(eps, key=lambda ep: (third_party(ep), ep.name))
 
 
@@ -93,26 +82,16 @@ class Registry:
     disabled_by: dict[str, str] = field(default_factory=dict)
     #: problems that do not stop mopt (undecorated hook functions, unknown disabled names)
     warnings: list[str] = field(default_factory=list)
-    _disabled_offer: dict[tuple[str, str], str] | None = None
 
     def plugin_of(self, category: str, name: str) -> PluginInfo:
         """The plugin that registered `name` in `category`."""
         return self.plugins[self.origin[(category, name)]]
 
-    def kind(self, name: str) -> type[TargetKind]:
-        return self.targets[name]
-
     def disabled_provider(self, category: str, name: str) -> str | None:
-        """The disabled plugin that would register `name` in `category`, or None.
-
-        Only asked when a recipe names something unknown: the disabled plugins are then
-        imported and their hooks called into a throwaway registry (a plugin that fails to
-        load is taken to offer nothing)."""
-        if not self.disabled:
-            return None
-        if self._disabled_offer is None:
-            self._disabled_offer = _offers_of(self.disabled)
-        return self._disabled_offer.get((category, name))
+        """The disabled plugin that would register `name` in `category`, or None. Only asked
+        when a recipe names something unknown (an error): the disabled plugins are then
+        imported and their hooks called with a throwaway `register`."""
+        return _offers_of(self.disabled).get((category, name)) if self.disabled else None
 
     def disabled_message(self, category: str, name: str) -> str | None:
         """`model family 'toyfam' is disabled by MOPT_DISABLE_PLUGINS (plugin 'fixture')`, or None."""
@@ -138,19 +117,12 @@ def disabled_from_env() -> list[str]:
     return [p.strip() for p in raw.split(",") if p.strip()]
 
 
-def installed_plugin_names() -> list[str]:
-    """Every plugin name that could load: the built-ins and the entry points."""
-    return [*BUILTIN_PLUGINS, *(ep.name for ep in _entry_points())]
-
-
 def make_plugin_manager(disable: Iterable[str] = (), only: Iterable[str] | None = None) -> pluggy.PluginManager:
     """A plugin manager with the built-ins and installed entry points, minus `disable` (and,
     with `only`, the entry points not named there)."""
     pm = pluggy.PluginManager("mopt")
     pm.add_hookspecs(hookspecs)
     blocked = set(disable)
-    for name in blocked:
-        pm.set_blocked(name)
     for modname in BUILTIN_PLUGINS:
         if modname in blocked:
             continue
@@ -167,47 +139,36 @@ def make_plugin_manager(disable: Iterable[str] = (), only: Iterable[str] | None 
             ) from exc
         check_hook_names(plugin, ep.name)
         pm.register(plugin, name=ep.name)
-        dist = getattr(ep, "dist", None)
-        if dist is not None:
-            pm._mopt_dists = getattr(pm, "_mopt_dists", {})  # type: ignore[attr-defined]
-            pm._mopt_dists[ep.name] = (dist.name, dist.version)  # type: ignore[attr-defined]
     return pm
 
 
 HOOK_NAMES = tuple(sorted(n for n in dir(hookspecs) if n.startswith("mopt_")))
 
 
-def check_hook_names(plugin: Any, name: str) -> None:
-    """Refuse a plugin whose @hookimpl function names no hook (with the closest hook name).
-
-    pluggy's own check_pending says the same with the module's repr twice and no hint."""
+def check_hook_names(plugin: Any, name: str) -> list[str]:
+    """Refuse a plugin whose @hookimpl function names no hook (with the closest hook name;
+    pluggy's own check_pending says it with the module's repr twice and no hint). Returns
+    warnings for hook-like functions without @hookimpl: mopt never calls them, which is never
+    what their author meant."""
+    warnings = []
     for attr in dir(plugin):
         fn = getattr(plugin, attr, None)
-        if not callable(fn) or getattr(fn, "mopt_impl", None) is None:
+        if not callable(fn):
             continue
-        if attr not in HOOK_NAMES:
+        if getattr(fn, "mopt_impl", None) is None:
+            if attr.startswith("mopt_register_") or attr in HOOK_NAMES:
+                warnings.append(
+                    f"plugin {name!r}: function {attr} is not decorated with @hookimpl, so mopt never "
+                    "calls it (from mopt.api import hookimpl)"
+                )
+        elif attr not in HOOK_NAMES:
             best = closest(attr, HOOK_NAMES)
             raise PluginError(
                 f"plugin {name!r} implements an unknown hook {attr!r}",
                 hint=(f"did you mean {best!r}? " if best else "")
                 + "the hooks are listed in mopt/hookspecs.py",
             )
-
-
-def undecorated_hooks(plugin: Any, name: str) -> list[str]:
-    """Warnings for hook-like functions (`mopt_register_*`, or a hook's name) without
-    @hookimpl: mopt never calls them, which is never what their author meant."""
-    out = []
-    for attr in dir(plugin):
-        fn = getattr(plugin, attr, None)
-        if not callable(fn) or getattr(fn, "mopt_impl", None) is not None:
-            continue
-        if attr.startswith("mopt_register_") or attr in HOOK_NAMES:
-            out.append(
-                f"plugin {name!r}: function {attr} is not decorated with @hookimpl, so mopt never "
-                "calls it (from mopt.api import hookimpl)"
-            )
-    return out
+    return warnings
 
 
 def _one_line(exc: BaseException) -> str:
@@ -225,26 +186,23 @@ def _one_line(exc: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def _version_of(pm: pluggy.PluginManager, name: str) -> tuple[str | None, str]:
-    dists: dict[str, tuple[str, str]] = getattr(pm, "_mopt_dists", {})
-    if name in dists:
-        return dists[name]
+def _version_of(name: str) -> tuple[str | None, str]:
+    """(distribution, version) of a loaded plugin; (None, "0") for one registered by hand."""
     if name.startswith("mopt."):
         from mopt import __version__
 
         return "mopt", __version__
-    return None, "0"
+    ep = next((ep for ep in _entry_points() if ep.name == name), None)
+    dist = getattr(ep, "dist", None)
+    return (dist.name, dist.version) if dist is not None else (None, "0")
 
 
 def build_registry(pm: pluggy.PluginManager, disabled: Iterable[str] = ()) -> Registry:
     """Call every registration hook, plugin by plugin, validating each registration."""
     reg = Registry(disabled=list(disabled))
     for name, plugin in pm.list_name_plugin():
-        if name is None or plugin is None:  # blocked (disabled) names stay listed with None
-            continue
-        check_hook_names(plugin, name)
-        reg.warnings += undecorated_hooks(plugin, name)
-        dist, version = _version_of(pm, name)
+        reg.warnings += check_hook_names(plugin, name)
+        dist, version = _version_of(name)
         reg.plugins[name] = PluginInfo(
             name=name,
             version=version,
@@ -255,17 +213,21 @@ def build_registry(pm: pluggy.PluginManager, disabled: Iterable[str] = ()) -> Re
     for category in CATEGORIES:
         hook = getattr(pm.hook, f"mopt_register_{category}")
         for impl in hook.get_hookimpls():  # registration order: the core first
-            plugin_name = impl.plugin_name
-            try:
-                impl.function(register=_registrar(reg, category, plugin_name))
-            except PluginError:
-                raise
-            except Exception as exc:  # the plugin's own bug: one line, not a traceback
-                raise PluginError(
-                    f"plugin {plugin_name!r} failed in hook mopt_register_{category}: {_one_line(exc)}",
-                    hint=f"fix the plugin, or disable it with MOPT_DISABLE_PLUGINS={plugin_name}",
-                ) from exc
+            _call(impl, f"mopt_register_{category}", register=_registrar(reg, category, impl.plugin_name))
     return reg
+
+
+def _call(impl: pluggy.HookImpl, hook: str, **args: Any) -> None:
+    """Call one plugin's hook with the arguments it names; its own bug is one line naming it."""
+    try:
+        impl.function(**{a: args[a] for a in impl.argnames})
+    except PluginError:
+        raise
+    except Exception as exc:  # not a traceback
+        raise PluginError(
+            f"plugin {impl.plugin_name!r} failed in hook {hook}: {_one_line(exc)}",
+            hint=f"fix the plugin, or disable it with MOPT_DISABLE_PLUGINS={impl.plugin_name}",
+        ) from exc
 
 
 def register_commands(cli: Any, core: Any, disable: Iterable[str] = ()) -> None:
@@ -273,18 +235,9 @@ def register_commands(cli: Any, core: Any, disable: Iterable[str] = ()) -> None:
     plugins in `disable` or MOPT_DISABLE_PLUGINS add none. A plugin may not replace a
     command that is already there (the core's own are all there before)."""
     pm = make_plugin_manager(sorted(set(disable) | set(disabled_from_env())))
-    args = {"cli": cli, "core": core}
     for impl in pm.hook.mopt_register_commands.get_hookimpls():
         before = dict(cli.commands)
-        try:
-            impl.function(**{a: args[a] for a in impl.argnames})
-        except PluginError:
-            raise
-        except Exception as exc:  # the plugin's own bug: one line, not a traceback
-            raise PluginError(
-                f"plugin {impl.plugin_name!r} failed in hook mopt_register_commands: {_one_line(exc)}",
-                hint=f"fix the plugin, or disable it with MOPT_DISABLE_PLUGINS={impl.plugin_name}",
-            ) from exc
+        _call(impl, "mopt_register_commands", cli=cli, core=core)
         replaced = sorted(n for n, c in before.items() if cli.commands.get(n) is not c)
         if replaced:
             raise PluginError(
@@ -296,28 +249,25 @@ def register_commands(cli: Any, core: Any, disable: Iterable[str] = ()) -> None:
 def _offers_of(names: Iterable[str]) -> dict[tuple[str, str], str]:
     """(category, name) → plugin, for what the plugins `names` would register."""
     wanted = set(names)
+    loaders: list[tuple[str, Callable[[], Any]]] = [
+        (m, functools.partial(importlib.import_module, m)) for m in BUILTIN_PLUGINS
+    ]
+    loaders += [(ep.name, ep.load) for ep in _entry_points()]
     offers: dict[tuple[str, str], str] = {}
-    modules: list[tuple[str, Any]] = []
-    for modname in BUILTIN_PLUGINS:
-        if modname in wanted:
-            with contextlib.suppress(Exception):
-                modules.append((modname, importlib.import_module(modname)))
-    for ep in _entry_points():
-        if ep.name in wanted:
-            with contextlib.suppress(Exception):
-                modules.append((ep.name, ep.load()))
-    for plugin_name, mod in modules:
+    for plugin_name, load in loaders:
+        if plugin_name not in wanted:
+            continue
+        try:
+            plugin = load()
+        except Exception:  # a plugin that fails to load offers nothing
+            continue
         for category in CATEGORIES:
-            fn = getattr(mod, f"mopt_register_{category}", None)
-            if not callable(fn):
-                continue
-            names_of: list[Any] = []
-            with contextlib.suppress(Exception):
-                fn(register=names_of.append)
-            for obj in names_of:
-                n = getattr(obj, "name", None)
-                if isinstance(n, str):
-                    offers.setdefault((category, n), plugin_name)
+            found: list[Any] = []
+            with contextlib.suppress(Exception):  # nor does a hook that fails
+                getattr(plugin, f"mopt_register_{category}")(register=found.append)
+            for obj in found:
+                if isinstance(getattr(obj, "name", None), str):
+                    offers.setdefault((category, obj.name), plugin_name)
     return offers
 
 
@@ -385,7 +335,7 @@ def _check_kind(obj: Any, plugin: str) -> str:
         raise _bad(plugin, f"registered target {obj!r} is not a mopt.api.TargetKind subclass")
     name = _check_name(getattr(obj, "name", None), plugin, "target kind")
     _check_params_model(obj.Params, plugin, obj.__name__, "Params")
-    clash = RESERVED_TARGET_KEYS & set(obj.Params.model_fields)
+    clash = {"kind", "input"} & set(obj.Params.model_fields)  # what every target table may hold
     if clash:
         raise _bad(plugin, f"{obj.__name__}.Params uses reserved key(s) {sorted(clash)}")
     if not isinstance(obj.version, str) or not obj.version:
@@ -438,24 +388,6 @@ def _check_executor(obj: Any, plugin: str) -> str:
 _REGISTRY: dict[Any, Registry] = {}
 
 
-def _load(blocked: tuple[str, ...], from_env: list[str], only: frozenset[str] | None) -> Registry:
-    """The plugins loaded (every one, or the built-ins and `only`), their warnings collected
-    (not yet printed)."""
-    reg = build_registry(make_plugin_manager(blocked, only), blocked)
-    for name in blocked:
-        reg.disabled_by[name] = "MOPT_DISABLE_PLUGINS" if name in from_env else "[plugins] disable"
-    known = installed_plugin_names()
-    for name in blocked:
-        if name not in known:
-            source = reg.disabled_by[name]
-            reg.warnings.append(
-                f"{source} names {name!r}, which is no installed plugin ("
-                + did_you_mean(name, known, "plugins")
-                + ")"
-            )
-    return reg
-
-
 def get_registry(disable: Iterable[str] = (), only: Iterable[str] | None = None) -> Registry:
     """The registry for this process, loaded on first use (idempotent per disable list).
     `disable` is the project's `[plugins] disable`; MOPT_DISABLE_PLUGINS adds to it. With
@@ -468,7 +400,16 @@ def get_registry(disable: Iterable[str] = (), only: Iterable[str] | None = None)
     if (blocked, None) in _REGISTRY:  # every plugin: it serves every caller
         return _REGISTRY[(blocked, None)]
     if (blocked, some) not in _REGISTRY:
-        reg = _REGISTRY[(blocked, some)] = _load(blocked, from_env, some)
+        reg = _REGISTRY[(blocked, some)] = build_registry(make_plugin_manager(blocked, some), blocked)
+        known = [*BUILTIN_PLUGINS, *(ep.name for ep in _entry_points())]
+        for name in blocked:
+            source = reg.disabled_by[name] = "MOPT_DISABLE_PLUGINS" if name in from_env else "[plugins] disable"
+            if name not in known:
+                reg.warnings.append(
+                    f"{source} names {name!r}, which is no installed plugin ("
+                    + did_you_mean(name, known, "plugins")
+                    + ")"
+                )
         for w in reg.warnings:
             sys.stderr.write(f"warning: {w}\n")
     return _REGISTRY[(blocked, some)]

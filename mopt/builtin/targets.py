@@ -13,7 +13,7 @@ from pydantic import Field, field_validator
 from mopt import api, procs
 from mopt.api import BuildContext, Input, TargetKind, hookimpl
 
-_TOKEN = re.compile(r"\{(out|in|file|model|hardware|section)(?::([^{}]+))?\}")
+_TOKEN = re.compile(r"\{(out|in|file)(?::([^{}]+))?\}")
 _NAMED = re.compile(r"\{(model|hardware|section)(?::[^{}]+)?\}")
 
 
@@ -22,16 +22,16 @@ class CommandKind(TargetKind):
 
     Placeholders in `argv`: `{out}` (the output folder), `{in}` (the first input target's
     folder), `{in:NAME}` (input target NAME's folder), `{file}` / `{file:N}` (the first /
-    N-th declared file, absolute); in `argv` and `files`: `{model}`, `{hardware}` (the
-    section's names), so one `[defaults]` table can serve many sections. The key covers the argv, the declared files' and input
-    targets' digests and the values of the env variables in `env` (nothing else of the
-    environment reaches the command besides PATH, HOME and LANG).
+    N-th declared file, absolute); in `argv` and `files`: `{model}`, `{hardware}`, `{section}`
+    (the section's names), so one `[defaults]` table can serve many sections. The key covers
+    the argv, the declared files' and input targets' digests and the values of the env
+    variables in `env` (nothing else of the environment reaches the command besides PATH,
+    HOME and LANG).
     """
 
     name = "command"
     version = "1"
     description = "run a command with declared inputs into $MOPT_OUT"
-    static_fingerprint = True
     consumes = (Input("input", kinds=("*",), required=False),)
     produces = "files"
 
@@ -66,19 +66,10 @@ class CommandKind(TargetKind):
 
     def bind(self, params: Any, *, model: str, hardware: str, section: str) -> Any:
         """Params with {model}, {hardware}, {section} filled in (before keying)."""
-        seen: dict[int, tuple[Any, bool]] = self.__dict__.setdefault("_binds", {})
-        hit = seen.get(id(params))
-        if hit is None or hit[0] is not params:  # params objects are shared by many sections
-            texts = [*params.argv, *params.files]
-            hit = seen[id(params)] = (params, any(_NAMED.search(t) for t in texts))
-        if not hit[1]:
-            return params  # no {model}, {hardware} or {section}: shared as it is
         names = {"model": model, "hardware": hardware, "section": section}
 
         def fill(text: str) -> str:
-            if "{" not in text:
-                return text
-            return _TOKEN.sub(lambda m: names.get(m.group(1), m.group(0)), text)
+            return _NAMED.sub(lambda m: names[m.group(1)], text)
 
         argv = [fill(a) for a in params.argv]
         files = [fill(f) for f in params.files]
@@ -97,8 +88,6 @@ class CommandKind(TargetKind):
 
         def sub(m: re.Match[str]) -> str:
             what, arg = m.group(1), m.group(2)
-            if what in ("model", "hardware", "section"):
-                return m.group(0)
             if what == "out":
                 return str(ctx.out)
             if what == "in":
