@@ -87,15 +87,6 @@ def _print_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=indent, separators=None if indent else (",", ":"), default=str) + "\n")
 
 
-def human(n: float) -> str:
-    """`512 B`, `1.5 KiB`, ... `2.0 TiB`: sizes as the CLI prints them."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
 class Session:
     """A loaded recipe with its project, plugins and graph."""
 

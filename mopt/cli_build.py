@@ -14,8 +14,8 @@ from typing import Any
 
 import click
 
-from mopt.cli import CONTEXT, Session, _print_json, err, human, json_opt, out, recipe_arg, selectors_arg
-from mopt.errors import BuildFailed, MoptError
+from mopt.cli import CONTEXT, Session, _print_json, err, json_opt, out, recipe_arg, selectors_arg
+from mopt.errors import BuildFailed, MoptError, human
 from mopt.gcpause import paused_gc
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}

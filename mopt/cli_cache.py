@@ -12,8 +12,8 @@ from typing import Any
 
 import click
 
-from mopt.cli import CONTEXT, human, json_opt
-from mopt.errors import MoptError
+from mopt.cli import CONTEXT, json_opt
+from mopt.errors import MoptError, human
 
 
 def _open(recipe: Path | None) -> tuple[Any, Any]:

@@ -70,3 +70,12 @@ def did_you_mean(name: str, choices: Iterable[str], what: str = "") -> str:
         return f"no {what or 'names'} are registered"
     shown = ", ".join(choices[:12]) + (", ..." if len(choices) > 12 else "")
     return f"valid {what or 'names'}: {shown}"
+
+
+def human(n: float) -> str:
+    """`512 B`, `1.5 KiB`, ... `2.0 TiB`: sizes as mopt prints them."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"

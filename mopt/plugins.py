@@ -93,12 +93,6 @@ class Registry:
         imported and their hooks called with a throwaway `register`."""
         return _offers_of(self.disabled).get((category, name)) if self.disabled else None
 
-    def disabled_message(self, category: str, name: str) -> str | None:
-        """`model family 'toyfam' is disabled by MOPT_DISABLE_PLUGINS (plugin 'fixture')`, or None."""
-        plugin = self.disabled_provider(category, name)
-        if plugin is None:
-            return None
-        return f"{SINGULAR[category]} {name!r} is disabled by {self.disabled_by.get(plugin, 'MOPT_DISABLE_PLUGINS')} (plugin {plugin!r})"
 
 
 #: a category's name in messages

@@ -297,7 +297,7 @@ def _unknown(registry: Registry, category: str, name: Any, tail: str) -> tuple[s
     plugin = registry.disabled_provider(category, name) if isinstance(name, str) else None
     if plugin is not None:
         where = registry.disabled_by.get(plugin, "MOPT_DISABLE_PLUGINS")
-        return str(registry.disabled_message(category, name)), f"remove {plugin!r} from {where} to use it"
+        return f"{SINGULAR[category]} {name!r} is disabled by {where} (plugin {plugin!r})", f"remove {plugin!r} from {where} to use it"
     plural = {"targets": "target kinds", "hardware": "profiles"}.get(category, category)
     hint = did_you_mean(str(name), getattr(registry, category), plural) + tail
     return f"unknown {SINGULAR[category]} {name!r}", hint

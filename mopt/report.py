@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mopt.cli import human
+from mopt.errors import human
 
 ACCURACY = ("min_cosine", "mean_cosine", "top1_agreement", "max_abs_diff")
 SPEED = ("speedup_largest", "peak_rss_mb")

@@ -58,7 +58,7 @@ from mopt.digest import (
     parse_tree_manifest,
     tree_manifest_bytes,
 )
-from mopt.errors import MoptError
+from mopt.errors import MoptError, human
 from mopt.filehash import FileStat, file_stat
 from mopt.statcache import StatCache
 
@@ -120,14 +120,6 @@ def _free_bytes(path: StrPath) -> int | None:
     except OSError:
         return None
     return st.f_bavail * st.f_frsize
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def guard_path(path: StrPath, roots: Iterable[StrPath], *, resolved: bool = False) -> str:
@@ -403,8 +395,8 @@ class Store:
         except OSError as e:
             if e.errno in _FULL:
                 free = _free_bytes(self.root)
-                need = f"{_human(needed)} needed" if needed is not None else "more space needed"
-                have = f", {_human(free)} free" if free is not None else ""
+                need = f"{human(needed)} needed" if needed is not None else "more space needed"
+                have = f", {human(free)} free" if free is not None else ""
                 raise StoreFullError(
                     f"no space left on the disk of the store {self.root} while writing {what} ({need}{have})",
                     hint="free space (e.g. `mopt gc --max-size ...`) or move [store] path to a bigger disk",
@@ -700,7 +692,7 @@ class Store:
                 free = _free_bytes(target.parent)
                 raise StoreFullError(
                     f"no space left on the disk of {target.parent} while materializing {target.name}"
-                    + (f" ({_human(free)} free)" if free is not None else ""),
+                    + (f" ({human(free)} free)" if free is not None else ""),
                     hint="free space, or set [store] build_dir to a bigger disk",
                 ) from None
             if e.errno in _UNWRITABLE:
