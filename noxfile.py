@@ -69,7 +69,8 @@ def bench(session: nox.Session) -> None:
     """Benchmarks that print numbers: no-op / plan / all-cached / touch / change at 200, 2,000
     and 10,000 nodes vs DVC and Snakemake (10,000: mopt only; its first run builds ~16 min), hashing;
     all-MiniLM-L6-v2 on this CPU: PyTorch fp32, ONNX Runtime fp32, mopt's ORT INT8 variants and
-    OpenVINO (f32, bf16, NNCF INT8) side by side, latency and accuracy, alternating rounds."""
+    OpenVINO (f32, bf16, NNCF INT8) side by side, latency and accuracy, alternating rounds; the
+    demo's first build (wall and CPU seconds, what `best` picked)."""
     install_all(session, "dvc", "snakemake")
     session.run("python", "benchmarks/bench_build.py", *session.posargs)
     session.run(
@@ -83,6 +84,9 @@ def bench(session: nox.Session) -> None:
         "3",
     )
     session.run("python", "benchmarks/bench_runner.py")
+    # the Quickstart's first command from an empty store (with select's finals); to compare
+    # with an earlier checkout: nox -s bench -- ... or python benchmarks/bench_demo.py --before DIR
+    session.run("python", "benchmarks/bench_demo.py")
 
 
 @nox.session

@@ -40,12 +40,16 @@ from mopt.svg import latency_throughput_svg
 
 hookimpl = pluggy.HookimplMarker("mopt")
 
+#: how a log line marks itself as progress (`BuildContext.progress`)
+PROGRESS = "progress: "
+
 __all__ = [
     "DTYPES",
     "EMBEDDING",
     "FORMATS",
     "MODE_EXEC",
     "MODE_FILE",
+    "PROGRESS",
     "TEXT_GENERATION",
     "ActionNode",
     "Artifact",
@@ -258,6 +262,11 @@ class BuildContext:
     def log(self, msg: str) -> None:
         """Write a line to this action's log (shown live and kept in the store)."""
         self.logger.info(msg)
+
+    def progress(self, msg: str) -> None:
+        """A line of the action's log that `mopt build` also prints without a terminal (a
+        bench's finished point): long actions are not silent in CI logs."""
+        self.logger.info(PROGRESS + msg)
 
 
 class TargetKind:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from mopt import buildlog
-from mopt.api import Artifact, Missing, SourceContext, SourceError, TargetKind
+from mopt.api import PROGRESS, Artifact, Missing, SourceContext, SourceError, TargetKind
 from mopt.digest import canonical_json, hash_bytes
 from mopt.errors import MoptError
 from mopt.filehash import FileStat, file_stat
@@ -1068,6 +1068,7 @@ class Engine:
                     f"{res.get('eligible', '?')} of {res.get('variants', '?')} variants passed) → "
                     f"{self.address_path(st.node.id)}"
                 )
+                lines += [str(x) for x in res.get("explain") or []]  # the kind's ranking and why
         return lines
 
     def fast_path_off(self, states: dict[str, NodeState]) -> str:
@@ -1350,7 +1351,7 @@ class Engine:
                     sandboxed=bool(getattr(kind, "sandbox", True)),
                     preload=tuple(getattr(kind, "preload", ())),
                 )
-                res = stack.enter_context(self.runner.exec(spawn, on_line=lambda line: _set_last(st, line),
+                res = stack.enter_context(self.runner.exec(spawn, on_line=lambda line: _set_last(st, line, reporter),
                                                            lock_fd=lock_fd))
                 log_path = res.log
                 changed = watch.changes(watched)
@@ -1458,7 +1459,10 @@ class InputChanged(Exception):
     """An action changed a file it was given to read."""
 
 
-def _set_last(st: NodeState, line: str) -> None:
+def _set_last(st: NodeState, line: str, reporter: Reporter) -> None:
+    if line.startswith(PROGRESS):
+        line = line[len(PROGRESS) :]
+        reporter.progress(st, line)
     st.last_line = line[-200:]
 
 

@@ -70,6 +70,11 @@ class LineReporter:
             self.stream.write(f"[{self.n}/{self.total}] {st.status} {st.node.id}{_outcome(st)}\n")
             self.stream.flush()
 
+    def progress(self, st: Any, msg: str) -> None:
+        if not self.quiet:
+            self.stream.write(f"      {st.node.id}: {msg}\n")
+            self.stream.flush()
+
     def tick(self) -> None: ...
 
     def stop(self) -> None: ...
@@ -104,6 +109,8 @@ class LiveReporter(LineReporter):
         if st.status != "cached":
             self.live.console.print(f"{st.status:>11} {st.node.id}{_outcome(st)}", markup=False, highlight=False)
         self._refresh()
+
+    def progress(self, st: Any, msg: str) -> None: ...  # the live view shows it as the last line
 
     def tick(self) -> None:
         self._refresh()

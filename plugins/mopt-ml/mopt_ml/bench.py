@@ -21,9 +21,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-from mopt.api import Artifact, BuildContext, Input, Params, TargetKind
+from mopt.api import PROGRESS, Artifact, BuildContext, Input, Params, TargetKind
 from pydantic import Field
 
+from mopt_ml.benchworker import POINT
 from mopt_ml.common import probe_level, read_shared_baseline
 from mopt_ml.validate import GENERATION, ArtifactTester, _device
 
@@ -35,7 +36,7 @@ class TimingParams(Params):
     seq_lens: list[int] = Field(default=[128], min_length=1, description="sequence lengths (tokens)")
     threads: int | None = Field(default=None, ge=1, description="intra-op threads (null: the CPUs usable)")
     torch_attn: Literal["sdpa", "eager"] = Field(default="sdpa", description="baseline attention")
-    warmup: int = Field(default=2, ge=0, description="untimed calls per grid point")
+    warmup: int = Field(default=1, ge=0, description="untimed calls per grid point")
     min_samples: int = Field(default=6, ge=2, description="timed calls per grid point, at least")
     max_samples: int = Field(default=60, ge=2, description="timed calls per grid point, at most")
     ci_rel: float = Field(
@@ -44,7 +45,12 @@ class TimingParams(Params):
         description="stop when the confidence interval of the median is within this fraction of it",
     )
     confidence: float = Field(default=0.95, gt=0.5, lt=1.0, description="of that interval")
-    max_seconds: float = Field(default=6.0, gt=0, description="timed seconds per grid point, at most")
+    max_seconds: float = Field(
+        default=2.0,
+        gt=0,
+        description="timed seconds per grid point, at most (bench screens; `select` times its finalists "
+        "side by side)",
+    )
     data: str | None = Field(default=None, description="texts the inputs are made of (null: shipped)")
 
 
@@ -225,19 +231,23 @@ def _run_worker(spec: dict[str, Any], tmp: Path, log: Any) -> dict[str, Any]:
     threads = str(spec["threads"])
     env.update({"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"})
     t0 = time.perf_counter()
-    proc = subprocess.run(
+    lines: list[str] = []
+    with subprocess.Popen(
         [sys.executable, "-m", "mopt_ml.benchworker", str(spec_path), str(out_path)],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         errors="replace",
-    )
-    for line in proc.stdout.splitlines():
-        if line.startswith(("onnx ", "torch ", "openvino ")):
-            log(line)
+    ) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # live: a line per finished point
+            line = line.rstrip("\n")
+            lines.append(line)
+            if line.startswith(POINT):
+                log(PROGRESS + line[len(POINT) :])
     if proc.returncode != 0:
-        tail = "\n".join(proc.stdout.splitlines()[-15:])
+        tail = "\n".join(lines[-15:])
         raise RuntimeError(f"benchmark worker for {spec['label']} failed (exit {proc.returncode}):\n{tail}")
     result: dict[str, Any] = json.loads(out_path.read_text())
     # the worker's whole life (start, imports, load, warm-up, timing): where a bench's time goes
@@ -445,14 +455,9 @@ def _run_in_process(spec: dict[str, Any], log: Any) -> dict[str, Any]:
     with contextlib.suppress(OSError):
         Path("/proc/self/clear_refs").write_text("5")
     t0 = time.perf_counter()
-    result = benchworker.run(spec)
+    result = benchworker.run(spec, on_point=lambda line: log(PROGRESS + line))
     result["process_seconds"] = round(time.perf_counter() - t0, 3)
     result["in_process"] = True
-    for p in result["points"]:
-        log(
-            f"{spec['backend']} b={p['batch']} s={p['seq']}: p50 {p['p50_ms']:.1f} ms "
-            f"({p['samples']} calls{'' if p['stable'] else ', not stable'})"
-        )
     return result
 
 

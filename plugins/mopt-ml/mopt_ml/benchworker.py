@@ -74,6 +74,9 @@ def median_ci(values: list[float], confidence: float = 0.95) -> tuple[float, flo
     return xs[j - 1], xs[n - j]
 
 
+#: how a worker marks a finished point's line on stderr (the bench action prints it as progress)
+POINT = "point: "
+
 #: rows of the drift probe's input (its size: see `write_probe`)
 PROBE_ROWS = 512
 
@@ -172,6 +175,7 @@ def measure(fn: Callable[[], Any], timing: dict[str, Any], probe: Probe | None =
     ci: tuple[float, float] | None = None
     if probe is not None:
         probe.block()
+    stopped = "ci"
     while True:
         t = time.perf_counter()
         fn()
@@ -183,7 +187,11 @@ def measure(fn: Callable[[], Any], timing: dict[str, Any], probe: Probe | None =
             if ci is not None and stable_ci(statistics.median(times), ci, timing["ci_rel"]):
                 stable = True
                 break
-        if len(times) >= timing["max_samples"] or time.perf_counter() - start > timing["max_seconds"]:
+        if len(times) >= timing["max_samples"]:
+            stopped = "max_samples"
+            break
+        if time.perf_counter() - start > timing["max_seconds"]:
+            stopped = "max_seconds"
             break
     med = statistics.median(times)
     return {
@@ -197,7 +205,18 @@ def measure(fn: Callable[[], Any], timing: dict[str, Any], probe: Probe | None =
         "ci_ms": [ci[0] * 1000, ci[1] * 1000] if ci else None,
         "ci_confidence": conf,
         "stable": stable,
+        # why timing stopped: "ci" (the interval got within ci_rel), else the cap it hit
+        "stopped": stopped,
     }
+
+
+def point_line(backend: str, p: dict[str, Any]) -> str:
+    """One finished grid point, as the build prints it: median, its interval, calls, why it stopped."""
+    ci = p.get("ci_ms")
+    interval = f" [{ci[0]:.1f}, {ci[1]:.1f}]" if ci else ""
+    why = "interval within ci_rel" if p.get("stopped", "ci") == "ci" else f"stopped at {p['stopped']}"
+    return (f"{backend} b={p['batch']} s={p['seq']}: p50 {p['p50_ms']:.1f} ms{interval} "
+            f"({p['samples']} calls in {p['timed_s']:.1f} s, {why})")  # fmt: skip
 
 
 def stable_ci(median: float, ci: tuple[float, float], rel: float) -> bool:
@@ -274,13 +293,11 @@ def run_probe(spec: dict[str, Any]) -> dict[str, Any]:
             "probe": probe.result(), "times_ms": [t * 1000 for t in probe.times]}  # fmt: skip
 
 
-def run(spec: dict[str, Any]) -> dict[str, Any]:
-    if spec["backend"] == "probe":
-        return run_probe(spec)
+def load_backend(spec: dict[str, Any]) -> tuple[Callable[[dict[str, Any]], Callable[[], Any]], Any, Any, Any]:
+    """Load `spec`'s model in its backend: (a function from feeds to a timed call, the
+    tokenizer or None, the pre-tokenized inputs or None, the runtime properties or None)."""
     threads = int(spec["threads"])
     runtime: dict[str, Any] | None = None  # OpenVINO: the properties its CPU plugin chose
-    rss_start = rss_mb()
-    t0 = time.perf_counter()
     inputs = load_inputs(spec)
     tokenizer: Any = None
     if spec["backend"] == "onnx":
@@ -358,6 +375,18 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
             return call
 
+    return runner, tokenizer, inputs, runtime
+
+
+def run(spec: dict[str, Any], on_point: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Time `spec`'s backend over its grid; `on_point` gets a line per finished point
+    (default: this process's stderr, which the bench action reads live)."""
+    if spec["backend"] == "probe":
+        return run_probe(spec)
+    threads = int(spec["threads"])
+    rss_start = rss_mb()
+    t0 = time.perf_counter()
+    runner, tokenizer, inputs, runtime = load_backend(spec)
     load_s = time.perf_counter() - t0
     rss_loaded = rss_mb()
     # in-process probing (spec "probe"; bench uses probe processes instead: see run_probe)
@@ -376,12 +405,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             }
         )
         points.append(stats)
-        print(
-            f"{spec['backend']} b={batch} s={seq}: p50 {stats['p50_ms']:.1f} ms "
-            f"({stats['samples']} calls{'' if stats['stable'] else ', not stable'})",
-            file=sys.stderr,
-            flush=True,
-        )
+        line = point_line(spec.get("label", spec["backend"]), stats)
+        if on_point is not None:
+            on_point(line)
+        else:
+            print(POINT + line, file=sys.stderr, flush=True)
     if probe is not None:
         probe.block()
     gpu_peak = None
@@ -405,7 +433,36 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def serve(spec: dict[str, Any]) -> int:
+    """`--serve SPEC.json`: a finals contestant (`mopt_ml.finals`). Loads the model, makes the
+    call of `spec["point"]` ([batch, seq]), says `{"ready": ...}` on stdout, then answers
+    each line `N` on stdin with N timed calls: `{"times": [s, ...]}`.
+    Ends at EOF. Nothing else runs in this process between the parent's requests."""
+    t0 = time.perf_counter()
+    runner, tokenizer, inputs, runtime = load_backend(spec)
+    batch, seq = spec["point"]
+    feeds = inputs[(batch, seq)] if inputs is not None else make_inputs(tokenizer, spec["texts"], batch, seq)
+    call = runner(feeds)
+    for _ in range(3):  # warm-up, before any finalist is timed
+        call()
+    out = sys.stdout
+    out.write(json.dumps({"ready": True, "load_seconds": time.perf_counter() - t0, "runtime": runtime}) + "\n")
+    out.flush()
+    for line in sys.stdin:
+        n = int(line)
+        times = []
+        for _ in range(n):
+            t = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - t)
+        out.write(json.dumps({"times": times}) + "\n")
+        out.flush()
+    return 0
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--serve"]:
+        return serve(json.loads(Path(argv[1]).read_text()))
     spec = json.loads(Path(argv[0]).read_text())
     result = run(spec)
     Path(argv[1]).write_text(json.dumps(result, indent=2, sort_keys=True))

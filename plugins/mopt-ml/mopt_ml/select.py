@@ -43,6 +43,8 @@ from mopt.api import Artifact, BuildContext, Input, Missing, Params, TargetKind,
 from pydantic import Field, model_validator
 
 from mopt_ml.common import probe_level
+from mopt_ml.decide import Decision, Estimate
+from mopt_ml.finals import Finals
 from mopt_ml.validate import TESTED_FORMATS
 
 OBJECTIVES = (
@@ -77,7 +79,11 @@ class SelectKind(TargetKind):
     """Pick the best variant of the section by `objective` among those that pass the gates."""
 
     name = "select"
-    version = "3"  # 2: drift from the benches' probes; 3: the faster end of each probe (probe_level)
+    # 2: drift from the benches' probes; 3: the faster end of each probe (probe_level);
+    # 4: head-to-head finals, intervals, a tie band (mopt_ml.finals, mopt_ml.decide)
+    version = "4"
+    reproducible = False  # the finals time the finalists
+    exclusive = True  # timed alone: nothing else of the build runs beside the finals
     description = "the best variant of a sweep (objective + gates), with a table of why"
     consumes = (
         Input("candidates", formats=(*TESTED_FORMATS, "vllm-config"), gather=True, partial=True),
@@ -141,16 +147,37 @@ class SelectKind(TargetKind):
             default=None, gt=0, description="gate: exclude above this peak memory"
         )
         normalize: bool = Field(
-            default=True,
+            default=False,
             description="scale latencies by each bench's drift probe (a fixed workload timed between "
             "its calls; older benches: the PyTorch reference timed in the same run) to cancel "
             "machine drift between benches",
         )
         tie_tolerance: float = Field(
-            default=0.0,
+            default=0.03,
             ge=0.0,
             lt=1.0,
-            description="objective values within this fraction of the best are ties (then: mean cosine, size, label)",
+            description="a winner must beat the runner-up by more than this fraction, at `confidence` "
+            "(the interval of their ratio wholly beyond 1 + tie_tolerance); else a tie, broken by "
+            "accuracy (mean cosine; text generation: KL), then size, then the recipe's order",
+        )
+        confidence: float = Field(default=0.95, gt=0.5, lt=1.0, description="of the intervals the decision reads")
+        finals: bool = Field(
+            default=True,
+            description="time the finalists side by side, interleaved in rounds, and decide on that "
+            "(latency and throughput objectives, ONNX Runtime and OpenVINO candidates); false: decide "
+            "on the benches' numbers, measured apart",
+        )
+        finals_margin: float = Field(
+            default=0.5,
+            ge=0.0,
+            description="finalists: the variants whose bench value is within this fraction of the "
+            "leader's (at least two, at most max_finalists)",
+        )
+        max_finalists: int = Field(default=4, ge=2, description="at most this many finalists")
+        finals_min_rounds: int = Field(default=10, ge=3, description="rounds of the finals before the first decision")
+        finals_max_rounds: int = Field(default=400, ge=3, description="rounds of the finals, at most")
+        finals_max_seconds: float = Field(
+            default=30.0, gt=0, description="seconds of finals, at most (then the decision is made on what was timed)"
         )
 
         @model_validator(mode="after")
@@ -175,6 +202,7 @@ class SelectKind(TargetKind):
             ctx.inputs.get("bench", []),
             ctx.missing,
             ctx.params,
+            finals=_finals_runner(ctx),
         )
         table = render_table(sel)
         win = _materialize_winner(ctx, sel, table)
@@ -198,7 +226,53 @@ class SelectKind(TargetKind):
             "winner_p50_ms": win.p50_ms,
             "precision": win.meta.get("precision"),
             "quantization": win.meta.get("quantization"),
+            "decision": sel.decision,
+            # what `mopt build` prints under the "selected" line: the ranking and why
+            "explain": ranking(sel),
         }
+
+
+def _finals_runner(ctx: BuildContext) -> FinalsFn:
+    """The finals of this select action: the finalists' ONNX / OpenVINO models served by
+    benchworker processes, at their bench point, with their benches' thread count."""
+
+    def run(finalists: list[Row], params: Any) -> tuple[Finals | None, str | None]:
+        from mopt_ml.bench import exclusive_cpu
+        from mopt_ml.benchworker import save_inputs
+        from mopt_ml.common import cpu_threads, load_tokenizer, texts_from_param
+        from mopt_ml.finals import Finalist, run_finals
+        from mopt_ml.validate import is_openvino
+
+        entrants = []
+        for r in finalists:
+            if r.path is None or r.bench_point is None:
+                return None, f"{r.label} has no bench point"
+            if is_openvino(r.path):
+                backend, model = "openvino", str(r.path)
+            elif (r.path / "model.onnx").is_file():
+                backend, model = "onnx", str(r.path / "model.onnx")
+            else:
+                return None, f"{r.label} ({r.kind}) is not an ONNX or OpenVINO model: the finals time those only"
+            pt = r.bench_point
+            entrants.append(Finalist(r.label, backend, model, str(r.path), float(pt["p50_ms"]) / 1000.0, _tie_order(r)))
+        pt = finalists[0].bench_point or {}
+        point = (int(pt["batch"]), int(pt["seq"]))
+        texts = texts_from_param(None, ctx.project_dir, "validation")
+        save_inputs(ctx.tmp / "finals-inputs.npz", load_tokenizer(finalists[0].path), texts, [point])  # type: ignore[arg-type]
+        threads = finalists[0].threads or cpu_threads(None)
+        ctx.progress(f"finals: {', '.join(e.label for e in entrants)} at {point[0]}x{point[1]}, {threads} threads")
+        with exclusive_cpu(ctx.log):
+            fin = run_finals(
+                entrants, point, threads=threads, inputs=str(ctx.tmp / "finals-inputs.npz"),
+                statistic=FINALS_STAT[params.objective], tie_tolerance=params.tie_tolerance,
+                confidence=params.confidence, min_rounds=params.finals_min_rounds,
+                max_rounds=params.finals_max_rounds, max_seconds=params.finals_max_seconds,
+                tmp=ctx.tmp, log=ctx.log,
+            )  # fmt: skip
+        ctx.progress(f"finals: {fin.rounds} rounds in {fin.seconds:.1f} s, stopped: {fin.stopped}")
+        return fin, None
+
+    return run
 
 
 def embedding_params(params: Any) -> Any:
@@ -236,10 +310,19 @@ class Row:
     value: float | None = None  # the objective's
     status: str = "lost"  # winner | lost | excluded | unbuilt
     why: str = ""
+    # the objective's estimate the decision read, its interval and how many calls it rests on:
+    # from the finals for a finalist, else from its bench (the median's interval at the point)
+    median: float | None = None
+    ci_low: float | None = None
+    ci_high: float | None = None
+    n: int | None = None
+    measured: str | None = None  # "finals" | "bench"
+    index: int = 0  # its place among the candidates (the recipe's order: a tie's last resort)
+    threads: int | None = None  # the bench's thread count
+    bench_point: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        d = {k: v for k, v in self.__dict__.items() if k not in ("path", "meta")}
-        return d
+        return {k: v for k, v in self.__dict__.items() if k not in ("path", "meta", "bench_point")}
 
 
 @dataclass
@@ -250,13 +333,19 @@ class Selection:
     winner: str | None
     #: the strictest min-cosine gate in force (select's own or validate's), for the plot
     gate_min_cosine: float | None = None
+    #: how the winner was decided (`decide.Decision.to_json` + method, tolerance, confidence)
+    decision: dict[str, Any] | None = None
+    #: the finals' record (`finals.Finals.to_json`), or None when there were none (and why not)
+    finals: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "format": "mopt-select/1",
+            "format": "mopt-select/2",
             "objective": self.objective,
             "params": self.params,
             "winner": self.winner,
+            "decision": self.decision,
+            "finals": self.finals,
             "variants": [r.to_json() for r in self.rows],
         }
 
@@ -290,15 +379,18 @@ def select(
     benches: list[Artifact],
     missing: dict[str, list[Missing]],
     params: Any,
+    finals: FinalsFn | None = None,
 ) -> Selection:
-    """Score every candidate and pick the winner (None when no variant passes)."""
+    """Score every candidate on its bench (screening), then decide (`_decide`): among the
+    finalists timed side by side by `finals` where it runs, else on the benches' numbers.
+    The winner is None when no variant passes."""
     params = embedding_params(params)
     rows: list[Row] = []
     gates: list[float] = [params.min_cosine] if params.min_cosine is not None else []
     found: dict[str, tuple[Artifact | None, Artifact | None]] = {}
     points: dict[str, list[dict[str, Any]]] = {}
-    for art in candidates:
-        row = Row(label=art.label or art.target, kind=art.kind, path=art.path, meta=dict(art.meta))
+    for index, art in enumerate(candidates):
+        row = Row(label=art.label or art.target, kind=art.kind, path=art.path, meta=dict(art.meta), index=index)
         row.bytes = _size(art.path)
         rows.append(row)
         v = _of(validations, row.label)
@@ -317,7 +409,9 @@ def select(
             gpu = res.get("peak_gpu_mb")  # GPU backends; CPU ones: the process peak RSS
             row.memory_mb = float(gpu if gpu is not None else res.get("peak_rss_mb", 0.0)) or None
             pt = _point(res.get("points", []), params)
+            row.threads = (rep.get("machine") or {}).get("threads")
             if pt is not None:
+                row.bench_point = pt
                 row.point = f"{pt['batch']}x{pt['seq']}"
                 row.p50_ms, row.p99_ms = float(pt["p50_ms"]), float(pt["p99_ms"])
                 row.throughput = int(pt["batch"]) / (float(pt["p50_ms"]) / 1000.0)
@@ -358,15 +452,155 @@ def select(
         if why:
             row.status, row.why = "excluded", why
     rows += _unbuilt(missing, Row)
-    winner = _pick_winner(
-        rows,
-        params.objective,
-        params.tie_tolerance,
-        tie_key=lambda r: (-(r.mean_cosine or 0.0), r.bytes or 0, r.label),
-        tie_by=("higher mean cosine", "mean cosine"),
-        fmt=_fmt_value,
-    )
-    return Selection(params.objective, params.model_dump(mode="json"), rows, winner, max(gates, default=None))
+    sel = Selection(params.objective, params.model_dump(mode="json"), rows, None, max(gates, default=None))
+    _decide(sel, params, finals)
+    return sel
+
+
+#: objectives the finals time, and the statistic of the calls each compares
+FINALS_STAT = {"min_latency_p50": "p50", "min_latency_p99": "p99", "max_throughput": "p50"}
+
+#: runs the finals of a selection: (finalists, params) → (the Finals, or None and why not)
+FinalsFn = Callable[[list[Row], Any], "tuple[Finals | None, str | None]"]
+
+
+def _tie_order(r: Row) -> tuple[Any, ...]:
+    """How a tie is broken: higher accuracy (mean cosine to 4 decimals: below that, numerical
+    noise of equivalent graphs), then smaller, then the recipe's order."""
+    return (-round(r.mean_cosine or 0.0, 4), r.bytes or 0, r.index)
+
+
+def _bench_estimate(r: Row, objective: str) -> None:
+    """`r.median / ci_low / ci_high / n` from its bench point, in the objective's unit (the
+    median's interval when the bench has one; none for p99, memory, the latency budget)."""
+    pt, k = r.bench_point or {}, r.drift
+    r.median, r.ci_low, r.ci_high, r.measured = r.value, None, None, "bench"
+    r.n = int(pt["samples"]) if pt.get("samples") is not None else None
+    ci = pt.get("ci_ms")
+    if not ci:
+        return
+    if objective == "min_latency_p50":
+        r.ci_low, r.ci_high = ci[0] * k, ci[1] * k
+    elif objective == "max_throughput":
+        b = int(pt["batch"])
+        r.ci_low, r.ci_high = b / (ci[1] * k / 1000.0), b / (ci[0] * k / 1000.0)
+
+
+def _ratio(r: Row, best: Row, lower: bool) -> tuple[float, float | None, float | None]:
+    """How many times better `best` is than `r` (> 1: best is better), with a conservative
+    interval from the two estimates' intervals (measured apart: not paired), if both have one."""
+    assert r.median is not None and best.median is not None
+    point = r.median / best.median if lower else best.median / r.median
+    if None in (r.ci_low, r.ci_high, best.ci_low, best.ci_high):
+        return point, None, None
+    if lower:
+        return point, r.ci_low / best.ci_high, r.ci_high / best.ci_low  # type: ignore[operator]
+    return point, best.ci_low / r.ci_high, best.ci_high / r.ci_low  # type: ignore[operator]
+
+
+def _bench_decision(rows: list[Row], params: Any, lower: bool) -> Decision:
+    """The decision rule on the benches' numbers (no finals): intervals from each bench, not
+    paired; a ratio without an interval ties unless beyond the band."""
+    band = 1.0 + params.tie_tolerance
+    leader = rows[0]
+    ratios = {r.label: _ratio(r, leader, lower) for r in rows[1:]}
+    tied = [leader] + [r for r in rows[1:] if (ratios[r.label][1] or ratios[r.label][0]) <= band]
+    estimates = [Estimate(r.label, r.median or 0.0, r.ci_low or 0.0, r.ci_high or 0.0, r.n or 0) for r in rows]
+    fixed = {k: (v[0], v[1] or v[0], v[2] or v[0]) for k, v in ratios.items()}
+    if len(rows) == 1:
+        return Decision(leader.label, None, None, None, False, [leader.label], leader.label, estimates, {},
+                        "the only variant that passed")  # fmt: skip
+    runner = rows[1]
+    r, lo, hi = ratios[runner.label]
+    interval = f" [{lo:.3f}, {hi:.3f}]" if lo is not None else " (no interval: one measurement)"
+    if len(tied) == 1:
+        why = f"{leader.label} beats {runner.label} by {r:.3f}x{interval} on the benches, beyond the ±{params.tie_tolerance:.0%} tie band"
+        return Decision(leader.label, runner.label, r, (lo, hi) if lo is not None else None, False,  # type: ignore[arg-type]
+                        [leader.label], leader.label, estimates, fixed, why)  # fmt: skip
+    win = min(tied, key=_tie_order)
+    others = [t.label for t in tied if t is not win]
+    up = leader if win is not leader else next(t for t in tied if t is not win)
+    ur, ulo, uhi = _ratio(win, up, lower) if win is not leader else _ratio(up, win, lower)
+    why = (f"tie: {', '.join(t.label for t in tied)} within the ±{params.tie_tolerance:.0%} band on the benches "
+           f"({runner.label} vs {leader.label}: {r:.3f}x{interval}); broken by accuracy, size, recipe order → {win.label}")  # fmt: skip
+    ratio = 1.0 / ur if win is not leader else ur
+    ci = None if ulo is None else ((1.0 / uhi, 1.0 / ulo) if win is not leader else (ulo, uhi))  # type: ignore[operator]
+    return Decision(win.label, up.label, ratio, ci, True, [win.label, *others], leader.label, estimates, fixed, why)
+
+
+def _decide(sel: Selection, params: Any, finals: FinalsFn | None) -> None:
+    """Pick `sel`'s winner among the eligible rows (passed every gate, have a value): the
+    finalists (within `finals_margin` of the bench leader; at least two, at most
+    `max_finalists`) timed side by side where the finals run, else the benches' numbers;
+    the rule says "tie" unless the winner's margin over the runner-up is beyond
+    `tie_tolerance` at `confidence` (`mopt_ml.decide`). Sets statuses, whys, `decision`."""
+    objective = params.objective
+    lower = objective.startswith("min_")
+    eligible = [r for r in sel.rows if r.status == "lost" and r.value is not None]
+    for r in eligible:
+        _bench_estimate(r, objective)
+    sign = 1.0 if lower else -1.0
+    eligible.sort(key=lambda r: sign * (r.value or 0.0))
+    if not eligible:
+        sel.rows.sort(key=lambda r: (_ORDER[r.status], r.label))
+        return
+    lead = eligible[0].value or 0.0
+    near = [r for r in eligible if (r.value or 0.0) <= lead * (1 + params.finals_margin)] if lower else [
+        r for r in eligible if (r.value or 0.0) >= lead / (1 + params.finals_margin)]  # fmt: skip
+    finalists = (near if len(near) >= 2 else eligible[:2])[: params.max_finalists]
+    result, why_not = None, None
+    if len(eligible) < 2:
+        why_not = "one variant passed: nothing to compare"
+    elif not params.finals:
+        why_not = "finals = false"
+    elif objective not in FINALS_STAT:
+        why_not = f"no finals for {objective} (decided on the benches' numbers)"
+    elif finals is None:
+        why_not = "no finals runner"
+    else:
+        result, why_not = finals(finalists, params)
+    if result is not None:
+        d = result.decision
+        by = {r.label: r for r in finalists}
+        for e in d.estimates:
+            r = by[e.label]
+            r.measured, r.n = "finals", e.n
+            if objective == "max_throughput":
+                b = int((r.bench_point or {})["batch"])
+                r.median, r.ci_low, r.ci_high = b / e.value, b / e.high, b / e.low
+            else:
+                r.median, r.ci_low, r.ci_high = e.value * 1000, e.low * 1000, e.high * 1000
+        sel.finals = {"ran": True, "point": finalists[0].point, "statistic": FINALS_STAT[objective]} | result.to_json()
+        method = "finals"
+        contenders = finalists
+    else:
+        d = _bench_decision(eligible if not finals or len(eligible) < 2 else finalists, params, lower)
+        sel.finals = {"ran": False, "why": why_not}
+        method = "bench"
+        contenders = eligible if not finals or len(eligible) < 2 else finalists
+    sel.winner = d.winner
+    sel.decision = d.to_json() | {"method": method, "tie_tolerance": params.tie_tolerance,
+                                  "confidence": params.confidence}  # fmt: skip
+    names = {r.label for r in contenders}
+    win = next(r for r in sel.rows if r.label == d.winner)
+    win.status, win.why = "winner", (f"tie, won the tie-break ({d.why})" if d.tie else d.why)
+    for r in eligible:
+        if r is win:
+            continue
+        if r.label not in names:
+            r.why = (f"screened out: {_fmt_value(objective, r.value)} on its bench vs {_fmt_value(objective, lead)}, "
+                     f"beyond the {params.finals_margin:.0%} finals margin")  # fmt: skip
+        elif r.label in d.tied:
+            r.why = f"tied with {win.label}; lost the tie-break (accuracy, size, recipe order)"
+        else:
+            paired = d.ratios.get(r.label) if method == "finals" and d.leader == win.label else None
+            rr, lo, hi = paired if paired else _ratio(r, win, lower)
+            iv = f" [{lo:.3f}, {hi:.3f}]" if lo is not None else ", no interval"
+            r.why = (f"{_fmt_value(objective, r.median)} vs {_fmt_value(objective, win.median)} "
+                     f"({rr:.2f}x{iv}; {method})")  # fmt: skip
+    sel.rows.sort(key=lambda r: (_ORDER[r.status], sign * (r.median if r.median is not None else
+                                                            (r.value if r.value is not None else 0.0))
+                                 if r.status in ("winner", "lost") else 0.0, r.label))  # fmt: skip
 
 
 def rep_passed(v: Artifact) -> bool:
@@ -567,8 +801,12 @@ def _fmt_value(objective: str, v: float | None) -> str:
 
 
 def render_table(sel: Selection) -> str:
-    """A plain-text table of every variant (the log, and the error when none passes)."""
-    head = ("variant", "kind", "min cos", "mean cos", "p50 ms", "p99 ms", "seq/s", "drift", "MB", "result")
+    """A plain-text table of every variant (the log, and the error when none passes): its
+    accuracy, size, the objective's estimate with its interval and what it rests on, and
+    what became of it and why."""
+    unit = _unit(sel.objective)
+    conf = f"{sel.params.get('confidence', 0.95):.0%}"
+    head = ("variant", "kind", "min cos", "mean cos", "MB", f"{unit}", f"{conf} interval", "n", "from", "result")
     lines = []
     for r in sel.rows:
         lines.append(
@@ -577,15 +815,44 @@ def render_table(sel: Selection) -> str:
                 r.kind,
                 _n(r.min_cosine, 4),
                 _n(r.mean_cosine, 4),
-                _n(r.p50_ms, 1),
-                _n(r.p99_ms, 1),
-                _n(r.throughput, 1),
-                f"{r.drift:.3f}" if r.probe_ms or r.baseline_ms else "–",
                 _n((r.bytes or 0) / 2**20, 1) if r.bytes is not None else "–",
+                _n(r.median if r.median is not None else r.value, 1),
+                f"[{r.ci_low:.1f}, {r.ci_high:.1f}]" if r.ci_low is not None and r.ci_high is not None else "–",
+                str(r.n) if r.n is not None else "–",
+                r.measured or "–",
                 f"{r.status.upper()}: {r.why}" if r.why else r.status.upper(),
             )
         )
-    return _text_table(head, lines)
+    out = _text_table(head, lines)
+    if sel.decision:
+        out += "\n" + ("tie: " if sel.decision["tie"] else "decided: ") + sel.decision["why"]
+    if sel.finals and not sel.finals.get("ran"):
+        out += f"\nno finals: {sel.finals.get('why')}"
+    return out
+
+
+def ranking(sel: Selection) -> list[str]:
+    """The short ranking `mopt build` prints: the passing variants best first with their
+    interval, the gates each excluded one failed, and one line saying why the winner won."""
+    unit = _unit(sel.objective)
+    lines = []
+    for i, r in enumerate(x for x in sel.rows if x.status in ("winner", "lost")):
+        iv = f" [{r.ci_low:.1f}, {r.ci_high:.1f}]" if r.ci_low is not None and r.ci_high is not None else ""
+        lines.append(f"  {i + 1}. {r.label}: {_n(r.median, 1)} {unit}{iv} (n={r.n}, {r.measured}) {r.why}")
+    for r in sel.rows:
+        if r.status in ("excluded", "unbuilt"):
+            lines.append(f"  -  {r.label}: {r.status}: {r.why}")
+    if sel.decision:
+        lines.append(("  tie: " if sel.decision["tie"] else "  why: ") + sel.decision["why"])
+    return lines
+
+
+def _unit(objective: str) -> str:
+    if objective == "min_memory":
+        return "MB"
+    if "throughput" in objective:
+        return "seq/s"
+    return "p99 ms" if objective.endswith("p99") else "p50 ms"
 
 
 def _n(v: float | None, nd: int) -> str:
@@ -1070,7 +1337,31 @@ def select_generation(
         fmt=_gen_fmt,
     )
     doc_params = params.model_dump(mode="json") | {"objective": objective}
-    return Selection(objective, doc_params, rows, winner)  # type: ignore[arg-type]
+    sel = Selection(objective, doc_params, rows, winner)  # type: ignore[arg-type]
+    sel.decision = _point_decision(rows, objective, winner, params.tie_tolerance)
+    sel.finals = {"ran": False, "why": "no finals for text generation (decided on the benches' numbers)"}
+    return sel
+
+
+def _point_decision(rows: list[Any], objective: str, winner: str | None, tie_tolerance: float) -> dict[str, Any] | None:
+    """The `decision` of a selection made on single numbers (`_pick_winner`): no interval,
+    a tie when the runner-up is within `tie_tolerance`."""
+    if winner is None:
+        return None
+    ranked = [r for r in rows if r.status in ("winner", "lost") and r.value is not None]
+    win = next(r for r in ranked if r.label == winner)
+    others = [r for r in ranked if r is not win]
+    tied = [r.label for r in others if r.why.startswith("tied with")]
+    up = others[0] if others else None
+    ratio = None
+    if up is not None and win.value and up.value:
+        ratio = up.value / win.value if objective.startswith("min_") else win.value / up.value
+    why = (f"{winner}: best {objective.replace('_', ' ')}"
+           + (f", {ratio:.3f}x over {up.label} (one measurement each, no interval)" if up and ratio else "")
+           + (f"; tied with {', '.join(tied)} within ±{tie_tolerance:.0%}" if tied else ""))  # fmt: skip
+    return {"winner": winner, "runner_up": up.label if up else None, "ratio": ratio, "ratio_ci": None,
+            "tie": bool(tied), "tied": [winner, *tied] if tied else [winner], "leader": winner,
+            "why": why, "method": "bench", "tie_tolerance": tie_tolerance}  # fmt: skip
 
 
 def _gen_value(objective: str, row: GenRow, steps: list[dict[str, Any]], params: Any) -> float | None:

@@ -131,7 +131,7 @@ def test_drift_between_benches_is_normalized_by_the_baseline(tmp_path: Path) -> 
     a = variant(tmp_path, "onnx", True, 0.0, [step(1, 20.0, 90.0)], base_tok_s=10.0)
     b = variant(tmp_path, "int8", True, 0.01, [step(1, 15.0, 90.0)], base_tok_s=5.0)
     arts = ([a[0], b[0]], [a[1], b[1]], [b[2], a[2]])
-    assert select_generation(*arts, {}, SelectKind.Params()).winner == "int8"
+    assert select_generation(*arts, {}, SelectKind.Params(normalize=True)).winner == "int8"
     assert select_generation(*arts, {}, SelectKind.Params(normalize=False)).winner == "onnx"
     # baselines not timed to precision (stable false): no normalization, the raw numbers decide
     for b_art in arts[2]:
@@ -139,7 +139,7 @@ def test_drift_between_benches_is_normalized_by_the_baseline(tmp_path: Path) -> 
         for st in doc["results"][1]["steps"]:
             st["stable"] = False
         (b_art.path / "bench.json").write_text(json.dumps(doc))
-    sel = select_generation(*arts, {}, SelectKind.Params())
+    sel = select_generation(*arts, {}, SelectKind.Params(normalize=True))
     assert sel.winner == "onnx" and all(r.drift == 1.0 for r in sel.rows)
 
 
