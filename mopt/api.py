@@ -36,7 +36,6 @@ from mopt.family import (
     tokenize,
     torch_dtype,
 )
-from mopt.svg import latency_throughput_svg
 
 hookimpl = pluggy.HookimplMarker("mopt")
 
@@ -85,7 +84,6 @@ __all__ = [
     "hash_tree",
     "hookimpl",
     "iter_files",
-    "latency_throughput_svg",
     "mode_of",
     "package_versions",
     "param_roles",
@@ -95,6 +93,7 @@ __all__ = [
     "tokenize",
     "torch_dtype",
 ]
+
 
 class Params(BaseModel):
     """Base for a kind's params: unknown keys are errors, values are immutable."""
@@ -512,7 +511,7 @@ class HardwareProfile(BaseModel):
     @classmethod
     def _device(cls, v: str) -> str:
         if v not in DEVICES:
-            hint = " (an NPU, TPU, ...: device = \"accelerator\", accelerator = \"npu\")" if v != "" else ""
+            hint = ' (an NPU, TPU, ...: device = "accelerator", accelerator = "npu")' if v != "" else ""
             raise ValueError(f"device {v!r} is not one of {', '.join(DEVICES)}{hint}")
         return v
 

@@ -1,6 +1,7 @@
 """The `bench` target: latency and throughput of the artifact and of the PyTorch FP32
 baseline over a grid of batch sizes × sequence lengths, in the same run, each backend in
-its own process. Writes bench.json and a self-contained report.html (inline SVG plots).
+its own process. Writes bench.json and a self-contained report.html (inline SVG plots from
+`plots.bench_lines_svg`, the page from `templates/bench.html.j2`).
 
 Task-aware: for `task = "text-generation"` it times TTFT, ITL and output tokens/s per
 batch size or concurrency instead (`mopt_ml.genbench`, bench.json `mopt-genbench/1`)."""
@@ -8,7 +9,6 @@ batch size or concurrency instead (`mopt_ml.genbench`, bench.json `mopt-genbench
 from __future__ import annotations
 
 import contextlib
-import html
 import json
 import os
 import platform
@@ -325,7 +325,9 @@ def bench(
         base_res, base_scale = read_shared_baseline(results, shared)
         shared_info = {"target": shared["target"], "probe_ratio": base_scale}
         have = {(p["batch"], p["seq"]) for p in base_res["points"]}
-        lack = [f"{p['batch']}x{p['seq']}" for p in results[0]["points"] if (p["batch"], p["seq"]) not in have]
+        lack = [
+            f"{p['batch']}x{p['seq']}" for p in results[0]["points"] if (p["batch"], p["seq"]) not in have
+        ]
         log(
             f"baseline: {shared['target']} (timed once for the section), x{base_scale:.3f} "
             "for this run's machine speed (drift probe)"
@@ -387,7 +389,9 @@ def bench(
     }
 
 
-def _common_spec(params: Any, threads: int, family: Any, project_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+def _common_spec(
+    params: Any, threads: int, family: Any, project_dir: Path
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """The worker spec's fields every backend shares, and the stopping rule."""
     from mopt_ml.common import texts_from_param
 
@@ -559,7 +563,12 @@ def time_baseline(
         "precision": "fp32",
         "quantization": None,
         "runtime": None,
-        "machine": {"cpu": cpu_model(), "cpus": os.cpu_count(), "threads": threads, "platform": platform.platform()},
+        "machine": {
+            "cpu": cpu_model(),
+            "cpus": os.cpu_count(),
+            "threads": threads,
+            "platform": platform.platform(),
+        },
         "settings": {
             "batch_sizes": list(params.batch_sizes),
             "seq_lens": list(params.seq_lens),
@@ -586,109 +595,27 @@ def time_baseline(
 
 # --------------------------------------------------------------------------- HTML report
 
-COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf", "#7f7f7f")
+
+def _latency_point(p: dict[str, Any]) -> tuple[float, float, float | None, float | None]:
+    """(batch, p50 ms, and the interval of the median where the bench had one)."""
+    ci = p.get("ci_ms") or [None, None]
+    return (p["batch"], p["p50_ms"], ci[0], ci[1])
 
 
-def _nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
-    """Round tick values from `lo` up to the first tick at or above `hi`."""
-    import math
-
-    if hi <= lo:
-        hi = lo + 1
-    raw = (hi - lo) / n
-    mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
-    ticks = [math.floor(lo / step) * step]
-    while ticks[-1] < hi:
-        ticks.append(round(ticks[-1] + step, 10))
-    return ticks
-
-
-def svg_line_chart(
-    series: list[tuple[str, list[tuple[float, float]]]],
-    title: str,
-    xlabel: str,
-    ylabel: str,
-    width: int = 540,
-    log_x: bool = True,
-) -> str:
-    """A line chart as an inline SVG string (no scripts, no external resources); the
-    legend goes under the plot, one row per series."""
-    import math
-
-    left, right, top, plot_h = 64, 20, 34, 220
-    pw = width - left - right
-    legend_top = top + plot_h + 46
-    height = legend_top + 18 * len(series) + 6
-    xs = sorted({x for _, pts in series for x, _ in pts})
-    ys = [y for _, pts in series for _, y in pts]
-    if not xs or not ys:
-        return ""
-
-    def fx(v: float) -> float:
-        return math.log2(v) if log_x and v > 0 else v
-
-    x0, x1 = fx(min(xs)), fx(max(xs))
-    if x1 == x0:
-        x0, x1 = x0 - 1, x1 + 1
-    yticks = _nice_ticks(0.0, max(ys) * 1.02)
-    y1 = yticks[-1]
-
-    def px(v: float) -> float:
-        return left + (fx(v) - x0) / (x1 - x0) * pw
-
-    def py(v: float) -> float:
-        return top + plot_h - (v / y1) * plot_h
-
-    out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-        f'viewBox="0 0 {width} {height}" role="img" aria-label="{html.escape(title)}" '
-        'font-family="system-ui, sans-serif">',
-        f'<text x="{left}" y="20" font-size="14" font-weight="600">{html.escape(title)}</text>',
-    ]
-    for t in yticks:
-        y = py(t)
-        out.append(f'<line x1="{left}" x2="{left + pw}" y1="{y:.1f}" y2="{y:.1f}" stroke="#e5e5e5"/>')
-        out.append(f'<text x="{left - 6}" y="{y + 4:.1f}" font-size="11" text-anchor="end">{t:g}</text>')
-    for v in xs:
-        x = px(v)
-        out.append(
-            f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{top + plot_h}" y2="{top + plot_h + 4}" stroke="#333"/>'
-        )
-        out.append(
-            f'<text x="{x:.1f}" y="{top + plot_h + 17}" font-size="11" text-anchor="middle">{v:g}</text>'
-        )
-    out.append(f'<rect x="{left}" y="{top}" width="{pw}" height="{plot_h}" fill="none" stroke="#333"/>')
-    out.append(
-        f'<text x="{left + pw / 2}" y="{top + plot_h + 34}" font-size="12" '
-        f'text-anchor="middle">{html.escape(xlabel)}</text>'
-    )
-    out.append(
-        f'<text transform="translate(16 {top + plot_h / 2}) rotate(-90)" font-size="12" '
-        f'text-anchor="middle">{html.escape(ylabel)}</text>'
-    )
-    for i, (name, pts) in enumerate(series):
-        color = COLORS[i % len(COLORS)]
-        pts = sorted(pts)
-        path = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
-        out.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="2"/>')
-        for x, y in pts:
-            out.append(
-                f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3" fill="{color}">'
-                f"<title>{html.escape(name)}: {y:.3g} at {x:g}</title></circle>"
-            )
-        ly = legend_top + 18 * i
-        out.append(
-            f'<line x1="{left}" x2="{left + 20}" y1="{ly}" y2="{ly}" stroke="{color}" stroke-width="2"/>'
-        )
-        out.append(f'<text x="{left + 26}" y="{ly + 4}" font-size="11">{html.escape(name)}</text>')
-    out.append("</svg>")
-    return "\n".join(out)
+def _throughput_point(p: dict[str, Any]) -> tuple[float, float, float | None, float | None]:
+    """(batch, sequences/s, and its interval: the median's, inverted)."""
+    lo, hi = p.get("ci_ms") or [None, None]
+    b = p["batch"]
+    return (b, p["sequences_per_s"], b * 1000 / hi if hi else None, b * 1000 / lo if lo else None)
 
 
 def render_html(report: dict[str, Any]) -> str:
-    """The bench report as one HTML file: summary, plots (latency and throughput vs batch
-    size, per sequence length), and the full table."""
+    """The bench report as one HTML file (`templates/bench.html.j2`): summary, plots (latency
+    and throughput vs batch size, per sequence length, with the median's interval as error
+    bars), and the full table."""
+    from mopt_ml import pages
+    from mopt_ml.plots import bench_lines_svg
+
     results = report["results"]
     seqs = report["settings"]["seq_lens"]
     charts = []
@@ -697,98 +624,83 @@ def render_html(report: dict[str, Any]) -> str:
         return r["label"] if len(seqs) == 1 else f"{r['label']} s={seq}"
 
     for seq in seqs:
-        lat = [
-            (name(r, seq), [(p["batch"], p["p50_ms"]) for p in r["points"] if p["seq"] == seq])
-            for r in results
-        ]
+        lat = [(name(r, seq), [_latency_point(p) for p in r["points"] if p["seq"] == seq]) for r in results]
         thr = [
-            (name(r, seq), [(p["batch"], p["sequences_per_s"]) for p in r["points"] if p["seq"] == seq])
-            for r in results
+            (name(r, seq), [_throughput_point(p) for p in r["points"] if p["seq"] == seq]) for r in results
         ]
-        charts.append(svg_line_chart(lat, f"Latency p50 vs batch size (seq {seq})", "batch size", "ms"))
         charts.append(
-            svg_line_chart(thr, f"Throughput vs batch size (seq {seq})", "batch size", "sequences / s")
+            bench_lines_svg(lat, f"Latency p50 vs batch size (seq {seq})", "batch size", "p50 latency (ms)")
+        )
+        charts.append(
+            bench_lines_svg(
+                thr, f"Throughput vs batch size (seq {seq})", "batch size", "throughput (sequences/s)"
+            )
         )
     sp = report["speedup_vs_pytorch_fp32"]
     if sp and len(report["settings"]["batch_sizes"]) > 1:
         charts.append(
-            svg_line_chart(
+            bench_lines_svg(
                 [
                     (f"s={seq}", [(s["batch"], s["speedup_p50"]) for s in sp if s["seq"] == seq])
                     for seq in seqs
                 ],
                 "Speedup vs PyTorch FP32 (p50)",
                 "batch size",
-                "×",
+                "speedup (×)",
             )
         )
-    rows = []
-    for r in results:
-        for p in r["points"]:
-            rows.append(
-                "<tr>"
-                + "".join(
-                    f"<td>{html.escape(str(v))}</td>"
-                    for v in (
-                        r["label"],
-                        p["batch"],
-                        p["seq"],
-                        f"{p['p50_ms']:.2f}",
-                        f"{p['p90_ms']:.2f}",
-                        f"{p['p99_ms']:.2f}",
-                        f"{p['sequences_per_s']:.1f}",
-                        f"{p['tokens_per_s']:.0f}",
-                        p["samples"],
-                        "yes" if p["stable"] else "no",
-                    )
-                )
-                + "</tr>"
-            )
-    mem = "".join(
-        f"<tr><td>{html.escape(r['label'])}</td><td>{r['peak_rss_mb']:.0f}</td><td>{r['rss_loaded_mb']:.0f}</td>"
-        f"<td>{r['rss_start_mb']:.0f}</td><td>{r['load_seconds']:.2f}</td></tr>"
+
+    def interval(p: dict[str, Any]) -> str:
+        ci = p.get("ci_ms")
+        return f"{ci[0]:.2f} – {ci[1]:.2f}" if ci else "–"
+
+    rows = [
+        (
+            r["label"],
+            p["batch"],
+            p["seq"],
+            f"{p['p50_ms']:.2f}",
+            interval(p),
+            f"{p['p90_ms']:.2f}",
+            f"{p['p99_ms']:.2f}",
+            f"{p['sequences_per_s']:.1f}",
+            f"{p['tokens_per_s']:.0f}",
+            p["samples"],
+            "yes" if p["stable"] else "no",
+        )
         for r in results
-    )
-    best = ""
+        for p in r["points"]
+    ]
+    memory = [
+        (
+            r["label"],
+            f"{r['peak_rss_mb']:.0f}",
+            f"{r['rss_loaded_mb']:.0f}",
+            f"{r['rss_start_mb']:.0f}",
+            f"{r['load_seconds']:.2f}",
+        )
+        for r in results
+    ]
+    best = None
     if sp:
         top = max(sp, key=lambda s: s["batch"] * s["seq"])
-        best = (
-            f"<p class=big><b>{top['speedup_p50']:.2f}×</b> faster than PyTorch FP32 at batch "
-            f"{top['batch']} × {top['seq']} tokens (p50 latency).</p>"
-        )
-    m = report["machine"]
-    rt = report.get("runtime")
-    ov_line = (
-        f"<p class=muted>OpenVINO runtime: inference precision {html.escape(str(rt['inference_precision']))}, "
-        f"{rt['num_streams']} stream(s), performance hint {html.escape(str(rt['performance_hint']))}, "
-        f"{rt['inference_num_threads']} threads</p>"
-        if rt
-        else ""
+        best = {"speedup": f"{top['speedup_p50']:.2f}", "batch": top["batch"], "seq": top["seq"]}
+    settings = report["settings"]
+    return pages.render(
+        "bench.html.j2",
+        artifact=report["artifact"],
+        machine=report["machine"],
+        precision=str(report.get("precision")),
+        tools={
+            "onnxruntime": report["tools"].get("onnxruntime", ""),
+            "torch": report["tools"].get("torch", ""),
+        },
+        runtime=report.get("runtime"),
+        best=best,
+        charts=[pages.markup(c) for c in charts],
+        rows=rows,
+        memory=memory,
+        settings=settings,
+        confidence=f"{settings['confidence'] * 100:g}",
+        ci_rel=f"{settings['ci_rel'] * 100:g}",
     )
-    return f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8">
-<title>mopt bench: {html.escape(report["artifact"])}</title>
-<style>
-body{{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:2em auto;max-width:1180px;color:#222;padding:0 1em}}
-h1{{font-size:1.4em}} .big{{font-size:1.2em}} .charts{{display:flex;flex-wrap:wrap;gap:12px}}
-table{{border-collapse:collapse;margin:1em 0;font-size:.9em}} td,th{{border:1px solid #ddd;padding:4px 8px;text-align:right}}
-th{{background:#f4f4f4}} td:first-child{{text-align:left}} .muted{{color:#777;font-size:.85em}}
-</style></head><body>
-<h1>Benchmark: {html.escape(report["artifact"])}</h1>
-<p class=muted>{html.escape(m["cpu"])} · {m["threads"]} threads of {m["cpus"]} CPUs · precision
-{html.escape(str(report.get("precision")))} · onnxruntime {html.escape(report["tools"].get("onnxruntime", ""))} ·
-torch {html.escape(report["tools"].get("torch", ""))}</p>
-{ov_line}
-{best}
-<div class=charts>{"".join(charts)}</div>
-<h2>Latency and throughput</h2>
-<table><tr><th>backend</th><th>batch</th><th>seq</th><th>p50 ms</th><th>p90 ms</th><th>p99 ms</th>
-<th>seq/s</th><th>tokens/s</th><th>samples</th><th>stable</th></tr>
-{"".join(rows)}</table>
-<h2>Memory</h2>
-<table><tr><th>backend</th><th>peak RSS MB</th><th>RSS after load MB</th><th>RSS at start MB</th><th>load s</th></tr>{mem}</table>
-<p class=muted>Each backend runs in its own process. After {report["settings"]["warmup"]} warm-up calls, calls are
-timed until the {report["settings"]["confidence"] * 100:g}% confidence interval of the median (order statistics) lies
-within {report["settings"]["ci_rel"] * 100:g}% of it (stable), or the call or time cap is reached.</p>
-</body></html>
-"""

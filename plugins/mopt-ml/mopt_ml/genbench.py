@@ -550,27 +550,27 @@ def render_html(report: dict[str, Any]) -> str:
     """bench.json as one HTML page: TTFT, ITL and output tokens/s per step, and the table."""
     import html
 
-    from mopt_ml.bench import svg_line_chart
+    from mopt_ml.plots import bench_lines_svg
 
     results, mode = report["results"], report["mode"]
     charts = [
-        svg_line_chart(
+        bench_lines_svg(
             [(r["label"], [(step_of(s), s["ttft_ms"]["p50"] or 0.0) for s in r["steps"]]) for r in results],
             "TTFT p50",
             mode,
-            "ms",
+            "TTFT p50 (ms)",
         ),
-        svg_line_chart(
+        bench_lines_svg(
             [(r["label"], [(step_of(s), s["itl_ms"]["p50"] or 0.0) for s in r["steps"]]) for r in results],
             "ITL p50",
             mode,
-            "ms",
+            "ITL p50 (ms)",
         ),
-        svg_line_chart(
+        bench_lines_svg(
             [(r["label"], [(step_of(s), s["output_tok_s"] or 0.0) for s in r["steps"]]) for r in results],
             "Output tokens / s",
             mode,
-            "tokens / s",
+            "output tokens/s",
         ),
     ]
 

@@ -39,9 +39,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from mopt.api import Artifact, BuildContext, Input, Missing, Params, TargetKind, latency_throughput_svg
+from mopt.api import Artifact, BuildContext, Input, Missing, Params, TargetKind
 from pydantic import Field, model_validator
 
+from mopt_ml import pages, plots
 from mopt_ml.common import probe_level
 from mopt_ml.decide import Decision, Estimate
 from mopt_ml.finals import Finals
@@ -859,126 +860,95 @@ def _n(v: float | None, nd: int) -> str:
     return "–" if v is None else f"{v:.{nd}f}"
 
 
-def pareto_svg(sel: Selection, width: int = 620, height: int = 360) -> str:
-    """Latency (x) vs min cosine (y), dot area ∝ artifact size; the Pareto front joined,
-    the winner ringed, excluded variants hollow grey. Self-contained SVG."""
-    pts = [r for r in sel.rows if r.p50_ms is not None and r.min_cosine is not None]
-    left, right, top, bottom = 64, 24, 40, 48
-    pw, ph = width - left - right, height - top - bottom
-    parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-        f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">',
-        f'<text x="{width / 2:.0f}" y="18" text-anchor="middle" font-size="13">'
-        f"latency vs accuracy ({html.escape(sel.objective)}); dot area = size</text>",
-    ]
-    if not pts:
-        parts.append(
-            f'<text x="{width / 2:.0f}" y="{height / 2:.0f}" text-anchor="middle">no measured variants</text>'
+def pareto_svg(sel: Selection, width: int = 560, height: int = 340) -> str:
+    """Latency (x) vs min cosine (y) of every variant, marker area ∝ artifact size, drawn by
+    `plots.pareto_svg`. Under a latency objective x is the objective (the latency as compared,
+    drift-scaled) with the interval of its median where the row has one."""
+    p99 = "p99" in sel.objective
+    as_compared = "latency" in sel.objective and "throughput" not in sel.objective
+    points = []
+    for r in sel.rows:
+        raw = r.p99_ms if p99 and r.p99_ms is not None else r.p50_ms
+        x = r.value if as_compared and r.value is not None else raw
+        lo, hi = getattr(r, "ci_low", None), getattr(r, "ci_high", None)
+        interval = as_compared and r.value is not None and lo is not None and hi is not None
+        points.append(
+            {
+                "label": r.label,
+                "x": x,
+                "x_lo": lo if interval else None,
+                "x_hi": hi if interval else None,
+                "y": r.min_cosine,
+                "size_bytes": r.bytes,
+                "status": r.status,
+                "why": r.why,
+            }
         )
-        return "".join(parts) + "</svg>"
-    lat = [r.p99_ms if "p99" in sel.objective and r.p99_ms else r.p50_ms for r in pts]
-    xs = [float(x) for x in lat]  # type: ignore[arg-type]
-    ys = [float(r.min_cosine) for r in pts]  # type: ignore[arg-type]
-    x0, x1 = min(xs) * 0.9, max(xs) * 1.12
-    gate = sel.gate_min_cosine
-    lo, hi = min(ys + ([gate] if gate is not None else [])), max(ys)
-    y0, y1 = lo - 0.06 * (hi - lo + 1e-3), hi + 0.06 * (hi - lo + 1e-3)
-    big = max((r.bytes or 1) for r in pts)
-
-    def sx(x: float) -> float:
-        return left + (x - x0) / max(x1 - x0, 1e-9) * pw
-
-    def sy(y: float) -> float:
-        return top + ph - (y - y0) / max(y1 - y0, 1e-12) * ph
-
-    parts.append(
-        f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#999"/>'
-        f'<text x="{left + pw / 2:.0f}" y="{height - 10}" text-anchor="middle">'
-        f"{'p99' if 'p99' in sel.objective else 'p50'} latency (ms)</text>"
-        f'<text transform="translate(14,{top + ph / 2:.0f}) rotate(-90)" text-anchor="middle">min cosine</text>'
+    x_label = f"latency {'p99' if p99 else 'p50'} (ms{', drift-scaled' if as_compared else ''})"
+    return plots.pareto_svg(
+        points,
+        gate_min_cosine=sel.gate_min_cosine,
+        x_label=x_label,
+        title=f"latency vs accuracy ({sel.objective})",
+        width=width,
+        height=height,
     )
-    for k in range(5):
-        xv, yv = x0 + (x1 - x0) * k / 4, y0 + (y1 - y0) * k / 4
-        parts.append(
-            f'<text x="{sx(xv):.1f}" y="{top + ph + 14}" text-anchor="middle">{xv:.0f}</text>'
-            f'<text x="{left - 4}" y="{sy(yv) + 4:.1f}" text-anchor="end">{yv:.4f}</text>'
-        )
-    if gate is not None:
-        parts.append(
-            f'<line x1="{left}" x2="{left + pw}" y1="{sy(gate):.1f}" y2="{sy(gate):.1f}" stroke="#d62728" '
-            f'stroke-dasharray="6 4"/><text x="{left + pw - 4}" y="{sy(gate) - 4:.1f}" text-anchor="end" '
-            f'fill="#d62728">gate: min cosine {gate}</text>'
-        )
-    front = _front([(x, y, r) for x, y, r in zip(xs, ys, pts, strict=True) if r.status in ("winner", "lost")])
-    if len(front) > 1:
-        d = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y, _ in front)
-        parts.append(f'<polyline points="{d}" fill="none" stroke="#2ca02c" stroke-dasharray="4 3"/>')
-    for x, y, r in sorted(zip(xs, ys, pts, strict=True), key=lambda t: -(t[2].bytes or 0)):
-        rad = 4 + 12 * math.sqrt((r.bytes or 1) / big)
-        ok = r.status in ("winner", "lost")
-        fill = "#1f77b4" if ok else "none"
-        stroke = "#1f77b4" if ok else "#999"
-        tip = html.escape(f"{r.label}: {r.status} {r.why}")
-        parts.append(
-            f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="{rad:.1f}" fill="{fill}" fill-opacity="0.35" '
-            f'stroke="{stroke}"><title>{tip}</title></circle>'
-        )
-        if r.status == "winner":
-            parts.append(
-                f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="{rad + 4:.1f}" fill="none" stroke="#d62728" '
-                f'stroke-width="2.5"/><text x="{sx(x):.1f}" y="{sy(y) + rad + 17:.1f}" fill="#d62728" '
-                f'text-anchor="middle" font-weight="bold">winner</text>'
-            )
-        parts.append(
-            f'<text x="{sx(x) + rad + 3:.1f}" y="{sy(y) + 4:.1f}" fill="{"#222" if ok else "#888"}">'
-            f"{html.escape(r.label)}</text>"
-        )
-    return "".join(parts) + "</svg>"
-
-
-def _front(pts: list[tuple[float, float, Row]]) -> list[tuple[float, float, Row]]:
-    """The Pareto front: lower latency, higher cosine."""
-    out: list[tuple[float, float, Row]] = []
-    best_y = -math.inf
-    for x, y, r in sorted(pts, key=lambda t: (t[0], -t[1])):
-        if y > best_y:
-            out.append((x, y, r))
-            best_y = y
-    return out
 
 
 def render_html(sel: Selection, svg: str, section: str) -> str:
-    cells = []
+    """selection.html: the decision, the plot and one row per variant (`templates/selection.html.j2`).
+    A row's interval of the objective's median (`ci_low`, `ci_high`, `n`) and the selection's
+    `decision` are shown when the selection has them."""
+    rows = []
     for r in sel.rows:
-        style = {
-            "winner": "background:#e6f4ea;font-weight:bold",
-            "excluded": "color:#888",
-            "unbuilt": "color:#888",
-        }
-        cells.append(
-            f'<tr style="{style.get(r.status, "")}"><td>{html.escape(r.label)}</td><td>{html.escape(r.kind)}</td>'
-            f"<td>{_n(r.min_cosine, 4)}</td><td>{_n(r.mean_cosine, 4)}</td><td>{_n(r.p50_ms, 1)}</td>"
-            f"<td>{_n(r.p99_ms, 1)}</td><td>{_n(r.throughput, 1)}</td>"
-            f"<td>{f'{r.drift:.3f}' if r.probe_ms or r.baseline_ms else '–'}</td><td>{_fmt_value(sel.objective, r.value)}</td>"
-            f"<td>{_n((r.bytes or 0) / 2**20, 2) if r.bytes is not None else '–'}</td>"
-            f"<td>{html.escape(r.status)}</td><td>{html.escape(r.why)}</td></tr>"
+        lo, hi, n = getattr(r, "ci_low", None), getattr(r, "ci_high", None), getattr(r, "n", None)
+        rows.append(
+            {
+                "label": r.label,
+                "kind": r.kind,
+                "min_cos": _n(r.min_cosine, 4),
+                "mean_cos": _n(r.mean_cosine, 4),
+                "p50": _n(r.p50_ms, 1),
+                "p99": _n(r.p99_ms, 1),
+                "throughput": _n(r.throughput, 1),
+                "drift": f"{r.drift:.3f}" if r.probe_ms or r.baseline_ms else "–",
+                "objective": _fmt_value(sel.objective, r.value),
+                "interval": (
+                    f"{_fmt_value(sel.objective, lo)} – {_fmt_value(sel.objective, hi)}"
+                    if lo is not None and hi is not None
+                    else "–"
+                ),
+                "n": "–" if n is None else str(n),
+                "mib": _n((r.bytes or 0) / 2**20, 2) if r.bytes is not None else "–",
+                "status": r.status,
+                "out": r.status not in ("winner", "lost", "tie"),
+                "why": r.why,
+            }
         )
-    return (
-        "<!doctype html><html><head><meta charset='utf-8'>"
-        f"<title>select: {html.escape(section)}</title><style>body{{font-family:sans-serif;margin:2em}}"
-        "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
-        "td:first-child,td:nth-child(2),td:nth-last-child(-n+2){text-align:left}</style></head><body>"
-        f"<h1>{html.escape(section)}: {html.escape(sel.winner or 'no winner')}</h1>"
-        "<p>p50 / p99 are as measured; the objective column scales latencies by <i>drift</i> "
-        "(median drift probe / the probe timed between that variant's calls; benches without "
-        "one: the PyTorch reference timed in its run), so "
-        "machine drift between benches does not pick the winner.</p>"
-        f"<p>objective <b>{html.escape(sel.objective)}</b>; params "
-        f"<code>{html.escape(json.dumps(sel.params, sort_keys=True))}</code></p>"
-        f"{svg}<table><tr><th>variant</th><th>kind</th><th>min cos</th><th>mean cos</th><th>p50 ms</th>"
-        "<th>p99 ms</th><th>seq/s</th><th>drift</th><th>objective</th><th>MiB</th><th>result</th><th>why</th></tr>"
-        + "".join(cells)
-        + "</table></body></html>"
+    d = getattr(sel, "decision", None) or None
+    decision = None
+    if d:
+        lo, hi = d.get("ratio_ci") or (None, None)
+        decision = {
+            "winner": d.get("winner"),
+            "runner_up": d.get("runner_up"),
+            "ratio": _n(d.get("ratio"), 3),
+            "ratio_ci": f"{_n(lo, 3)} – {_n(hi, 3)}" if lo is not None and hi is not None else None,
+            "tie": bool(d.get("tie")),
+            "why": d.get("why") or "",
+        }
+    return pages.render(
+        "selection.html.j2",
+        section=section,
+        winner=sel.winner,
+        objective=sel.objective,
+        params=json.dumps(sel.params, sort_keys=True),
+        svg=pages.markup(svg),
+        decision=decision,
+        rows=rows,
+        has_interval=any(r["interval"] != "–" for r in rows),
+        has_n=any(r["n"] != "–" for r in rows),
+        has_out=any(r["out"] for r in rows),
     )
 
 
@@ -1141,7 +1111,7 @@ def serving_svg(sel: ServeSelection, width: int = 680, height: int = 380) -> str
     style = {"winner": "winner", "lost": ""}
     series = [(r.label, r.steps, r.knee, style.get(r.status, "dim")) for r in sel.rows if r.steps]
     title = f"p99 latency vs throughput per config (SLO {sel.slo_p99_ms} ms)"
-    return latency_throughput_svg(series, sel.slo_p99_ms, title, width, height, legend_px=190)
+    return plots.latency_throughput_svg(series, sel.slo_p99_ms, title, width, height)
 
 
 def run_serving(ctx: BuildContext) -> dict[str, Any]:

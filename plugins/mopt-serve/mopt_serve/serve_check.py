@@ -45,8 +45,8 @@ from typing import Annotated, Any, ClassVar, Literal, Protocol
 from pydantic import Field
 
 from mopt.api import BuildContext, CheckContext, Finding, Input, Params, Role, TargetKind
-from mopt.api import latency_throughput_svg as loadtest_svg  # the one p99-vs-tokens/s drawer
 from mopt.api import plugin_env as _env
+from mopt_serve.plots import latency_throughput_svg as loadtest_svg
 
 INSTALL_VLLM = "pip install vllm (CUDA wheels on PyPI)"
 FORMAT = "mopt-serve-check/1"

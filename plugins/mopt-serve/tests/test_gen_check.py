@@ -296,7 +296,7 @@ def test_serve_check_generation_end_to_end_on_cpu(tmp_path, monkeypatch):
     assert doc["chat_stream"]["done"] and doc["completions_stream"]["chunks"] == 8
     assert doc["verify"]["tokens"] == 16 and doc["verify"]["top1"] < 0.9
     assert not doc["passed"] and any("min_top1" in f for f in doc["failures"]) and not meta["passed"]
-    assert "<polyline" in (out / "loadtest.svg").read_text()
+    assert '<g id="series-0">' in (out / "loadtest.svg").read_text()
 
 
 def _stub_vllm(root: Path) -> None:

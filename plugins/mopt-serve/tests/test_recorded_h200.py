@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -198,7 +199,8 @@ def test_select_by_throughput_under_the_slo_on_the_recorded_run(tmp_path):
     table = render_serving_table(sel)
     assert "4.50x" in table and "WINNER" in table
     svg = serving_svg(sel)
-    assert svg.count("<polyline") == 6 and "★ vllm-tuned@max_num_seqs=256" in svg
+    assert len(re.findall(r'<g id="(?:series|excluded)-\d+">', svg)) == 6
+    assert "<text" in svg and ">winner: vllm-tuned@max_num_seqs=256" in svg
 
 
 def test_select_excludes_failed_checks_errors_and_mixed_slos(tmp_path):
@@ -252,7 +254,7 @@ def test_checks_and_load_test_against_a_real_http_server(tmp_path):
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)  # stopped on the way out
     svg = loadtest_svg([("fake", doc["loadtest"], doc["knee"])], 1000.0, "t")
-    assert "<polyline" in svg and "SLO p99 1000 ms" in svg
+    assert '<g id="series-0">' in svg and "SLO: p99 ≤ 1000 ms" in svg
 
 
 def test_a_server_that_dies_early_fails_with_its_log_tail(tmp_path):
