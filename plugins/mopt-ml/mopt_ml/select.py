@@ -925,24 +925,14 @@ def render_html(sel: Selection, svg: str, section: str) -> str:
                 "why": r.why,
             }
         )
-    d = getattr(sel, "decision", None) or None
-    decision = None
-    if d:
-        lo, hi = d.get("ratio_ci") or (None, None)
-        decision = {
-            "winner": d.get("winner"),
-            "runner_up": d.get("runner_up"),
-            "ratio": _n(d.get("ratio"), 3),
-            "ratio_ci": f"{_n(lo, 3)} – {_n(hi, 3)}" if lo is not None and hi is not None else None,
-            "tie": bool(d.get("tie")),
-            "why": d.get("why") or "",
-        }
+    decision = getattr(sel, "decision", None) or None
     return pages.render(
         "selection.html.j2",
         section=section,
         winner=sel.winner,
         objective=sel.objective,
         params=json.dumps(sel.params, sort_keys=True),
+        normalize=bool(sel.params.get("normalize")),
         svg=pages.markup(svg),
         decision=decision,
         rows=rows,

@@ -40,12 +40,14 @@ def test_page_shows_the_median_interval_and_the_decision_when_there():
         r.ci_low, r.ci_high, r.n = lo, hi, 41  # type: ignore[attr-defined]
     sel.decision = {  # type: ignore[attr-defined]
         "winner": "onnx-slim", "runner_up": "onnx", "ratio": 0.9961, "ratio_ci": [0.97, 1.02], "tie": True,
-        "why": "the interval of the ratio holds 1: a tie, broken by mean cosine",
+        "why": "the interval of the ratio holds 1: a tie, broken by mean cosine", "method": "finals",
+        "tie_tolerance": 0.03, "confidence": 0.95,
     }  # fmt: skip
     page = render_html(sel, "<svg></svg>", "minilm.cpu")
     assert "<th>interval</th>" in page and "<th>n</th>" in page
     assert "<td>250.0 ms – 262.0 ms</td><td>41</td>" in page
-    assert 'class="decision tie"' in page and "ratio of objectives 0.996, interval 0.970 – 1.020" in page
+    assert 'class="decision tie"' in page and "0.996× better than onnx (95 % interval 0.970–1.020)" in page
+    assert "beyond 1 + 0.03, measured side by side in the finals" in page
     assert "broken by mean cosine" in page
 
 
