@@ -1650,23 +1650,15 @@ def _remote_for(project: Any, store: Store, offline: bool) -> Any:
         return None
     try:
         from mopt.remote import RemoteCache
-    except ImportError as exc:
-        raise MoptError(
-            f"[remote] url is set but the remote cache needs fsspec ({exc.name} is missing)",
-            file=str(project.config_file),
-            table="remote",
-            key="url",
-            hint="pip install 'mopt[remote]' (and s3fs for s3://)",
-        ) from None
-    try:
+
         return RemoteCache.from_settings(settings, store, offline=offline)
-    except ImportError as exc:
+    except ImportError as exc:  # fsspec itself, or the backend of the URL's protocol
         raise MoptError(
             f"cannot open the remote cache: {exc}",
             file=str(project.config_file),
             table="remote",
             key="url",
-            hint="install the fsspec backend for this URL (s3fs for s3://, gcsfs for gs://)",
+            hint="pip install 'mopt[remote]' (fsspec), and the backend for this URL: s3fs for s3://, gcsfs for gs://",
         ) from None
 
 

@@ -24,7 +24,6 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 # mopt.digest (json, dataclasses) and logging are loaded where they are used: the no-op
@@ -260,12 +259,7 @@ class StatCache:
     def __enter__(self) -> StatCache:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # -- internals ----------------------------------------------------------------------
