@@ -1526,17 +1526,23 @@ def load_lock_file(p: Path) -> dict[str, Any]:
         return {}
     except (OSError, UnicodeDecodeError) as exc:
         raise LockFileError(f"cannot read the lock file: {exc}", file=str(p)) from None
+    return parse_lock(text, str(p))
+
+
+def parse_lock(text: str, where: str) -> dict[str, Any]:
+    """A lock file's text, parsed and checked (`where`: its name in errors, e.g. a path or
+    `REV:path`); LockFileError if it is not what mopt writes."""
     try:
         data = json.loads(text)
     except ValueError as exc:
-        raise LockFileError(f"lock file is not valid JSON: {exc}", file=str(p), hint="delete it and rebuild") from None
+        raise LockFileError(f"lock file is not valid JSON: {exc}", file=where, hint="delete it and rebuild") from None
     recipes = data.get("recipes", {}) if isinstance(data, dict) else None
     if not isinstance(recipes, dict) or not all(
         isinstance(e, dict) and isinstance(e.get("artifacts", {}), dict) for e in recipes.values()
     ):
         raise LockFileError(
             "lock file is not a mopt lock file (no `recipes` table of artifacts)",
-            file=str(p),
+            file=where,
             hint="delete it and rebuild",
         )
     return data

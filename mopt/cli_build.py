@@ -331,24 +331,45 @@ def register(app: click.Group) -> None:
         "--output", "-o", type=click.Path(path_type=Path),
         help="HTML file (default: report-<recipe name>.html in the build folder, [store] build_dir)",
     )
+    @click.option(
+        "--compare",
+        "ref",
+        metavar="REF",
+        help="also compare with an earlier build: a git revision whose mopt.lock recorded it, or a "
+        "mopt.lock file (params that differ, numbers old → new with intervals)",
+    )
     @json_opt
-    def report(recipe: Path, selectors: tuple[str, ...], output: Path | None, as_json: bool) -> None:
-        """One HTML page over RECIPE's built artifacts: accuracy, latency, size, provenance."""
+    def report(
+        recipe: Path, selectors: tuple[str, ...], output: Path | None, ref: str | None, as_json: bool
+    ) -> None:
+        """One HTML page over RECIPE's built artifacts: accuracy, latency per shape, size,
+        provenance; with --compare, the difference from an earlier build too."""
         from mopt.build import Engine
-        from mopt.report import collect, render
+        from mopt.report import collect, compare, compare_table, locked_artifacts, render
 
         s = Session(recipe)
         ids = s.graph.select(list(selectors))
+        old = locked_artifacts(s.recipe.path, ref) if ref is not None else None
         engine = Engine(s, read_only=True)
-        rows = collect(engine, ids)
+        status = engine.plan(ids)
+        rows = collect(engine, ids, status)
+        comparison = None
+        if old is not None:
+            comparison = compare(engine, ids, old[0], ref or "", status, everything=not selectors)
+            comparison["lock"] = old[1]
         if as_json:
-            _print_json({"artifacts": rows})
+            _print_json({"artifacts": rows, **({"compare": comparison} if comparison else {})})
             return
-        if not rows:
+        if not rows and comparison is None:
             raise MoptError("nothing of this recipe is built yet", hint=f"run: mopt build {recipe}")
         dest = output or engine.build_dir / f"report-{s.recipe.path.stem}.html"
         dest.parent.mkdir(parents=True, exist_ok=True)
-        dest.write_text(render(s.recipe.path, rows))
+        dest.write_text(render(s.recipe.path, rows, comparison))
+        if comparison is not None:
+            head, columns, table = compare_table(comparison)
+            out.print(head)
+            if table:
+                out.table(columns, table)
         out.print(f"report: {dest} ({len(rows)} artifacts)")
 
     @app.command(context_settings=CONTEXT)

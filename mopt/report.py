@@ -1,39 +1,62 @@
-"""`mopt report`: one self-contained HTML page over a recipe's sections.
+"""`mopt report`: one self-contained HTML page over a recipe's sections, and `--compare`:
+the same nodes side by side with an earlier build recorded in a mopt.lock.
 
 For every built artifact: its size, and what the artifacts that tested it found (any
 dependent whose result has accuracy numbers like `min_cosine`, or latency numbers like
 `p50_ms`), with a link to its folder and its provenance. No plugin-specific code: kinds
-report through the JSON their `run` returns.
+report through the JSON their `run` returns; the keys read here are listed in
+docs/plugins.md ("What a kind's result may contain").
 """
 
 from __future__ import annotations
 
 import base64
-import html
 import json
+import math
+import os
+import re
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
-from mopt.errors import human
+from mopt.errors import MoptError, human
 
 ACCURACY = ("min_cosine", "mean_cosine", "top1_agreement", "max_abs_diff")
 SPEED = ("speedup_largest", "peak_rss_mb")
 
+#: the marks of a row, most telling first, and what the legend says of each
+MARKS = {
+    "fail": ("✗", "failed a gate: the reason column says which"),
+    "excluded": ("⊘", "excluded by a select: the reason column says why"),
+    "winner": ("★", "picked by a select"),
+    "pass": ("✓", "passed its gates"),
+}
 
-def collect(engine: Any, ids: list[str]) -> list[dict[str, Any]]:
+
+# --------------------------------------------------------------------------- the page
+
+
+def collect(
+    engine: Any, ids: list[str], status: dict[str, dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
     """One row per built artifact of `ids`, joined with its testers' results."""
-    entries = built(engine, ids)
+    entries = built(engine, ids, status)
+    nodes = engine.graph.nodes
     testers: dict[str, list[str]] = {}
-    for i in ids:
-        node = engine.graph.nodes[i]
-        for d in node.inputs.get("model", []):
-            testers.setdefault(d, []).append(i)
-    rows = []
+    for i, entry in entries.items():
+        if _is_tester(entry):
+            slots = nodes[i].inputs
+            # what it tested: its `model` input; a tester without one (a baseline timing of
+            # the reference weights) its only input
+            tested = slots.get("model") or (next(iter(slots.values())) if len(slots) == 1 else [])
+            for d in tested:
+                testers.setdefault(d, []).append(i)
+    rows: list[dict[str, Any]] = []
     for i, entry in entries.items():
         if _is_tester(entry):
             continue
-        node = engine.graph.nodes[i]
+        node = nodes[i]
         files = engine.store.tree_entries(entry.outputs_tree)
         row: dict[str, Any] = {
             "id": i,
@@ -46,6 +69,9 @@ def collect(engine: Any, ids: list[str]) -> list[dict[str, Any]]:
             "built": time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.created)),
             "seconds": round(entry.duration_s, 2),
             "fingerprint": entry.fingerprint,
+            "shapes": {},
+            "reasons": [],
+            "verdicts": [],
         }
         own = entry.meta.get("result") or {}
         by_path = {f.path: f for f in files}
@@ -61,33 +87,104 @@ def collect(engine: Any, ids: list[str]) -> list[dict[str, Any]]:
                 row.setdefault("reports", []).append(str(engine.address_path(i) / f))
         if own.get("winner"):
             row["winner"] = own["winner"]
-            for k in ("min_cosine", "p50_ms"):
-                if own.get(f"winner_{k}") is not None:
-                    row[k] = own[f"winner_{k}"]
+            if own.get("winner_min_cosine") is not None:
+                row["min_cosine"] = own["winner_min_cosine"]
+        if isinstance(own.get("verdicts"), dict):
+            row["judges"] = own["verdicts"]
+        _own_outcome(row, own, node.label)
         for t in testers.get(i, []):
-            te = entries.get(t)
-            if te is None:
-                continue
-            res = te.meta.get("result") or {}
+            res = entries[t].meta.get("result") or {}
             for k in ACCURACY + SPEED:
                 if res.get(k) is not None:
                     row[k] = res[k]
-            if isinstance(res.get("p50_ms"), dict) and res["p50_ms"]:
-                last = list(res["p50_ms"].items())[-1]
-                row["p50_ms"] = last[1]
-                row["shape"] = last[0]
-            if res.get("passed") is not None:
-                row["passed"] = res["passed"]
+            row["shapes"].update(shapes_of(res))
+            _own_outcome(row, res, nodes[t].label)
             reports = sorted(engine.address_path(t).glob("*.html"))
             if reports:
                 row.setdefault("reports", []).append(str(reports[0]))
         rows.append(row)
+    _apply_verdicts(rows)
     return rows
 
 
-def built(engine: Any, ids: list[str]) -> dict[str, Any]:
+def _own_outcome(row: dict[str, Any], res: dict[str, Any], who: str) -> None:
+    """`passed`, `failed_gates` and `why` of a result, onto `row` (a failure wins)."""
+    if res.get("passed") is not None:
+        row["passed"] = bool(res["passed"]) and row.get("passed", True)
+    for g in res.get("failed_gates") or []:
+        row["reasons"].append(f"{who}: {g}")
+    if res.get("passed") is False and isinstance(res.get("why"), str) and res["why"]:
+        row["reasons"].append(f"{who}: {res['why']}")
+
+
+def _apply_verdicts(rows: list[dict[str, Any]]) -> None:
+    """A judging artifact's `verdicts` (input label → status and why) onto the rows of its
+    section it judged; its own row shows its winner's latencies."""
+    by_section: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        by_section.setdefault(r["section"], []).append(r)
+    for judge in rows:
+        verdicts = judge.pop("judges", None) or {}
+        if not verdicts and not judge.get("winner"):
+            continue
+        for r in by_section[judge["section"]]:
+            if r is judge:
+                continue
+            v = verdicts.get(r["target"])
+            if isinstance(v, dict) and v.get("status"):
+                r["verdicts"].append(
+                    {"by": judge["target"], "status": str(v["status"]), "why": str(v.get("why") or "")}
+                )
+            if judge.get("winner") == r["target"] and not judge["shapes"]:
+                judge["shapes"] = dict(r["shapes"])
+                judge["winner_shapes"] = True
+    for r in rows:
+        statuses = {v["status"] for v in r["verdicts"]}
+        r["mark"] = (
+            "fail" if r.get("passed") is False
+            else "excluded" if "excluded" in statuses
+            else "winner" if "winner" in statuses
+            else "pass" if r.get("passed") is True
+            else ""
+        )  # fmt: skip
+
+
+def shapes_of(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per shape (`"8x128"`): p50 ms, its interval, samples and speedup, from a result's
+    `p50_ms`, `p50_ci_ms`, `samples` and `speedup` (each `{shape: value}`; older results
+    have `p50_ms` only)."""
+    p50 = res.get("p50_ms")
+    if not isinstance(p50, dict):
+        return {}
+
+    def of(key: str, shape: str) -> Any:
+        d = res.get(key)
+        return d.get(shape) if isinstance(d, dict) else None
+
+    cells = {}
+    for shape, ms in p50.items():
+        if not _is_number(ms):
+            continue
+        ci = of("p50_ci_ms", shape)
+        cells[str(shape)] = {
+            "ms": ms,
+            "ci": ci if _is_interval(ci) else None,
+            "n": of("samples", shape),
+            "speedup": of("speedup", shape),
+        }
+    return cells
+
+
+def shape_order(shape: str) -> tuple[int, int, int, str]:
+    """`1x128` < `8x128` < `32x128` < `32x512`: by batch, then sequence length (names not
+    of that form last, by name)."""
+    m = re.fullmatch(r"(\d+)x(\d+)", shape)
+    return (0, int(m[1]), int(m[2]), "") if m else (1, 0, 0, shape)
+
+
+def built(engine: Any, ids: list[str], status: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """Node id → action entry of each of `ids` that is built for its current key."""
-    status = engine.plan(ids)
+    status = status if status is not None else engine.plan(ids)
     found = {i: engine.store.ac_entry(status[i]["key"]) for i in ids if status[i]["state"] == "up-to-date"}
     return {i: e for i, e in found.items() if e is not None}
 
@@ -97,93 +194,320 @@ def _is_tester(entry: Any) -> bool:
     return any(k in res for k in ("min_cosine", "p50_ms"))
 
 
-def _fmt(v: Any, nd: int = 4) -> str:
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _is_interval(v: Any) -> bool:
+    return isinstance(v, (list, tuple)) and len(v) == 2 and all(_is_number(x) for x in v)
+
+
+def fmt(v: Any, nd: int = 4) -> str:
+    """A number as the page shows it (`–` for none)."""
     if v is None:
         return "–"
-    if isinstance(v, float):
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
         return f"{v:.{nd}f}"
-    return html.escape(str(v))
+    return str(v)
 
 
-def _scatter(rows: list[dict[str, Any]]) -> str:
-    pts = [r for r in rows if r.get("speedup_largest") is not None and r.get("min_cosine") is not None]
-    if not pts:
-        return ""
-    w, h, pad = 560, 300, 50
-    xs = [float(r["speedup_largest"]) for r in pts]
-    ys = [float(r["min_cosine"]) for r in pts]
-    x0, x1 = min(xs + [1.0]) * 0.9, max(xs) * 1.1
-    y0, y1 = min(ys) - 0.01, min(1.0, max(ys) + 0.005)
-
-    def sx(x: float) -> float:
-        return pad + (x - x0) / max(x1 - x0, 1e-9) * (w - 2 * pad)
-
-    def sy(y: float) -> float:
-        return h - pad - (y - y0) / max(y1 - y0, 1e-9) * (h - 2 * pad)
-
-    dots = "".join(
-        f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="5" fill="#1f77b4"><title>{html.escape(r["id"])}: '
-        f'{x:.2f}× at min cosine {y:.4f}</title></circle>'
-        f'<text x="{sx(x) + 7:.1f}" y="{sy(y) + 4:.1f}" font-size="10">{html.escape(r["target"])}</text>'
-        for r, x, y in zip(pts, xs, ys)
-    )
-    return (
-        f'<svg width="{w}" height="{h}" role="img" aria-label="speedup vs accuracy">'
-        f'<line x1="{pad}" y1="{h - pad}" x2="{w - pad}" y2="{h - pad}" stroke="#333"/>'
-        f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{h - pad}" stroke="#333"/>'
-        f'<text x="{w / 2}" y="{h - 12}" text-anchor="middle" font-size="12">speedup vs baseline (largest shape)</text>'
-        f'<text x="14" y="{h / 2}" font-size="12" transform="rotate(-90 14 {h / 2})" text-anchor="middle">min cosine</text>'
-        f'<text x="{pad}" y="{h - pad + 14}" font-size="10">{x0:.2f}×</text>'
-        f'<text x="{w - pad}" y="{h - pad + 14}" font-size="10" text-anchor="end">{x1:.2f}×</text>'
-        f'<text x="{pad - 4}" y="{h - pad}" font-size="10" text-anchor="end">{y0:.3f}</text>'
-        f'<text x="{pad - 4}" y="{pad + 4}" font-size="10" text-anchor="end">{y1:.3f}</text>'
-        f"{dots}</svg>"
-    )
-
-
-def render(recipe: Path, rows: list[dict[str, Any]]) -> str:
-    """The HTML page."""
-    by_section: dict[str, list[dict[str, Any]]] = {}
+def sections(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows by section, each with its bench shapes in order and its figures."""
+    by: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
-        by_section.setdefault(r["section"], []).append(r)
-    parts = [
-        "<!doctype html><meta charset='utf-8'><title>mopt report</title>",
-        "<style>body{font:14px system-ui,sans-serif;margin:2em;max-width:1200px}"
-        "table{border-collapse:collapse;margin:1em 0}td,th{padding:4px 10px;border-bottom:1px solid #ddd;"
-        "text-align:right}td:first-child,th:first-child{text-align:left}.fail{color:#b00}"
-        "details{font-size:12px;color:#444}code{font-size:12px}</style>",
-        f"<h1>mopt report: {html.escape(recipe.name)}</h1>",
-        f"<p>{len(rows)} built artifacts in {len(by_section)} sections · generated "
-        f"{time.strftime('%Y-%m-%d %H:%M')}</p>",
-    ]
-    for sec, rs in by_section.items():
-        parts.append(f"<h2>{html.escape(sec)}</h2>")
-        parts.append(_scatter(rs))
-        parts.append(
-            "<table><tr><th>target</th><th>kind</th><th>size</th><th>min cos</th><th>mean cos</th>"
-            "<th>top-1</th><th>p50 ms</th><th>shape</th><th>speedup</th><th>peak RSS MB</th>"
-            "<th>built</th><th>provenance</th></tr>"
+        by.setdefault(r["section"], []).append(r)
+    out = []
+    for sec, rs in by.items():
+        marks = {r["mark"] for r in rs}
+        out.append(
+            {
+                "id": sec,
+                "rows": rs,
+                "shapes": sorted({s for r in rs for s in r["shapes"]}, key=shape_order),
+                "marks": [(m, *MARKS[m]) for m in MARKS if m in marks],
+                "figures": [
+                    (r["target"], base64.b64encode(svg.encode()).decode()) for r in rs for svg in r["figures"]
+                ],
+            }
         )
-        for r in rs:
-            cls = " class='fail'" if r.get("passed") is False else ""
-            won = f" → <b>{html.escape(r['winner'])}</b>" if r.get("winner") else ""
-            links = "".join(f" <a href='{html.escape(p)}'>report</a>" for p in r.get("reports", []))
-            prov = html.escape(json.dumps({"key": r["key"], "tools": r["fingerprint"]}, sort_keys=True))
-            parts.append(
-                f"<tr{cls}><td><a href='{html.escape(r['path'])}'>{html.escape(r['target'])}</a>{won}{links}</td>"
-                f"<td>{html.escape(r['kind'])}</td><td>{human(r['bytes'])}</td>"
-                f"<td>{_fmt(r.get('min_cosine'))}</td><td>{_fmt(r.get('mean_cosine'))}</td>"
-                f"<td>{_fmt(r.get('top1_agreement'), 3)}</td><td>{_fmt(r.get('p50_ms'), 2)}</td>"
-                f"<td>{_fmt(r.get('shape'))}</td><td>{_fmt(r.get('speedup_largest'), 2)}</td>"
-                f"<td>{_fmt(r.get('peak_rss_mb'), 0)}</td><td>{r['built']} ({r['seconds']} s)</td>"
-                f"<td><details><summary>key {r['key'][:12]}</summary><code>{prov}</code></details></td></tr>"
+    return out
+
+
+def render(recipe: Path, rows: list[dict[str, Any]], comparison: dict[str, Any] | None = None) -> str:
+    """The HTML page (jinja2, imported here: no other command pays for it)."""
+    from jinja2 import Environment, PackageLoader, StrictUndefined
+
+    env = Environment(
+        loader=PackageLoader("mopt"),
+        autoescape=True,
+        undefined=StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters["fmt"] = fmt
+    env.filters["human"] = human
+    env.filters["g"] = _g
+    env.filters["provenance"] = lambda r: json.dumps(
+        {"key": r["key"], "tools": r["fingerprint"]}, sort_keys=True
+    )
+    secs = sections(rows)
+    return env.get_template("report.html.j2").render(
+        recipe=recipe.name,
+        rows=rows,
+        sections=secs,
+        marks=MARKS,
+        comparison=comparison,
+        generated=time.strftime("%Y-%m-%d %H:%M"),
+    )
+
+
+# --------------------------------------------------------------------------- --compare
+
+
+def locked_artifacts(recipe_path: Path, ref: str) -> tuple[dict[str, str], str]:
+    """The artifacts (node id → action key) that the mopt.lock at `ref` recorded for this
+    recipe, and how to name where they came from. `ref`: a mopt.lock file (or a folder
+    holding one), else a git revision of the repository the recipe is in."""
+    from mopt.build import LOCK_NAME, lock_path, parse_lock
+
+    p = Path(ref)
+    if p.is_dir():
+        p = p / LOCK_NAME
+    if p.is_file():
+        try:
+            text, where = p.read_text(encoding="utf-8"), str(p)
+        except (OSError, UnicodeDecodeError) as exc:
+            raise MoptError(f"cannot read the lock file: {exc}", file=str(p)) from None
+    else:
+        text, where = _git_lock(ref, lock_path(recipe_path))
+    data = parse_lock(text, where)
+    entry = data.get("recipes", {}).get(recipe_path.name)
+    if not isinstance(entry, dict):
+        names = sorted(data.get("recipes", {}))
+        raise MoptError(
+            f"the lock file records no build of recipe {recipe_path.name}",
+            file=where,
+            hint=f"it records: {', '.join(names)}" if names else "it records no recipe at all",
+        )
+    arts = entry.get("artifacts", {})
+    return {i: k for i, k in arts.items() if isinstance(k, str)}, where
+
+
+def _git(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    try:
+        return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        raise MoptError("git is not installed", hint="give --compare a path to a mopt.lock instead") from None
+
+
+def _git_lock(ref: str, lock: Path) -> tuple[str, str]:
+    """The text of `lock` as revision `ref` has it, and `REV:path` to name it."""
+    folder = lock.resolve().parent
+    top = _git(["rev-parse", "--show-toplevel"], folder)
+    if top.returncode != 0:
+        raise MoptError(
+            f"--compare {ref}: no such file, and {folder} is not in a git repository (so it is no revision either)",
+            hint="give a path to a mopt.lock, or a revision of the recipe's git repository",
+        )
+    rev = _git(["rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}"], folder)
+    if rev.returncode != 0:
+        raise MoptError(
+            f"--compare {ref}: unknown git revision (and no such file)",
+            hint="a commit, branch or tag (git log --oneline), or a path to a mopt.lock",
+        )
+    rel = Path(os.path.relpath(os.path.realpath(lock), os.path.realpath(top.stdout.strip()))).as_posix()
+    shown = _git(["show", f"{rev.stdout.strip()}:{rel}"], folder)
+    if shown.returncode != 0:
+        raise MoptError(
+            f"--compare {ref}: that revision has no {rel}",
+            hint=f"it recorded no build of this folder; `git log -- {rel}` lists the ones that did",
+        )
+    return shown.stdout, f"{ref}:{rel}"
+
+
+def compare(
+    engine: Any,
+    ids: list[str],
+    old: dict[str, str],
+    ref: str,
+    status: dict[str, dict[str, Any]] | None = None,
+    everything: bool = True,
+) -> dict[str, Any]:
+    """Each node built now or in the earlier build `old` (node id → action key), side by
+    side: what changed in its key, and its result's numbers old → new with their intervals.
+    `status`: `engine.plan(ids)` if the caller has it; `everything`: nodes of `old` no
+    longer in the recipe are shown too (no selectors)."""
+    from mopt.keys import diff_parts
+
+    status = status if status is not None else engine.plan(ids)
+    now = built(engine, ids, status)
+    order = list(ids) + sorted(i for i in old if i not in engine.graph.nodes and everything)
+    nodes = []
+    for i in order:
+        if i not in old and i not in now:
+            continue
+        old_key, entry = old.get(i), now.get(i)
+        was = _entry(engine, old_key) if old_key else None
+        n: dict[str, Any] = {
+            "id": i,
+            "old_key": old_key,
+            "new_key": entry.key if entry is not None else None,
+            "changes": [],
+            "metrics": [],
+        }
+        if old_key is None:
+            n["state"], n["note"] = "only-new", f"not in {ref}'s build"
+        elif entry is None:
+            st = status.get(i)
+            n["state"] = "only-old"
+            n["note"] = f"not built now ({st['summary']})" if st else "no longer in the recipe"
+        elif old_key == entry.key:
+            n["state"], n["note"] = "same", "same action key"
+        elif was is None:
+            n["state"], n["note"] = "gone", "not in the store any more (gc'd)"
+        else:
+            n["state"], n["note"] = "changed", ""
+            old_parts, new_parts = was.meta.get("parts"), entry.meta.get("parts")
+            if isinstance(old_parts, dict) and isinstance(new_parts, dict):
+                n["changes"] = diff_parts(old_parts, new_parts)
+            n["params"] = {p: [a, b] for p, a, b in _leaves_diff(_params(old_parts), _params(new_parts))}
+            n["metrics"] = metric_diff(was.meta.get("result") or {}, entry.meta.get("result") or {})
+        nodes.append(n)
+    counts: dict[str, int] = {}
+    for n in nodes:
+        counts[n["state"]] = counts.get(n["state"], 0) + 1
+    return {"ref": ref, "recipe": engine.recipe.path.name, "counts": counts, "nodes": nodes}
+
+
+def _entry(engine: Any, key: str) -> Any:
+    try:
+        return engine.store.ac_entry(key, check_blobs=False)
+    except ValueError:  # not a key (a hand-edited lock file)
+        return None
+
+
+def _params(parts: Any) -> dict[str, Any]:
+    p = parts.get("params") if isinstance(parts, dict) else None
+    return p if isinstance(p, dict) else {}
+
+
+_UNSET = object()
+
+
+def _leaves_diff(a: Any, b: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [
+            d
+            for k in sorted(set(a) | set(b))
+            for d in _leaves_diff(a.get(k, _UNSET), b.get(k, _UNSET), f"{prefix}{k}.")
+        ]
+    if a != b:
+        return [(prefix.rstrip("."), None if a is _UNSET else a, None if b is _UNSET else b)]
+    return []
+
+
+def _ci_key(key: str) -> list[str]:
+    """Where a result keeps the interval of `key`: `p50_ms` → `p50_ci_ms`, `score` → `score_ci`."""
+    stem, _, unit = key.rpartition("_")
+    return [f"{key}_ci"] + ([f"{stem}_ci_{unit}"] if stem else [])
+
+
+def measurements(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """A result's values as `name` or `name[shape]` → value, interval (or None), samples."""
+    out: dict[str, dict[str, Any]] = {}
+    samples = res.get("samples")
+    n: dict[str, Any] = samples if isinstance(samples, dict) else {}
+    for k, v in res.items():
+        if "ci" in k.split("_") or k in ("samples", "figures", "reports", "verdicts"):
+            continue
+        ci = next((res[c] for c in _ci_key(k) if c in res), None)
+        if isinstance(v, dict):
+            for s, x in v.items():
+                if _is_number(x) or isinstance(x, (str, bool)):
+                    c = ci.get(s) if isinstance(ci, dict) else None
+                    out[f"{k}[{s}]"] = {"value": x, "ci": c if _is_interval(c) else None, "n": n.get(s)}
+        elif isinstance(v, list) and all(isinstance(x, str) for x in v):
+            out[k] = {"value": "; ".join(v) or "(none)", "ci": None, "n": None}
+        elif _is_number(v) or isinstance(v, (str, bool)) or v is None:
+            out[k] = {"value": v, "ci": ci if _is_interval(ci) else None, "n": None}
+    return out
+
+
+def metric_diff(old: dict[str, Any], new: dict[str, Any]) -> list[dict[str, Any]]:
+    """The values of two results that differ, old → new; numbers with an interval on both
+    sides are `significant` when the intervals do not overlap, else `within noise`."""
+    a, b = measurements(old), measurements(new)
+    out = []
+    for name in [*b, *(k for k in a if k not in b)]:
+        x, y = a.get(name), b.get(name)
+        if x is not None and y is not None and x["value"] == y["value"]:
+            continue
+        d: dict[str, Any] = {
+            "metric": name,
+            "old": x["value"] if x else None,
+            "new": y["value"] if y else None,
+            "old_ci": x["ci"] if x else None,
+            "new_ci": y["ci"] if y else None,
+            "old_n": x["n"] if x else None,
+            "new_n": y["n"] if y else None,
+            "change_pct": None,
+            "verdict": "",
+        }
+        if x and y and _is_number(x["value"]) and _is_number(y["value"]):
+            if x["value"]:
+                d["change_pct"] = round((y["value"] - x["value"]) / abs(x["value"]) * 100, 2)
+            if x["ci"] and y["ci"]:
+                apart = x["ci"][1] < y["ci"][0] or y["ci"][1] < x["ci"][0]
+                d["verdict"] = "significant" if apart else "within noise"
+            else:
+                d["verdict"] = "no interval"
+        out.append(d)
+    return out
+
+
+def _g(v: Any) -> str:
+    """A number in a few significant digits; other values as they are."""
+    if v is None:
+        return "–"
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return str(v)
+    if isinstance(v, int) or abs(v) >= 1000:
+        return f"{v:,.0f}"
+    return f"{v:.4g}"
+
+
+def side(value: Any, ci: Any) -> str:
+    """`0.412 [0.39–0.44]`: a value and its interval, as the comparison shows them."""
+    return _g(value) + (f" [{_g(ci[0])}–{_g(ci[1])}]" if ci else "")
+
+
+def compare_table(c: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:
+    """The comparison for a terminal: a summary line, then columns and rows: each node that
+    differs, what changed in its key, and its numbers old → new (nodes that are the same are
+    counted in the summary only)."""
+    counts = c["counts"]
+    say = {"changed": "changed", "same": "same", "only-old": f"only in {c['ref']}", "only-new": "only now",
+           "gone": "gc'd"}  # fmt: skip
+    head = f"{c['recipe']}: {c['ref']} → now: " + (
+        ", ".join(f"{counts[s]} {w}" for s, w in say.items() if counts.get(s)) or "nothing built in either"
+    )
+    rows: list[list[str]] = []
+    for n in c["nodes"]:
+        if n["state"] == "same":
+            continue
+        rows.append([n["id"], n["state"], n["note"], "", "", "", ""])
+        rows.extend(["", "", x, "", "", "", ""] for x in n["changes"])
+        for m in n["metrics"]:
+            pct = f"{m['change_pct']:+.1f} %" if m["change_pct"] is not None else ""
+            rows.append(
+                [
+                    "",
+                    "",
+                    m["metric"],
+                    side(m["old"], m["old_ci"]),
+                    side(m["new"], m["new_ci"]),
+                    pct,
+                    m["verdict"],
+                ]
             )
-        parts.append("</table>")
-        for r in rs:
-            for svg in r.get("figures", []):
-                data = base64.b64encode(svg.encode()).decode()
-                parts.append(
-                    f"<h3>{html.escape(r['target'])}</h3>"
-                    f"<img alt='{html.escape(r['target'])} figure' src='data:image/svg+xml;base64,{data}'>"
-                )
-    return "\n".join(parts) + "\n"
+    return head, ["node", "state", "what changed", "old", "new", "change", "verdict"], rows

@@ -382,6 +382,14 @@ def bench(
         "threads": threads,
         "points": len(results[0]["points"]),
         "p50_ms": {f"{p['batch']}x{p['seq']}": round(p["p50_ms"], 2) for p in results[0]["points"]},
+        # per shape: the interval of the median (null: too few calls for one), the timed
+        # calls, the speedup vs the PyTorch baseline (what `mopt report` shows per shape)
+        "p50_ci_ms": {
+            f"{p['batch']}x{p['seq']}": [round(x, 2) for x in p["ci_ms"]] if p.get("ci_ms") else None
+            for p in results[0]["points"]
+        },
+        "samples": {f"{p['batch']}x{p['seq']}": p.get("samples") for p in results[0]["points"]},
+        "speedup": {f"{s['batch']}x{s['seq']}": round(s["speedup_p50"], 3) for s in speedups},
         "speedup_largest": round(top["speedup_p50"], 3) if top else None,
         "peak_rss_mb": round(results[0]["peak_rss_mb"], 1),
         "stable": all(p["stable"] for r in results for p in r["points"]),
@@ -587,6 +595,11 @@ def time_baseline(
         "threads": threads,
         "points": len(result["points"]),
         "p50_ms": {f"{p['batch']}x{p['seq']}": round(p["p50_ms"], 2) for p in result["points"]},
+        "p50_ci_ms": {
+            f"{p['batch']}x{p['seq']}": [round(x, 2) for x in p["ci_ms"]] if p.get("ci_ms") else None
+            for p in result["points"]
+        },
+        "samples": {f"{p['batch']}x{p['seq']}": p.get("samples") for p in result["points"]},
         "probe_ms": round(float(probe_level(probe) or 0.0), 3) if probe else None,
         "peak_rss_mb": round(result["peak_rss_mb"], 1),
         "stable": all(p["stable"] for p in result["points"]),

@@ -220,6 +220,8 @@ class SelectKind(TargetKind):
             "value": win.value,
             "eligible": sum(1 for r in sel.rows if r.status in ("winner", "lost")),
             "variants": len(sel.rows),
+            # each candidate's outcome, for `mopt report`'s reason column (a generic result key)
+            "verdicts": {r.label: {"status": r.status, "why": r.why} for r in sel.rows},
             "figures": ["pareto.svg"],
             "reports": ["selection.html"],
             # the winner's numbers, so `mopt report` shows them on this row
@@ -1148,6 +1150,8 @@ def run_serving(ctx: BuildContext) -> dict[str, Any]:
         "slo_p99_ms": sel.slo_p99_ms,
         "eligible": sum(1 for r in sel.rows if r.status in ("winner", "lost")),
         "variants": len(sel.rows),
+        # each candidate's outcome, for `mopt report`'s reason column (a generic result key)
+        "verdicts": {r.label: {"status": r.status, "why": r.why} for r in sel.rows},
         "figures": ["serving.svg"],
         "reports": ["selection.html"],
         "winner_min_cosine": win.min_cosine,
@@ -1419,6 +1423,8 @@ def run_generation(ctx: BuildContext) -> dict[str, Any]:
         "step": win.step,
         "eligible": sum(1 for r in sel.rows if r.status in ("winner", "lost")),
         "variants": len(sel.rows),
+        # each candidate's outcome, for `mopt report`'s reason column (a generic result key)
+        "verdicts": {r.label: {"status": r.status, "why": r.why} for r in sel.rows},
         "reports": ["selection.html"],
         "winner_top1": win.top1,
         "winner_kl": win.kl,

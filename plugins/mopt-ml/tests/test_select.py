@@ -5,6 +5,7 @@ re-runs only select, and an all-failing sweep."""
 
 from __future__ import annotations
 
+import html
 import json
 import random
 import subprocess
@@ -297,6 +298,12 @@ def test_sweep_select_end_to_end(tmp_path: Path) -> None:
     assert rep.returncode == 0, rep.stderr
     page = (tmp_path / "report.html").read_text()
     assert "data:image/svg+xml;base64," in page and "selection.html" in page
+    # each variant's row says what best made of it (its `verdicts`): the winner starred
+    win = picked["winner"]
+    assert f'<tr class="winner" data-id="tiny.cpu:{win}">' in page
+    for r in picked["variants"]:
+        if r["status"] in ("winner", "lost"):
+            assert html.escape(f"best: {r['status']} — {r['why']}") in page, r
 
     # only the INT8 variants as candidates, under a gate neither passes: validate records,
     # best fails with the table of why

@@ -111,6 +111,15 @@ def test_bench_times_the_artifact_and_the_pytorch_baseline(runner: Any, qwen3_ch
     assert "<script" not in html and "http://" not in re.sub(namespaces, "", html)
     assert "https://" not in html
     assert meta["points"] == 4 and set(meta["p50_ms"]) == {"1x16", "4x16", "1x32", "4x32"}
+    # per shape, what `mopt report` shows: p50, its interval, the calls timed, the speedup
+    ours = {f"{p['batch']}x{p['seq']}": p for p in report["results"][0]["points"]}
+    for shape, p in ours.items():
+        assert meta["p50_ms"][shape] == round(p["p50_ms"], 2) and meta["samples"][shape] == p["samples"]
+        ci = p["ci_ms"]
+        assert meta["p50_ci_ms"][shape] == (None if ci is None else [round(ci[0], 2), round(ci[1], 2)])
+    assert meta["speedup"] == {
+        f"{s['batch']}x{s['seq']}": round(s["speedup_p50"], 3) for s in report["speedup_vs_pytorch_fp32"]
+    }
 
 
 def test_a_shared_baseline_is_timed_once_and_read_at_each_bench_s_speed(
