@@ -39,9 +39,12 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def build_once(tree: Path, label: str) -> dict:
+def build_once(tree: Path, label: str, keep: Path | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="mopt-demo-") as tmp:
-        work = Path(tmp)
+        work = Path(tmp) if keep is None else keep
+        if keep is not None:
+            shutil.rmtree(keep, ignore_errors=True)
+            keep.mkdir(parents=True)
         shutil.copytree(tree / "recipes", work / "recipes")
         (work / "mopt.toml").write_text('[store]\npath = ".mopt"\n')
         env = dict(os.environ, PYTHONPATH=_pythonpath(tree))
@@ -68,13 +71,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--before", type=Path, help="an earlier checkout of mopt, timed in turn with this one")
+    ap.add_argument("--keep", type=Path, help="build this checkout's demo in this folder and keep it (for `mopt report`)")
     a = ap.parse_args()
     print(f"demo first build: {_cpu_model()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)  # fmt: skip
     trees = [(ROOT, "this checkout")] + ([(a.before.resolve(), f"before ({a.before})")] if a.before else [])
     for i in range(a.runs):
         for tree, label in trees:
-            r = build_once(tree, label)
+            r = build_once(tree, label, a.keep if tree == ROOT else None)
             print(f"run {i + 1} {label}: {r['wall_s']} s wall, {r['cpu_s']} s CPU, exit {r['exit']}, "
                   f"best: {r['best']}", flush=True)  # fmt: skip
             if r["stderr_tail"]:

@@ -11,7 +11,6 @@ bench.json and select's selection.json (the finals' every timing under `finals.t
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +18,11 @@ import pytest
 
 pytest.importorskip("mopt_ml", reason="select is in mopt-ml")
 
-from mopt.api import Artifact  # noqa: E402
-from mopt_ml.decide import Contestant, decide  # noqa: E402
-from mopt_ml.finals import Finals  # noqa: E402
-from mopt_ml.select import SelectKind, select  # noqa: E402
+from mopt_ml.decide import Contestant, decide
+from mopt_ml.finals import Finals
+from mopt_ml.select import SelectKind, select
+
+from mopt.api import Artifact
 
 DATA = Path(__file__).parent / "data" / "select-noisy"
 #: the candidates in the recipes' order (the last resort of a tie)
