@@ -5,7 +5,7 @@ Quickstart's first command), optionally side by side with an earlier checkout of
 
 With --before, the old checkout's code is imported instead (PYTHONPATH: it and its plugins;
 same interpreter and packages), and the two builds take turns. Prints one line per build:
-seconds, the CPU seconds of the whole process tree, and what `best` picked.
+seconds of wall time, and what `best` picked.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import shutil
 import subprocess
 import sys
@@ -48,22 +47,19 @@ def build_once(tree: Path, label: str, keep: Path | None = None) -> dict:
         shutil.copytree(tree / "recipes", work / "recipes")
         (work / "mopt.toml").write_text('[store]\npath = ".mopt"\n')
         env = dict(os.environ, PYTHONPATH=_pythonpath(tree))
-        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()
         res = subprocess.run(
             [sys.executable, "-m", "mopt", "build", "recipes/demo.toml", "--json"],
             cwd=work, env=env, capture_output=True, text=True, timeout=3600,
         )  # fmt: skip
         wall = time.perf_counter() - t0
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
         picked = "-"
         sel = next((work / "build").glob("minilm/cpu/best/selection.json"), None)
         if sel is not None:
             doc = json.loads(sel.read_text())
             d = doc.get("decision") or {}
             picked = doc["winner"] + (" (tie)" if d.get("tie") else "")
-        return {"code": label, "exit": res.returncode, "wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
+        return {"code": label, "exit": res.returncode, "wall_s": round(wall, 1),
                 "best": picked, "stderr_tail": res.stderr[-2000:] if res.returncode else ""}  # fmt: skip
 
 
@@ -79,7 +75,7 @@ def main() -> None:
     for i in range(a.runs):
         for tree, label in trees:
             r = build_once(tree, label, a.keep if tree == ROOT else None)
-            print(f"run {i + 1} {label}: {r['wall_s']} s wall, {r['cpu_s']} s CPU, exit {r['exit']}, "
+            print(f"run {i + 1} {label}: {r['wall_s']} s wall, exit {r['exit']}, "
                   f"best: {r['best']}", flush=True)  # fmt: skip
             if r["stderr_tail"]:
                 print(r["stderr_tail"], file=sys.stderr)

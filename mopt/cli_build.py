@@ -464,10 +464,8 @@ def _report_build(engine: Any, states: dict[str, Any], seconds: float, as_json: 
                     err.print(f"  full log: {st.log_path}")
         summary = ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
         err.print(f"{len(states)} action(s): {summary} in {seconds:.2f}s")
-        built_dirs = {engine.build_dir / st.node.model.name for st in states.values()}
-        reports = sorted(
-            p for d in built_dirs if d.exists() for pat in ("**/report.html", "**/selection.html") for p in d.glob(pat)
-        )
+        done = [engine.address_path(i) for i, st in states.items() if st.status in ("built", "cached")]
+        reports = sorted(p for d in done for p in (d / "report.html", d / "selection.html") if p.is_file())
         for line in engine.selected(states):
             err.print(line)
         if reports:

@@ -548,7 +548,6 @@ def _r(v: float | None, nd: int = 2) -> float | None:
 
 def render_html(report: dict[str, Any]) -> str:
     """bench.json as one HTML page: TTFT, ITL and output tokens/s per step, and the table."""
-    import html
 
     from mopt_ml.plots import bench_lines_svg
 
@@ -577,40 +576,36 @@ def render_html(report: dict[str, Any]) -> str:
     def ms(d: dict[str, Any], q: str) -> str:
         return "–" if d.get(q) is None else f"{d[q]:.1f}"
 
-    rows = "".join(
-        "<tr>"
-        + "".join(
-            f"<td>{html.escape(str(v))}</td>"
-            for v in (
-                r["label"],
-                step_of(s),
-                ms(s["ttft_ms"], "p50"),
-                ms(s["ttft_ms"], "p99"),
-                ms(s["itl_ms"], "p50"),
-                ms(s["itl_ms"], "p99"),
-                f"{s['output_tok_s']:.1f}",
-                s["samples"],
-                "yes" if s["stable"] else "no",
-            )
-        )
-        + "</tr>"
+    rows = [
+        [
+            r["label"],
+            step_of(s),
+            ms(s["ttft_ms"], "p50"),
+            ms(s["ttft_ms"], "p99"),
+            ms(s["itl_ms"], "p50"),
+            ms(s["itl_ms"], "p99"),
+            f"{s['output_tok_s']:.1f}",
+            s["samples"],
+            "yes" if s["stable"] else "no",
+        ]
         for r in results
         for s in r["steps"]
-    )
+    ]
     st = report["settings"]
-    return f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>mopt bench: {html.escape(report["artifact"])}</title>
-<style>body{{font-family:system-ui,sans-serif;margin:2em auto;max-width:1180px;color:#222}}
-.charts{{display:flex;flex-wrap:wrap;gap:12px}} table{{border-collapse:collapse}}
-td,th{{border:1px solid #ddd;padding:4px 8px;text-align:right}} td:first-child{{text-align:left}}</style></head><body>
-<h1>Generation benchmark: {html.escape(report["artifact"])}</h1>
-<p>{st["prompt_len"]} prompt tokens, {st["output_len"]} new tokens, greedy; {mode} steps {st["steps"]};
-{html.escape(report["machine"]["cpu"])}, {report["machine"]["threads"]} threads</p>
-<div class=charts>{"".join(charts)}</div>
-<table><tr><th>backend</th><th>{mode}</th><th>TTFT p50 ms</th><th>TTFT p99 ms</th><th>ITL p50 ms</th>
-<th>ITL p99 ms</th><th>output tok/s</th><th>samples</th><th>stable</th></tr>{rows}</table>
-</body></html>
-"""
+    from mopt_ml import pages
+
+    return pages.render(
+        "table_page.html.j2",
+        title=f"mopt bench: {report['artifact']}",
+        heading=f"Generation benchmark: {report['artifact']}",
+        notes=[f"{st['prompt_len']} prompt tokens, {st['output_len']} new tokens, greedy; {mode} steps {st['steps']}; "
+               f"{report['machine']['cpu']}, {report['machine']['threads']} threads"],
+        figures=[pages.markup(c) for c in charts],
+        head=["backend", mode, "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "output tok/s", "samples", "stable"],
+        rows=rows,
+        row_class=None,
+        pre=None,
+    )
 
 
 def main(argv: list[str]) -> int:

@@ -29,7 +29,6 @@ artifact, then the label.
 
 from __future__ import annotations
 
-import html
 import json
 import math
 import shutil
@@ -864,16 +863,17 @@ def _n(v: float | None, nd: int) -> str:
 
 def pareto_svg(sel: Selection, width: int = 560, height: int = 340) -> str:
     """Latency (x) vs min cosine (y) of every variant, marker area ∝ artifact size, drawn by
-    `plots.pareto_svg`. Under a latency objective x is the objective (the latency as compared,
-    drift-scaled) with the interval of its median where the row has one."""
+    `plots.pareto_svg`. Under a latency objective x is the estimate the decision read (a
+    finalist's from the finals, else its bench's) with its interval where it has one."""
     p99 = "p99" in sel.objective
     as_compared = "latency" in sel.objective and "throughput" not in sel.objective
     points = []
     for r in sel.rows:
         raw = r.p99_ms if p99 and r.p99_ms is not None else r.p50_ms
-        x = r.value if as_compared and r.value is not None else raw
-        lo, hi = getattr(r, "ci_low", None), getattr(r, "ci_high", None)
-        interval = as_compared and r.value is not None and lo is not None and hi is not None
+        est = r.median if r.median is not None else r.value  # what the decision read
+        x = est if as_compared and est is not None else raw
+        lo, hi = r.ci_low, r.ci_high
+        interval = as_compared and est is not None and lo is not None and hi is not None
         points.append(
             {
                 "label": r.label,
@@ -886,7 +886,8 @@ def pareto_svg(sel: Selection, width: int = 560, height: int = 340) -> str:
                 "why": r.why,
             }
         )
-    x_label = f"latency {'p99' if p99 else 'p50'} (ms{', drift-scaled' if as_compared else ''})"
+    how = ", drift-scaled" if sel.params.get("normalize") else ""
+    x_label = f"latency {'p99' if p99 else 'p50'} (ms{how}{'; finalists: side by side' if sel.finals and sel.finals.get('ran') else ''})"
     return plots.pareto_svg(
         points,
         gate_min_cosine=sel.gate_min_cosine,
@@ -1121,20 +1122,20 @@ def run_serving(ctx: BuildContext) -> dict[str, Any]:
     (ctx.out / "selection.json").write_text(json.dumps(sel.to_json(), indent=2, sort_keys=True) + "\n")
     svg = serving_svg(sel)
     (ctx.out / "serving.svg").write_text(svg, encoding="utf-8")
-    rows = "".join(
-        f"<tr><td>{html.escape(r.label)}</td><td>{_n(r.min_cosine, 4)}</td><td>{r.knee_concurrency or '–'}</td>"
-        f"<td>{_n(r.value, 0)}</td><td>{_n(r.knee_p99_ms, 1)}</td><td>{html.escape(r.status)}</td>"
-        f"<td>{html.escape(r.why)}</td></tr>"
-        for r in sel.rows
-    )
     ratio = f"{sel.ratio:.2f}x" if sel.ratio is not None else "–"
     (ctx.out / "selection.html").write_text(
-        "<!doctype html><html><head><meta charset='utf-8'><title>select: "
-        f"{html.escape(ctx.section)}</title></head><body style='font-family:sans-serif'>"
-        f"<h1>{html.escape(ctx.section)}: {html.escape(sel.winner)}</h1><p>max tokens/s with p99 &lt;= "
-        f"{sel.slo_p99_ms} ms; vs baseline {html.escape(str(sel.baseline))}: <b>{ratio}</b></p>{svg}"
-        "<table border=1 cellpadding=3><tr><th>variant</th><th>min cos</th><th>knee concurrency</th>"
-        f"<th>tokens/s at SLO</th><th>p99 ms</th><th>result</th><th>why</th></tr>{rows}</table></body></html>",
+        pages.render(
+            "table_page.html.j2",
+            title=f"select: {ctx.section}",
+            heading=f"{ctx.section}: {sel.winner}",
+            notes=[f"max tokens/s with p99 <= {sel.slo_p99_ms} ms; vs baseline {sel.baseline}: {ratio}"],
+            figures=[pages.markup(svg)],
+            head=["variant", "min cos", "knee concurrency", "tokens/s at SLO", "p99 ms", "result", "why"],
+            rows=[[r.label, _n(r.min_cosine, 4), r.knee_concurrency or "–", _n(r.value, 0), _n(r.knee_p99_ms, 1),
+                   r.status, r.why] for r in sel.rows],
+            row_class=[r.status for r in sel.rows],
+            pre=None,
+        ),
         encoding="utf-8",
     )
     ctx.log(
@@ -1406,11 +1407,18 @@ def run_generation(ctx: BuildContext) -> dict[str, Any]:
     assert isinstance(win, GenRow)
     (ctx.out / "selection.json").write_text(json.dumps(sel.to_json(), indent=2, sort_keys=True) + "\n")
     (ctx.out / "selection.html").write_text(
-        "<!doctype html><html><head><meta charset='utf-8'><title>select: "
-        f"{html.escape(ctx.section)}</title></head><body style='font-family:sans-serif'>"
-        f"<h1>{html.escape(ctx.section)}: {html.escape(sel.winner)}</h1>"
-        f"<p>objective <b>{html.escape(sel.objective)}</b> at step {win.step}</p>"
-        f"<pre>{html.escape(table)}</pre></body></html>",
+        pages.render(
+            "table_page.html.j2",
+            title=f"select: {ctx.section}",
+            heading=f"{ctx.section}: {sel.winner}",
+            notes=[f"objective {sel.objective} at step {win.step}",
+                   (sel.decision or {}).get("why", "")],
+            figures=[],
+            head=None,
+            rows=[],
+            row_class=None,
+            pre=table,
+        ),
         encoding="utf-8",
     )
     ctx.log(f"winner: {sel.winner} ({sel.objective} {_gen_fmt(sel.objective, win.value)})")

@@ -292,6 +292,16 @@ def test_sweep_select_end_to_end(tmp_path: Path) -> None:
     # the build says what was picked and where it is
     again = mopt(tmp_path, "build", "r.toml", "--keep-going", "--no-check")
     assert f"selected tiny.cpu: {picked['winner']} (min_memory; 3 of 4 variants passed) → {best}" in again.stderr
+    # ... then its ranking (value, interval where there is one, n, what it rests on), the
+    # reason of each variant out of the running, and why the winner won
+    lines = again.stderr.splitlines()
+    at = lines.index(next(x for x in lines if x.startswith("selected tiny.cpu:")))
+    ranking = lines[at + 1 : at + 6]
+    assert ranking[0].startswith(f"  1. {picked['winner']}: ") and " MB (n=" in ranking[0]
+    assert [x.split(":")[0].strip() for x in ranking[1:3]] == [f"{i}. {r['label']}" for i, r in
+                                                               enumerate(picked["variants"][1:3], 2)]  # fmt: skip
+    assert ranking[3].startswith("  -  compiled: unbuilt: unbuildable here")
+    assert ranking[4].startswith(("  why: ", "  tie: ")) and ranking[4].endswith(picked["decision"]["why"])
 
     # the report shows the sweep: the winner on best's row and the Pareto plot inline
     rep = mopt(tmp_path, "report", "r.toml", "-o", "report.html")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -70,8 +71,14 @@ def test_validate_reads_the_recipe_texts(runner: Any, qwen3_chain: dict[str, Any
     assert meta["min_cosine"] > 0.9999
 
 
-def test_bench_times_the_artifact_and_the_pytorch_baseline(runner: Any, qwen3_chain: dict[str, Any]) -> None:
+def test_bench_times_the_artifact_and_the_pytorch_baseline(
+    runner: Any, qwen3_chain: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    from mopt.api import PROGRESS
+
     from mopt_ml.bench import BenchKind
+
+    caplog.set_level(logging.INFO, logger="mopt-ml-tests")
 
     params = {
         "batch_sizes": [1, 4],
@@ -93,6 +100,16 @@ def test_bench_times_the_artifact_and_the_pytorch_baseline(runner: Any, qwen3_ch
     )
     report = json.loads((out / "bench.json").read_text())
     assert [r["backend"] for r in report["results"]] == ["onnx", "torch"]
+    # a progress line per finished point, as it finishes (printed by `mopt build` without a
+    # terminal too): the median, its interval, the calls and why timing stopped
+    progress = [r.getMessage()[len(PROGRESS) :] for r in caplog.records if r.getMessage().startswith(PROGRESS)]
+    assert len(progress) == 8, progress
+    for r in report["results"]:
+        for p in r["points"]:
+            why = "interval within ci_rel" if p["stopped"] == "ci" else f"stopped at {p['stopped']}"
+            assert p["stopped"] in ("ci", "max_samples", "max_seconds") and (p["stopped"] == "ci") == p["stable"]
+            assert any(f"b={p['batch']} s={p['seq']}: p50 {p['p50_ms']:.1f} ms" in x and f"{p['samples']} calls" in x
+                       and why in x for x in progress), (p, progress)  # fmt: skip
     for r in report["results"]:
         assert [(p["batch"], p["seq"]) for p in r["points"]] == [(1, 16), (4, 16), (1, 32), (4, 32)]
         for p in r["points"]:
