@@ -376,8 +376,8 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING)
     work = args.work or Path(tempfile.mkdtemp(prefix="mopt-bench-minilm-"))
     work.mkdir(parents=True, exist_ok=True)
-    from mopt_ml.bench import cpu_model
     from mopt_ml.common import versions
+    from mopt_ml.timing import cpu_model
 
     print(
         f"machine: {cpu_model()}, {os.cpu_count()} CPUs ({platform.machine()}), threads {args.threads}; "

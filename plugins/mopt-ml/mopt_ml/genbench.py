@@ -390,14 +390,14 @@ def _baseline_spec(common: dict[str, Any], ref_dir: Path) -> dict[str, Any]:
 def _machine(threads: Any) -> dict[str, Any]:
     import platform
 
-    from mopt_ml.bench import cpu_model
+    from mopt_ml.timing import cpu_model
 
     return {"cpu": cpu_model(), "cpus": os.cpu_count(), "threads": threads, "platform": platform.platform()}
 
 
 def _time(spec: dict[str, Any], tmp: Path, log: Any) -> dict[str, Any]:
     """One backend's worker, between drift probes when the spec has the probe's model."""
-    from mopt_ml.bench import _probed
+    from mopt_ml.timing import _probed
 
     return _probed(spec, tmp, log, run=run_worker)
 
@@ -417,8 +417,8 @@ def bench_generation(
     """Time the artifact in `model_dir` and (with `baseline`) the PyTorch model of `ref_dir`,
     or read that baseline from `shared` (the section's `bench-baseline` bench.json, rescaled
     by the two runs' drift probes); write bench.json and report.html; the action's result."""
-    from mopt_ml.bench import _probes_of_this_action, exclusive_cpu
     from mopt_ml.common import read_meta, read_shared_baseline, versions, write_json
+    from mopt_ml.timing import _probes_of_this_action, exclusive_cpu
     from mopt_ml.validate import generation_format
 
     if shared is not None and shared.get("format") != BASELINE_FORMAT:
@@ -505,8 +505,8 @@ def time_generation_baseline(
     """`bench-baseline` of a text-generation section: the PyTorch model timed over the steps
     once (between drift probes on CPU); bench.json (`mopt-genbench-baseline/1`) holds it as
     `results[0]`, which each bench of the section copies to its `results[1]`."""
-    from mopt_ml.bench import _probes_of_this_action, exclusive_cpu
     from mopt_ml.common import probe_level, versions, write_json
+    from mopt_ml.timing import _probes_of_this_action, exclusive_cpu
 
     common, settings = _common(ref_dir, tmp, params, project_dir, device)
     spec = _baseline_spec(common, ref_dir)

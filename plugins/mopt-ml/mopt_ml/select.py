@@ -239,10 +239,10 @@ def _finals_runner(ctx: BuildContext) -> FinalsFn:
     benchworker processes, at their bench point, with their benches' thread count."""
 
     def run(finalists: list[Row], params: Any) -> tuple[Finals | None, str | None]:
-        from mopt_ml.bench import exclusive_cpu
         from mopt_ml.benchworker import save_inputs
         from mopt_ml.common import cpu_threads, load_tokenizer, texts_from_param
         from mopt_ml.finals import Finalist, run_finals
+        from mopt_ml.timing import exclusive_cpu
         from mopt_ml.validate import is_openvino
 
         entrants = []
