@@ -68,7 +68,7 @@ class BenchKind(ArtifactTester):
     """Latency p50/p90/p99, throughput and peak memory of an artifact and its PyTorch FP32
     baseline: warm-up, then timed calls until the median's confidence interval is narrow
     (bounded by a count and a time cap). A drift probe is timed in the action's process
-    right before and after each backend's (see `_ActionProbe`). When the section has a `bench-baseline` target, its timing of
+    right before and after each backend's (see `mopt_ml.timing._ActionProbe`). When the section has a `bench-baseline` target, its timing of
     the baseline is used (rescaled by the two runs' probes) instead of timing it again."""
 
     name = "bench"

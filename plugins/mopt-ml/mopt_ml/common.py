@@ -365,7 +365,7 @@ def cosines(reference: np.ndarray, candidate: np.ndarray) -> np.ndarray:
 
 
 def probe_level(probe: dict[str, Any] | None) -> float | None:
-    """How fast the machine ran around one bench run, from its drift probe (`bench._probed`): the
+    """How fast the machine ran around one bench run, from its drift probe (`timing._probed`): the
     faster of the two readings taken right before and right after the backend's worker
     (`level_ms`). A slowdown at one end only (another tenant of the VM, a process winding down)
     must not rescale the whole run: on a quiet 2-core machine one such reading (26 ms before,
