@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from mopt import plugin_env
 from mopt.digest import MODE_EXEC, MODE_FILE, TreeEntry, hash_tree, iter_files, mode_of
-from mopt.errors import BuildFailed, MoptError, PluginError
+from mopt.errors import BuildFailed, MoptError, PluginError, human
 from mopt.estimate import ConfigError, ModelDims
 from mopt.family import (
     DTYPES,
@@ -41,16 +41,20 @@ hookimpl = pluggy.HookimplMarker("mopt")
 
 #: how a log line marks itself as progress (`BuildContext.progress`)
 PROGRESS = "progress: "
+#: the lock file a build writes beside its recipe (`Core.locked_keys` reads one)
+LOCK_NAME = "mopt.lock"
 
 __all__ = [
     "DTYPES",
     "EMBEDDING",
     "FORMATS",
+    "LOCK_NAME",
     "MODE_EXEC",
     "MODE_FILE",
     "PROGRESS",
     "TEXT_GENERATION",
     "ActionNode",
+    "ActionRecord",
     "Artifact",
     "BuildContext",
     "BuildFailed",
@@ -72,6 +76,7 @@ __all__ = [
     "NoParams",
     "Params",
     "PluginError",
+    "RecipeNode",
     "Role",
     "Source",
     "SourceContext",
@@ -83,6 +88,7 @@ __all__ = [
     "generation_graph_names",
     "hash_tree",
     "hookimpl",
+    "human",
     "iter_files",
     "mode_of",
     "package_versions",
@@ -629,6 +635,44 @@ class BuiltTarget:
     meta: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class ActionRecord:
+    """What the store recorded for one action key (`Core.nodes`, `Core.entry`)."""
+
+    key: str
+    created: float
+    duration_s: float
+    #: the tools' versions the action ran with (`TargetKind.fingerprint`)
+    fingerprint: dict[str, Any]
+    #: what the kind's run() returned (`Artifact.meta`)
+    result: dict[str, Any]
+    #: what the key was computed from (`mopt explain`); `Core.key_changes` compares two
+    parts: dict[str, Any]
+    #: relative path in the output folder → its size and the read-only blob holding its bytes
+    files: dict[str, tuple[int, Path]]
+
+
+@dataclass(frozen=True)
+class RecipeNode:
+    """One node of a recipe's graph and its state in the store (`Core.nodes`)."""
+
+    id: str
+    section: str
+    model: str
+    hardware: str
+    label: str
+    kind: str
+    #: slot → the ids of the nodes it reads
+    inputs: dict[str, list[str]]
+    #: `mopt plan`'s state (`up-to-date`, `new`, `changed`, ...) and its one-line summary
+    state: str
+    summary: str
+    #: its folder, build/<model>/<section>/<target>
+    path: Path
+    #: the store's record of its current key if it is built (`up-to-date`), else None
+    built: ActionRecord | None
+
+
 class Core(Protocol):
     """What mopt's core does for a plugin's commands: handed to `mopt_register_commands` as
     `core`, so that a command never imports the engine."""
@@ -648,3 +692,21 @@ class Core(Protocol):
         """The one built target of `recipe` that `selector` (model.hardware:target) names, of
         `kind` when given; `MoptError` when it names none or several, or the target is not
         built for its current key (a stale build is never returned)."""
+
+    def nodes(self, recipe: Path, selectors: tuple[str, ...] = ()) -> list[RecipeNode]:
+        """The nodes of `recipe` that `selectors` select (all without), in build order, each
+        with its plan state and, when built for its current key, what the store holds."""
+
+    def entry(self, recipe: Path, key: str) -> ActionRecord | None:
+        """The store's record of any action `key` (one a lock file names), None if it has none
+        or `key` is no key; `files` is left empty (its blobs may be gone)."""
+
+    def locked_keys(self, recipe: Path, text: str, where: str) -> dict[str, str]:
+        """The artifacts (node id → action key) that a lock file's `text` records for
+        `recipe`; `MoptError` naming `where` if it is no mopt lock file or has no such build."""
+
+    def key_changes(self, old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+        """Why a key changed, as `mopt plan` says it (`param opset: 17 → 13`), from two `parts`."""
+
+    def build_dir(self, recipe: Path) -> Path:
+        """The build folder of `recipe`'s project (`[store] build_dir`)."""

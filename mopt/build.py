@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from mopt import buildlog
-from mopt.api import PROGRESS, Artifact, Missing, SourceContext, SourceError, TargetKind
+from mopt.api import LOCK_NAME, PROGRESS, Artifact, Missing, SourceContext, SourceError, TargetKind
 from mopt.digest import canonical_json, hash_bytes
 from mopt.errors import MoptError
 from mopt.filehash import FileStat, file_stat
@@ -41,8 +41,6 @@ from mopt.schedule import (
     store_built,
 )
 from mopt.store import ActionEntry, Store, StoreError
-
-LOCK_NAME = "mopt.lock"
 
 
 def address_path(build_dir: Path, address: str, recipe: Any = None) -> Path:

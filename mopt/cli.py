@@ -173,6 +173,75 @@ class PluginCore:
             engine.store.close()
         return BuiltTarget(node_id, s.graph.nodes[node_id].kind, info["key"], files, meta)
 
+    def nodes(self, recipe: Path, selectors: tuple[str, ...] = ()) -> list[Any]:
+        from mopt.api import RecipeNode
+        from mopt.build import Engine
+
+        s = Session(recipe)
+        ids = s.graph.select(list(selectors))
+        engine = Engine(s, read_only=True)
+        try:
+            status = engine.plan(ids)
+            found = []
+            for i in ids:
+                n, st = s.graph.nodes[i], status[i]
+                entry = engine.store.ac_entry(st["key"]) if st["state"] == "up-to-date" else None
+                inputs = {slot: list(deps) for slot, deps in n.inputs.items()}
+                found.append(RecipeNode(i, n.section.id, n.model.name, n.hardware.name, n.label, n.kind, inputs,
+                                        st["state"], st["summary"], engine.address_path(i),
+                                        None if entry is None else _record(engine.store, entry, files=True)))  # fmt: skip
+            return found
+        finally:
+            engine.store.close()
+
+    def entry(self, recipe: Path, key: str) -> Any:
+        from mopt.store import Store
+
+        with Store(self._project(recipe).store_dir, read_only=True) as store:
+            try:
+                entry = store.ac_entry(key, check_blobs=False)
+            except ValueError:  # not a key (a hand-edited lock file)
+                return None
+            return None if entry is None else _record(store, entry, files=False)
+
+    def locked_keys(self, recipe: Path, text: str, where: str) -> dict[str, str]:
+        from mopt.build import parse_lock
+
+        recipes = parse_lock(text, where).get("recipes", {})
+        entry = recipes.get(recipe.resolve().name)
+        if not isinstance(entry, dict):
+            raise MoptError(
+                f"the lock file records no build of recipe {recipe.resolve().name}",
+                file=where,
+                hint=f"it records: {', '.join(sorted(recipes))}" if recipes else "it records no recipe at all",
+            )
+        return {i: k for i, k in entry.get("artifacts", {}).items() if isinstance(k, str)}
+
+    def key_changes(self, old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+        from mopt.keys import diff_parts
+
+        return diff_parts(old, new)
+
+    def build_dir(self, recipe: Path) -> Path:
+        return self._project(recipe).build_dir
+
+    @staticmethod
+    def _project(recipe: Path) -> Any:
+        from mopt.config import load_project
+
+        return load_project(recipe.resolve().parent)
+
+
+def _record(store: Any, entry: Any, files: bool) -> Any:
+    """`mopt.api.ActionRecord` of a store's action entry (`files`: list its output tree)."""
+    from mopt.api import ActionRecord
+
+    tree = store.tree_entries(entry.outputs_tree) if files else []
+    parts = entry.meta.get("parts")
+    return ActionRecord(entry.key, entry.created, entry.duration_s, dict(entry.fingerprint),
+                        dict(entry.meta.get("result") or {}), parts if isinstance(parts, dict) else {},
+                        {f.path: (f.size, store.blob_path(f.digest)) for f in tree})  # fmt: skip
+
 
 # --------------------------------------------------------------------------- plan / graph
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from mopt.cli import CONTEXT, Session, _print_json, err, json_opt, out, recipe_arg, selectors_arg
+from mopt.cli import CONTEXT, PluginCore, Session, _print_json, err, json_opt, out, recipe_arg, selectors_arg
 from mopt.errors import BuildFailed, MoptError, human
 from mopt.gcpause import paused_gc
 
@@ -296,25 +296,19 @@ def register(app: click.Group) -> None:
     @json_opt
     def ls_(recipe: Path, selectors: tuple[str, ...], as_json: bool) -> None:
         """List built artifacts of RECIPE with their sizes."""
-        from mopt.build import Engine
-        from mopt.report import built
-
-        s = Session(recipe)
-        ids = s.graph.select(list(selectors))
-        engine = Engine(s, read_only=True)
-        rows: list[dict[str, Any]] = []
-        for i, entry in built(engine, ids).items():
-            files = engine.store.tree_entries(entry.outputs_tree)
-            rows.append(
-                {
-                    "id": i,
-                    "kind": s.graph.nodes[i].kind,
-                    "files": len(files),
-                    "bytes": sum(f.size for f in files),
-                    "path": str(engine.address_path(i)),
-                    "built": time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.created)),
-                }
-            )
+        nodes = PluginCore().nodes(recipe, selectors)
+        rows: list[dict[str, Any]] = [
+            {
+                "id": n.id,
+                "kind": n.kind,
+                "files": len(n.built.files),
+                "bytes": sum(size for size, _blob in n.built.files.values()),
+                "path": str(n.path),
+                "built": time.strftime("%Y-%m-%d %H:%M", time.localtime(n.built.created)),
+            }
+            for n in nodes
+            if n.built is not None
+        ]
         if as_json:
             _print_json({"artifacts": rows})
             return
@@ -322,55 +316,7 @@ def register(app: click.Group) -> None:
             out.print(
                 f"{human(r['bytes']):>10}  {r['files']:>4} files  {r['built']}  {r['id']}  ({r['kind']})"
             )
-        out.print(f"{len(rows)} built of {len(ids)}; {human(sum(r['bytes'] for r in rows))} in all")
-
-    @app.command(context_settings=CONTEXT)
-    @recipe_arg
-    @selectors_arg
-    @click.option(
-        "--output", "-o", type=click.Path(path_type=Path),
-        help="HTML file (default: report-<recipe name>.html in the build folder, [store] build_dir)",
-    )
-    @click.option(
-        "--compare",
-        "ref",
-        metavar="REF",
-        help="also compare with an earlier build: a git revision whose mopt.lock recorded it, or a "
-        "mopt.lock file (params that differ, numbers old → new with intervals)",
-    )
-    @json_opt
-    def report(
-        recipe: Path, selectors: tuple[str, ...], output: Path | None, ref: str | None, as_json: bool
-    ) -> None:
-        """One HTML page over RECIPE's built artifacts: accuracy, latency per shape, size,
-        provenance; with --compare, the difference from an earlier build too."""
-        from mopt.build import Engine
-        from mopt.report import collect, compare, compare_table, locked_artifacts, render
-
-        s = Session(recipe)
-        ids = s.graph.select(list(selectors))
-        old = locked_artifacts(s.recipe.path, ref) if ref is not None else None
-        engine = Engine(s, read_only=True)
-        status = engine.plan(ids)
-        rows = collect(engine, ids, status)
-        comparison = None
-        if old is not None:
-            comparison = compare(engine, ids, old[0], ref or "", status, everything=not selectors)
-            comparison["lock"] = old[1]
-        if as_json:
-            _print_json({"artifacts": rows, **({"compare": comparison} if comparison else {})})
-            return
-        if not rows and comparison is None:
-            raise MoptError("nothing of this recipe is built yet", hint=f"run: mopt build {recipe}")
-        dest = output or engine.build_dir / f"report-{s.recipe.path.stem}.html"
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        dest.write_text(render(s.recipe.path, rows, comparison))
-        if comparison is not None:
-            head, columns, table = compare_table(comparison)
-            out.print(head)
-            if table:
-                out.table(columns, table)
-        out.print(f"report: {dest} ({len(rows)} artifacts)")
+        out.print(f"{len(rows)} built of {len(nodes)}; {human(sum(r['bytes'] for r in rows))} in all")
 
     @app.command(context_settings=CONTEXT)
     @click.option("--max-size", help="shrink the store below this (e.g. 200G)")

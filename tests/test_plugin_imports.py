@@ -61,7 +61,7 @@ def test_the_scan_sees_function_level_and_from_imports(tmp_path: Path) -> None:
 def test_every_scanned_folder_exists_and_the_first_party_plugins_are_scanned() -> None:
     assert all(f.is_dir() for f in SCANNED)
     names = {f.relative_to(ROOT).as_posix() for f in SCANNED}
-    assert {"plugins/mopt-ray", "plugins/mopt-image", "plugins/mopt-ml"} <= names
+    assert {"plugins/mopt-ray", "plugins/mopt-image", "plugins/mopt-ml", "plugins/mopt-report"} <= names
 
 
 def _packages(folder: Path) -> set[str]:

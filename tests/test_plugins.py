@@ -430,12 +430,6 @@ def test_disable_plugin_by_env_and_by_config(tmp_path: Path) -> None:
     assert "fixture" not in {p["name"] for p in listed["plugins"]} and listed["disabled"] == ["fixture"]
 
 
-def test_report_help_names_the_default_it_writes(tmp_path: Path) -> None:
-    proc = run_mopt("report", "--help", cwd=tmp_path)
-    assert "build/report.html" not in proc.stdout
-    assert "report-<recipe name>.html in the build folder" in " ".join(proc.stdout.split())
-
-
 def test_bad_mopt_toml_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "mopt.toml").write_text('[store]\npaht = "x"\n')
     proc = run_mopt("plugins", cwd=tmp_path)

@@ -1,6 +1,6 @@
 """`mopt report --compare REF`: the nodes of this build beside those of an earlier one that a
 mopt.lock recorded (at a git revision, or in a file); and its errors. Through the real CLI on
-the fixture plugin's toy kinds."""
+the fixture plugin's toy kinds (the core's tests/fixture_plugin, installed by `nox -s tests`)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from mopt_report.report import metric_diff, shape_order
 
-from mopt.report import metric_diff, shape_order
 from tests.conftest import run_mopt
 
 RECIPE = """\
@@ -168,10 +168,23 @@ def test_shapes_are_ordered_by_batch_then_sequence_length() -> None:
 
 
 def test_jinja2_is_imported_by_the_page_only() -> None:
-    """`mopt ls` imports mopt.report and no command but `report` renders: jinja2 stays out
-    of every other path (the no-op build's above all)."""
+    """No command but `report` renders, and loading the plugin loads neither the report nor
+    jinja2: it stays out of every other path (the no-op build's above all)."""
     import sys
 
-    code = "import sys, mopt.cli, mopt.cli_build, mopt.build, mopt.report; print('jinja2' in sys.modules)"
+    code = "import sys, mopt.cli, mopt.cli_build, mopt.build, mopt_report.plugin; print('jinja2' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_report_help_names_the_default_it_writes(tmp_path: Path) -> None:
+    proc = run_mopt("report", "--help", cwd=tmp_path)
+    assert "build/report.html" not in proc.stdout
+    assert "report-<recipe name>.html in the build folder" in " ".join(proc.stdout.split())
+
+
+def test_the_command_comes_from_the_plugin_and_goes_with_it(tmp_path: Path) -> None:
+    listed = run_mopt("--help", cwd=tmp_path).stdout
+    assert "report" in listed.split()
+    proc = run_mopt("report", "--help", cwd=tmp_path, env={"MOPT_DISABLE_PLUGINS": "report"})
+    assert proc.returncode == 2 and "No such command 'report'" in proc.stderr

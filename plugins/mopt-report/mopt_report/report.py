@@ -5,7 +5,8 @@ For every built artifact: its size, and what the artifacts that tested it found 
 dependent whose result has accuracy numbers like `min_cosine`, or latency numbers like
 `p50_ms`), with a link to its folder and its provenance. No plugin-specific code: kinds
 report through the JSON their `run` returns; the keys read here are listed in
-docs/plugins.md ("What a kind's result may contain").
+docs/plugins.md ("What a kind's result may contain"). The store is read through
+`mopt.api.Core` only (`core.nodes`, `core.entry`, `core.locked_keys`, `core.key_changes`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mopt.errors import MoptError, human
+from mopt.api import LOCK_NAME, ActionRecord, Core, MoptError, RecipeNode, human
 
 ACCURACY = ("min_cosine", "mean_cosine", "top1_agreement", "max_abs_diff")
 SPEED = ("speedup_largest", "peak_rss_mb")
@@ -37,12 +38,10 @@ MARKS = {
 # --------------------------------------------------------------------------- the page
 
 
-def collect(
-    engine: Any, ids: list[str], status: dict[str, dict[str, Any]] | None = None
-) -> list[dict[str, Any]]:
-    """One row per built artifact of `ids`, joined with its testers' results."""
-    entries = built(engine, ids, status)
-    nodes = engine.graph.nodes
+def collect(selected: list[RecipeNode]) -> list[dict[str, Any]]:
+    """One row per built artifact of the `selected` nodes, joined with its testers' results."""
+    entries = built(selected)
+    nodes = {n.id: n for n in selected}
     testers: dict[str, list[str]] = {}
     for i, entry in entries.items():
         if _is_tester(entry):
@@ -57,14 +56,13 @@ def collect(
         if _is_tester(entry):
             continue
         node = nodes[i]
-        files = engine.store.tree_entries(entry.outputs_tree)
         row: dict[str, Any] = {
             "id": i,
-            "section": node.section.id,
+            "section": node.section,
             "target": node.label,
             "kind": node.kind,
-            "bytes": sum(f.size for f in files),
-            "path": str(engine.address_path(i)),
+            "bytes": sum(size for size, _blob in entry.files.values()),
+            "path": str(node.path),
             "key": entry.key,
             "built": time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.created)),
             "seconds": round(entry.duration_s, 2),
@@ -73,18 +71,17 @@ def collect(
             "reasons": [],
             "verdicts": [],
         }
-        own = entry.meta.get("result") or {}
-        by_path = {f.path: f for f in files}
+        own = entry.result
         # a kind's own figures (SVG files it names under `figures`) are inlined, its own
         # reports (`reports`) linked; e.g. select's Pareto plot and table
         row["figures"] = [
-            engine.store.read_bytes(by_path[f].digest).decode("utf-8", "replace")
+            entry.files[f][1].read_bytes().decode("utf-8", "replace")
             for f in own.get("figures") or []
-            if f in by_path and f.endswith(".svg")
+            if f in entry.files and f.endswith(".svg")
         ]
         for f in own.get("reports") or []:
-            if f in by_path:
-                row.setdefault("reports", []).append(str(engine.address_path(i) / f))
+            if f in entry.files:
+                row.setdefault("reports", []).append(str(node.path / f))
         if own.get("winner"):
             row["winner"] = own["winner"]
             if own.get("winner_min_cosine") is not None:
@@ -93,13 +90,13 @@ def collect(
             row["judges"] = own["verdicts"]
         _own_outcome(row, own, node.label)
         for t in testers.get(i, []):
-            res = entries[t].meta.get("result") or {}
+            res = entries[t].result
             for k in ACCURACY + SPEED:
                 if res.get(k) is not None:
                     row[k] = res[k]
             row["shapes"].update(shapes_of(res))
             _own_outcome(row, res, nodes[t].label)
-            reports = sorted(engine.address_path(t).glob("*.html"))
+            reports = sorted(nodes[t].path.glob("*.html"))
             if reports:
                 row.setdefault("reports", []).append(str(reports[0]))
         rows.append(row)
@@ -182,16 +179,13 @@ def shape_order(shape: str) -> tuple[int, int, int, str]:
     return (0, int(m[1]), int(m[2]), "") if m else (1, 0, 0, shape)
 
 
-def built(engine: Any, ids: list[str], status: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
-    """Node id → action entry of each of `ids` that is built for its current key."""
-    status = status if status is not None else engine.plan(ids)
-    found = {i: engine.store.ac_entry(status[i]["key"]) for i in ids if status[i]["state"] == "up-to-date"}
-    return {i: e for i, e in found.items() if e is not None}
+def built(nodes: list[RecipeNode]) -> dict[str, ActionRecord]:
+    """Node id → the store's record of each of `nodes` that is built for its current key."""
+    return {n.id: n.built for n in nodes if n.built is not None}
 
 
-def _is_tester(entry: Any) -> bool:
-    res = entry.meta.get("result") or {}
-    return any(k in res for k in ("min_cosine", "p50_ms"))
+def _is_tester(entry: ActionRecord) -> bool:
+    return any(k in entry.result for k in ("min_cosine", "p50_ms"))
 
 
 def _is_number(v: Any) -> bool:
@@ -238,7 +232,7 @@ def render(recipe: Path, rows: list[dict[str, Any]], comparison: dict[str, Any] 
     from jinja2 import Environment, PackageLoader, StrictUndefined
 
     env = Environment(
-        loader=PackageLoader("mopt"),
+        loader=PackageLoader("mopt_report"),
         autoescape=True,
         undefined=StrictUndefined,
         trim_blocks=True,
@@ -264,12 +258,10 @@ def render(recipe: Path, rows: list[dict[str, Any]], comparison: dict[str, Any] 
 # --------------------------------------------------------------------------- --compare
 
 
-def locked_artifacts(recipe_path: Path, ref: str) -> tuple[dict[str, str], str]:
+def locked_artifacts(core: Core, recipe_path: Path, ref: str) -> tuple[dict[str, str], str]:
     """The artifacts (node id → action key) that the mopt.lock at `ref` recorded for this
     recipe, and how to name where they came from. `ref`: a mopt.lock file (or a folder
     holding one), else a git revision of the repository the recipe is in."""
-    from mopt.build import LOCK_NAME, lock_path, parse_lock
-
     p = Path(ref)
     if p.is_dir():
         p = p / LOCK_NAME
@@ -279,18 +271,8 @@ def locked_artifacts(recipe_path: Path, ref: str) -> tuple[dict[str, str], str]:
         except (OSError, UnicodeDecodeError) as exc:
             raise MoptError(f"cannot read the lock file: {exc}", file=str(p)) from None
     else:
-        text, where = _git_lock(ref, lock_path(recipe_path))
-    data = parse_lock(text, where)
-    entry = data.get("recipes", {}).get(recipe_path.name)
-    if not isinstance(entry, dict):
-        names = sorted(data.get("recipes", {}))
-        raise MoptError(
-            f"the lock file records no build of recipe {recipe_path.name}",
-            file=where,
-            hint=f"it records: {', '.join(names)}" if names else "it records no recipe at all",
-        )
-    arts = entry.get("artifacts", {})
-    return {i: k for i, k in arts.items() if isinstance(k, str)}, where
+        text, where = _git_lock(ref, recipe_path.parent / LOCK_NAME)
+    return core.locked_keys(recipe_path, text, where), where
 
 
 def _git(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -326,28 +308,26 @@ def _git_lock(ref: str, lock: Path) -> tuple[str, str]:
 
 
 def compare(
-    engine: Any,
-    ids: list[str],
+    core: Core,
+    recipe_path: Path,
+    selected: list[RecipeNode],
     old: dict[str, str],
     ref: str,
-    status: dict[str, dict[str, Any]] | None = None,
     everything: bool = True,
 ) -> dict[str, Any]:
-    """Each node built now or in the earlier build `old` (node id → action key), side by
-    side: what changed in its key, and its result's numbers old → new with their intervals.
-    `status`: `engine.plan(ids)` if the caller has it; `everything`: nodes of `old` no
-    longer in the recipe are shown too (no selectors)."""
-    from mopt.keys import diff_parts
-
-    status = status if status is not None else engine.plan(ids)
-    now = built(engine, ids, status)
-    order = list(ids) + sorted(i for i in old if i not in engine.graph.nodes and everything)
+    """Each of the `selected` nodes built now or in the earlier build `old` (node id → action
+    key), side by side: what changed in its key, and its result's numbers old → new with
+    their intervals. `everything`: the recipe's every node is selected, and the nodes of
+    `old` no longer in it are shown too (no selectors)."""
+    now = built(selected)
+    status = {n.id: n for n in selected}
+    order = [n.id for n in selected] + sorted(i for i in old if i not in status and everything)
     nodes = []
     for i in order:
         if i not in old and i not in now:
             continue
         old_key, entry = old.get(i), now.get(i)
-        was = _entry(engine, old_key) if old_key else None
+        was = core.entry(recipe_path, old_key) if old_key else None
         n: dict[str, Any] = {
             "id": i,
             "old_key": old_key,
@@ -360,30 +340,22 @@ def compare(
         elif entry is None:
             st = status.get(i)
             n["state"] = "only-old"
-            n["note"] = f"not built now ({st['summary']})" if st else "no longer in the recipe"
+            n["note"] = f"not built now ({st.summary})" if st else "no longer in the recipe"
         elif old_key == entry.key:
             n["state"], n["note"] = "same", "same action key"
         elif was is None:
             n["state"], n["note"] = "gone", "not in the store any more (gc'd)"
         else:
             n["state"], n["note"] = "changed", ""
-            old_parts, new_parts = was.meta.get("parts"), entry.meta.get("parts")
-            if isinstance(old_parts, dict) and isinstance(new_parts, dict):
-                n["changes"] = diff_parts(old_parts, new_parts)
-            n["params"] = {p: [a, b] for p, a, b in _leaves_diff(_params(old_parts), _params(new_parts))}
-            n["metrics"] = metric_diff(was.meta.get("result") or {}, entry.meta.get("result") or {})
+            if was.parts and entry.parts:
+                n["changes"] = core.key_changes(was.parts, entry.parts)
+            n["params"] = {p: [a, b] for p, a, b in _leaves_diff(_params(was.parts), _params(entry.parts))}
+            n["metrics"] = metric_diff(was.result, entry.result)
         nodes.append(n)
     counts: dict[str, int] = {}
     for n in nodes:
         counts[n["state"]] = counts.get(n["state"], 0) + 1
-    return {"ref": ref, "recipe": engine.recipe.path.name, "counts": counts, "nodes": nodes}
-
-
-def _entry(engine: Any, key: str) -> Any:
-    try:
-        return engine.store.ac_entry(key, check_blobs=False)
-    except ValueError:  # not a key (a hand-edited lock file)
-        return None
+    return {"ref": ref, "recipe": recipe_path.name, "counts": counts, "nodes": nodes}
 
 
 def _params(parts: Any) -> dict[str, Any]:
