@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import random
+import signal
+import sys
 import time
 
 
@@ -33,6 +35,13 @@ def main() -> None:
     ]
     for p in procs:
         p.start()
+
+    def stop(*_: object) -> None:  # a kill of this process ends the churners too
+        for p in procs:
+            p.terminate()
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
     try:
         for p in procs:
             p.join()

@@ -1,10 +1,11 @@
 """`select` on timings recorded under varying load (issue 26): the rule before the finals
 flips; the finals' rule gives one answer (a tie, or the same winner) every time.
 
-The data under tests/data/select-noisy/ is real: five consecutive builds of each recipe of
-benchmarks/decisions.py's experiment (all-MiniLM-L6-v2 on a 2-core AMD EPYC, two processes
-of benchmarks/noise.py spinning and sleeping at random beside it; README.md there says when and
-how), with the bench and select nodes built afresh each time. Each run keeps every variant's
+The data under tests/data/select-noisy/ and tests/data/select-noise-only/ is real: five
+consecutive builds of each recipe of benchmarks/decisions.py's experiment (all-MiniLM-L6-v2 on
+a 2-core AMD EPYC, two processes of benchmarks/noise.py spinning and sleeping at random beside
+it, plus other test runs in the first set; the READMEs there say when and how), with the bench
+and select nodes built afresh each time. Each run keeps every variant's
 bench.json and select's selection.json (the finals' every timing under `finals.times_ms`).
 """
 
@@ -24,13 +25,16 @@ from mopt_ml.select import SelectKind, select
 
 from mopt.api import Artifact
 
-DATA = Path(__file__).parent / "data" / "select-noisy"
+DATA = Path(__file__).parent / "data"
+#: the two recordings: under noise.py plus other test runs (finals_margin 0.5 then), and under
+#: noise.py alone (finals_margin unset): dataset → the select params they were recorded with
+SETS = {"select-noisy": {"finals_margin": 0.5}, "select-noise-only": {}}
 #: the candidates in the recipes' order (the last resort of a tie)
 ORDER = {"a": ["onnx", "onnx-slim"], "b": ["onnx", "int8", "ov", "ov-bf16"]}
 
 
-def _runs(recipe: str, code: str) -> list[Path]:
-    return sorted((DATA / recipe / code).glob("run*"))
+def _runs(dataset: str, recipe: str, code: str) -> list[Path]:
+    return sorted((DATA / dataset / recipe / code).glob("run*"))
 
 
 def _inputs(
@@ -76,27 +80,31 @@ def _replay(run: Path) -> Any:
     return finals
 
 
+@pytest.mark.parametrize("dataset", SETS)
 @pytest.mark.parametrize("recipe", ["a", "b"])
-def test_the_rule_before_the_finals_flips_on_these_timings(tmp_path: Path, recipe: str) -> None:
+def test_the_rule_before_the_finals_flips_on_these_timings(tmp_path: Path, dataset: str, recipe: str) -> None:
     # the benches' numbers, rescaled by their drift probes, no tie band: what select did before
     # (it reproduces the old code's recorded picks: tests/data/select-noisy/*/old/*/selection.json)
     old_rule = SelectKind.Params(objective="min_latency_p50", normalize=True, tie_tolerance=0.0, finals=False)
     picks = [select(*_inputs(tmp_path / code, run, recipe, point_estimates=True), {}, old_rule).winner
-             for code in ("old", "new") for run in _runs(recipe, code)]  # fmt: skip
+             for code in ("old", "new") for run in _runs(dataset, recipe, code)]  # fmt: skip
     assert len(picks) == 10
     # the old code's own picks, recorded in its selection.json, are what this rule gives
-    assert picks[:5] == [json.loads((run / "selection.json").read_text())["winner"] for run in _runs(recipe, "old")]
+    recorded = [json.loads((run / "selection.json").read_text())["winner"] for run in _runs(dataset, recipe, "old")]
+    assert picks[:5] == recorded
     # (a) two near-identical graphs, (b) ONNX fp32, ORT INT8, OpenVINO fp32 / bf16: on these
     # ten sets of benches (five builds of the old code, five of the new) the pick follows the noise
     assert len(set(picks)) > 1, picks
 
 
+@pytest.mark.parametrize("dataset", SETS)
 @pytest.mark.parametrize("recipe", ["a", "b"])
-def test_the_finals_give_one_answer_every_time(tmp_path: Path, recipe: str) -> None:
+def test_the_finals_give_one_answer_every_time(tmp_path: Path, dataset: str, recipe: str) -> None:
     decisions = []
-    for run in _runs(recipe, "new"):
-        sel = select(*_inputs(tmp_path, run, recipe), {}, SelectKind.Params(objective="min_latency_p50"),
-                     finals=_replay(run))  # fmt: skip
+    for run in _runs(dataset, recipe, "new"):
+        # the params the run was recorded with: the same finalists as in the run
+        params = SelectKind.Params(objective="min_latency_p50", **SETS[dataset])
+        sel = select(*_inputs(tmp_path, run, recipe), {}, params, finals=_replay(run))
         assert sel.decision is not None and sel.decision["method"] == "finals"
         recorded = json.loads((run / "selection.json").read_text())["decision"]
         assert (sel.decision["winner"], sel.decision["tie"]) == (recorded["winner"], recorded["tie"])

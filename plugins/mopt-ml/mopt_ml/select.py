@@ -167,11 +167,12 @@ class SelectKind(TargetKind):
             "(latency and throughput objectives, ONNX Runtime and OpenVINO candidates); false: decide "
             "on the benches' numbers, measured apart",
         )
-        finals_margin: float = Field(
-            default=0.5,
+        finals_margin: float | None = Field(
+            default=None,
             ge=0.0,
             description="finalists: the variants whose bench value is within this fraction of the "
-            "leader's (at least two, at most max_finalists)",
+            "leader's (at least two, at most max_finalists, best first); null: the best "
+            "max_finalists whatever their bench read (a bench timed under load read 3x slow)",
         )
         max_finalists: int = Field(default=4, ge=2, description="at most this many finalists")
         finals_min_rounds: int = Field(default=10, ge=3, description="rounds of the finals before the first decision")
@@ -547,8 +548,9 @@ def _decide(sel: Selection, params: Any, finals: FinalsFn | None) -> None:
         sel.rows.sort(key=lambda r: (_ORDER[r.status], r.label))
         return
     lead = eligible[0].value or 0.0
-    near = [r for r in eligible if (r.value or 0.0) <= lead * (1 + params.finals_margin)] if lower else [
-        r for r in eligible if (r.value or 0.0) >= lead / (1 + params.finals_margin)]  # fmt: skip
+    margin = math.inf if params.finals_margin is None else params.finals_margin
+    near = [r for r in eligible if (r.value or 0.0) <= lead * (1 + margin)] if lower else [
+        r for r in eligible if (r.value or 0.0) >= lead / (1 + margin)]  # fmt: skip
     finalists = (near if len(near) >= 2 else eligible[:2])[: params.max_finalists]
     result, why_not = None, None
     if len(eligible) < 2:
@@ -590,8 +592,9 @@ def _decide(sel: Selection, params: Any, finals: FinalsFn | None) -> None:
         if r is win:
             continue
         if r.label not in names:
-            r.why = (f"screened out: {_fmt_value(objective, r.value)} on its bench vs {_fmt_value(objective, lead)}, "
-                     f"beyond the {params.finals_margin:.0%} finals margin")  # fmt: skip
+            beyond = (f"beyond the {params.finals_margin:.0%} finals margin" if r not in near
+                      else f"not among the {params.max_finalists} best")  # fmt: skip
+            r.why = f"screened out: {_fmt_value(objective, r.value)} on its bench vs {_fmt_value(objective, lead)}, {beyond}"
         elif r.label in d.tied:
             r.why = f"tied with {win.label}; lost the tie-break (accuracy, size, recipe order)"
         else:
