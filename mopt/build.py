@@ -1198,16 +1198,18 @@ class Engine:
             self._prefetched_dirs.add(d)
             self.store.state.prefetch(d)
 
-    def hit(self, key: str, *, node: Node | None = None, fetch: bool = True) -> ActionEntry | None:
+    def hit(
+        self, key: str, *, node: Node | None = None, fetch: bool = True, remote: bool = True
+    ) -> ActionEntry | None:
         """The cache entry for `key` if it and every blob it names are intact.
 
         Two ways: the build log records `node` under this key and its entry file and blobs
         are as it recorded them (`_logged`); else the store's entry, whose blobs are checked
         through the stat cache (an untouched blob costs a stat; one whose stat changed is
         rehashed, and one whose bytes no longer match its digest is removed: a miss, the
-        action reruns). On a local miss the remote cache (if any) is asked: with `fetch`, its
-        blobs are downloaded, re-hashed and recorded locally; without, only the entry is read
-        (plan: no bytes).
+        action reruns). On a local miss the remote cache (if any, and `remote`) is asked: with
+        `fetch`, its blobs are downloaded, re-hashed and recorded locally; without, only the
+        entry is read (plan: no bytes).
         """
         rec = self._logged(node, key) if node is not None else None
         if rec is not None:
@@ -1221,7 +1223,7 @@ class Engine:
             return logged
         entry = self.store.ac_entry(key, check_blobs=False)
         if entry is None:
-            if self.remote is None:
+            if self.remote is None or not remote:
                 return None
             if not fetch:
                 return self.remote.fetch_entry(key)

@@ -135,7 +135,7 @@ class BuildSession:
         is to be materialized under build/."""
         st = self._states[node_id]
         assert st.key is not None, "key() first"
-        entry = self._engine.hit(st.key)
+        entry = self._engine.hit(st.key, remote=False)  # the remote's own way is next: no bytes yet
         if entry is not None:
             return self._finish(st, entry, "cached", local=True)
         entry = self.remote.fetch_entry(st.key, verify=True)

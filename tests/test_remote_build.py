@@ -51,3 +51,36 @@ def test_tampered_remote_blob_is_rejected_and_rebuilt(tmp_path: Path) -> None:
     assert statuses["toy.gpu:toy-engine"] == "built"
     assert "tampered" not in (b / "build/toy/gpu/toy-engine/engine.plan").read_text()
     assert sum(1 for s in statuses.values() if s == "cached") == 6
+
+
+def test_an_executor_session_takes_a_remote_hit_without_its_bytes_unless_laid_out(tmp_path: Path) -> None:
+    # what an executor (mopt-ray) sees of a node another machine built: a hit, verified on the
+    # remote; its bytes come down only for a node laid out under build/ (the session's docstring)
+    from mopt.build import Engine
+    from mopt.cli import Session
+    from mopt.executor import BuildSession
+
+    remote = tmp_path / "remote"
+    a = _machine(tmp_path / "a", remote)
+    b = _machine(tmp_path / "b", remote)
+    assert _build(a)["counts"] == {"built": 7}
+    cwd = os.getcwd()
+    os.chdir(b)
+    try:
+        engine = Engine(Session(b / "r.toml"))
+        ids = list(engine.graph.nodes)
+        last = ids[-1]
+        session = BuildSession(engine, ids, remote=engine.remote, materialize={last})
+        for i in ids:
+            assert session.readiness(i)[0] == "ready"
+            session.key(i)
+            assert session.cached(i), i
+        engine.store.close()
+    finally:
+        os.chdir(cwd)
+    assert all(session.status(i) == "cached" for i in ids)
+    # downloaded: the laid-out node's files only
+    blobs = [p for p in (b / ".mopt" / "cas").rglob("*") if p.is_file()]
+    laid_out = engine.address_path(last)
+    assert laid_out.is_dir() and blobs
+    assert len(blobs) < sum(1 for p in (a / ".mopt" / "cas").rglob("*") if p.is_file())
