@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -21,21 +20,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from mopt_ml.timing import cpu_model
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _pythonpath(tree: Path) -> str:
     return os.pathsep.join([str(tree), *(str(p) for p in sorted((tree / "plugins").iterdir()) if p.is_dir())])
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def build_once(tree: Path, label: str, keep: Path | None = None) -> dict:
@@ -69,7 +60,7 @@ def main() -> None:
     ap.add_argument("--before", type=Path, help="an earlier checkout of mopt, timed in turn with this one")
     ap.add_argument("--keep", type=Path, help="build this checkout's demo in this folder and keep it (for `mopt report`)")
     a = ap.parse_args()
-    print(f"demo first build: {_cpu_model()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}, "
+    print(f"demo first build: {cpu_model()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)  # fmt: skip
     trees = [(ROOT, "this checkout")] + ([(a.before.resolve(), f"before ({a.before})")] if a.before else [])
     for i in range(a.runs):

@@ -42,13 +42,14 @@ import importlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from mopt_ml.benchworker import POINT
 
 #: how the worker opens a generator ("module:function"); tests point it at a fake
 GENERATOR_OPEN = "mopt_ml.genruntime:open_generator"
@@ -271,7 +272,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             st.update({"prompt_len": len(prompts[0]), "output_len": n})
             steps.append(st)
             print(
-                f"{spec['label']} {spec['mode']} {step}: TTFT p50 {st['ttft_ms']['p50']:.1f} ms, "
+                f"{POINT}{spec['label']} {spec['mode']} {step}: TTFT p50 {st['ttft_ms']['p50']:.1f} ms, "
                 f"ITL p50 {(st['itl_ms']['p50'] or 0):.2f} ms, {st['output_tok_s']:.1f} tok/s "
                 f"({st['samples']} samples{'' if st['stable'] else ', not stable'})",
                 file=sys.stderr,
@@ -302,36 +303,10 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_worker(spec: dict[str, Any], tmp: Path, log: Any) -> dict[str, Any]:
-    """`run(spec)` in a fresh process (thread settings and peak memory of one backend do
-    not leak into another's)."""
-    name = spec["label"].replace(" ", "_").replace("/", "_")
-    spec_path, out_path = tmp / f"{name}.genspec.json", tmp / f"{name}.genresult.json"
-    spec_path.write_text(json.dumps(spec))
-    env = dict(os.environ)
-    if spec.get("threads"):
-        t = str(spec["threads"])
-        env.update({"OMP_NUM_THREADS": t, "MKL_NUM_THREADS": t})
-    env["TOKENIZERS_PARALLELISM"] = "false"
-    t0 = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-m", "mopt_ml.genbench", str(spec_path), str(out_path)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        errors="replace",
-    )
-    for line in proc.stdout.splitlines():
-        if line.startswith(spec["label"] + " "):
-            log(line)
-    if proc.returncode != 0:
-        tail = "\n".join(proc.stdout.splitlines()[-15:])
-        raise RuntimeError(
-            f"generation benchmark worker for {spec['label']} failed (exit {proc.returncode}):\n{tail}"
-        )
-    result: dict[str, Any] = json.loads(out_path.read_text())
-    result["process_seconds"] = round(time.perf_counter() - t0, 3)
-    return result
+    """`run(spec)` in a fresh process (`timing._run_worker`), a line per finished step live."""
+    from mopt_ml.timing import _run_worker
+
+    return _run_worker(spec, tmp, log, module="mopt_ml.genbench", files="gen")
 
 
 # --------------------------------------------------------------------------- the kind's action

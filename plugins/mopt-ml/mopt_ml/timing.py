@@ -64,18 +64,24 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def _run_worker(spec: dict[str, Any], tmp: Path, log: Any) -> dict[str, Any]:
+def _run_worker(
+    spec: dict[str, Any], tmp: Path, log: Any, *, module: str = "mopt_ml.benchworker", files: str = ""
+) -> dict[str, Any]:
+    """`python -m <module> SPEC OUT` in a fresh process (thread settings and peak memory of
+    one backend do not leak into another's), its finished points logged live as progress;
+    `files`: a prefix of the spec and result file names (the generation bench: "gen")."""
     name = spec["label"].replace(" ", "_").replace("/", "_")
-    spec_path = tmp / f"{name}.spec.json"
-    out_path = tmp / f"{name}.result.json"
+    spec_path = tmp / f"{name}.{files}spec.json"
+    out_path = tmp / f"{name}.{files}result.json"
     spec_path.write_text(json.dumps(spec))
-    env = dict(os.environ)
-    threads = str(spec["threads"])
-    env.update({"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"})
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    if spec.get("threads"):
+        threads = str(spec["threads"])
+        env.update({"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads})
     t0 = time.perf_counter()
     lines: list[str] = []
     with subprocess.Popen(
-        [sys.executable, "-m", "mopt_ml.benchworker", str(spec_path), str(out_path)],
+        [sys.executable, "-m", module, str(spec_path), str(out_path)],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
