@@ -504,7 +504,10 @@ LOG_PATTERNS: dict[str, str] = {
     "gpu_memory_utilization": r"gpu_memory_utilization=([\d.]+)",
     "max_num_batched_tokens": r"max_num_batched_tokens=(\d+)",
     "max_num_seqs": r"max_num_seqs=(\d+)",
-    "compile_cache_hit": r"(Directly load the compiled graph|Loading compiled graph|from the cache)",
+    "compile_cache_hit": r"(Directly load AOT compilation|Directly load the compiled graph|Loading compiled graph)",
+    "compiled_now": r"(Compiling a graph for compile range)",
+    "dynamo_s": r"Dynamo bytecode transform time: ([\d.]+) s",
+    "profile_run_s": r"Initial profiling/warmup run took ([\d.]+) s",
 }
 
 
@@ -516,7 +519,7 @@ def parse_vllm_log(text: str) -> dict[str, Any]:
         if not m:
             continue
         raw = m.group(1).replace(",", "")
-        if key == "compile_cache_hit":
+        if key in ("compile_cache_hit", "compiled_now"):
             out[key] = True
         elif re.fullmatch(r"\d+", raw):
             out[key] = int(raw)

@@ -1,6 +1,9 @@
 """A tiny OpenAI-embeddings-compatible server for the CPU tests of serve-check's checks:
 /health, /v1/models, /v1/embeddings (a deterministic vector per text, `usage.prompt_tokens`
-= words), /metrics (Prometheus text). `python fake_openai_server.py PORT [DELAY_S]`."""
+= words), /metrics (Prometheus text). `python fake_openai_server.py PORT [DELAY_S [KNEE SLOW_S]]`: with KNEE,
+a request that arrives while more than KNEE requests are in flight (itself included) takes
+SLOW_S instead of DELAY_S, so a closed loop's p99 breaks an SLO between them exactly above
+concurrency KNEE (the knee of the serving search's tests)."""
 
 from __future__ import annotations
 
@@ -8,11 +11,16 @@ import hashlib
 import json
 import socket
 import sys
+import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 MODEL = "fake-model"
 COUNT = {"prompt_tokens": 0, "requests": 0}
+INFLIGHT = [0]
+LOCK = threading.Lock()
+KNEE: int | None = None
+SLOW = 0.0
 
 
 def vector(text: str, dim: int = 8) -> list[float]:
@@ -58,7 +66,14 @@ class Handler(BaseHTTPRequestHandler):
         if self.path != "/v1/embeddings" or body.get("model") != MODEL:
             self._send(404, json.dumps({"error": "unknown model or path"}).encode())
             return
-        time.sleep(DELAY)
+        with LOCK:
+            INFLIGHT[0] += 1
+            busy = INFLIGHT[0]
+        try:
+            time.sleep(SLOW if KNEE is not None and busy > KNEE else DELAY)
+        finally:
+            with LOCK:
+                INFLIGHT[0] -= 1
         texts = body["input"] if isinstance(body["input"], list) else [body["input"]]
         toks = sum(len(t.split()) for t in texts)
         COUNT["prompt_tokens"] += toks
@@ -69,4 +84,7 @@ class Handler(BaseHTTPRequestHandler):
 
 if __name__ == "__main__":
     DELAY = float(sys.argv[2]) if len(sys.argv) > 2 else 0.0
+    if len(sys.argv) > 4:
+        KNEE, SLOW = int(sys.argv[3]), float(sys.argv[4])
+    ThreadingHTTPServer.request_queue_size = 256
     ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()

@@ -1,0 +1,314 @@
+"""serve-search on CPU: the p99 interval, the knee search, screening, the decision and the
+prediction as functions; then the whole search (check, screen, knee, decide, history) against
+fake OpenAI-compatible servers whose latency jumps above a known concurrency, so each knee is
+known in advance."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from mopt_serve import search as S
+from mopt_serve.loadgen import closed_loop, text_maker
+from mopt_serve.serve_check import free_port, wait_healthy
+from mopt_serve.serve_search import (
+    Config,
+    ServeSearchKind,
+    append_history,
+    plot,
+    prediction_errors,
+    read_history,
+    search_configs,
+    selection_doc,
+    summary,
+    vs_baseline,
+)
+
+FAKE = Path(__file__).with_name("fake_openai_server.py")
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def test_the_p99_interval_covers_the_true_p99_at_its_confidence():
+    rng = random.Random(7)
+    true_p99 = -math.log(0.01)  # exponential(1)
+    covered = 0
+    trials = 400
+    for _ in range(trials):
+        xs = sorted(rng.expovariate(1.0) for _ in range(1000))
+        lo, hi = S.quantile_interval(xs, 0.99, 0.95)
+        assert lo is not None and hi is not None and lo <= S.percentile(xs, 99) <= hi
+        covered += lo <= true_p99 <= hi
+    assert 0.92 <= covered / trials <= 0.99, covered / trials
+
+
+def test_too_few_requests_leave_the_p99_unbounded_or_clipped():
+    xs = sorted(float(i) for i in range(200))
+    assert S.quantile_interval(xs, 0.99, 0.95)[1] is None
+    assert S.quantile_interval(xs, 0.99, 0.95, clip=True)[1] == 199.0
+    reqs = [S.Request(0.01 * (i % 50 + 1), i * 0.01, 10) for i in range(200)]
+    st = S.step_stats(4, reqs, 2.0, 400.0)
+    assert not st.p99_bounded and st.p99_ci_ms[1] == pytest.approx(500.0)
+
+
+def test_step_statistics_goodput_attainment_and_throughput_interval():
+    # 6 clients, 1000 requests over 10 s: 900 at 50 ms, 100 at 150 ms (mean 60 ms: 6 / 0.06 =
+    # 100 requests/s, as the clock says), 20 tokens each
+    reqs = [S.Request(0.05 if i % 10 else 0.15, i * 0.01, 20) for i in range(1000)]
+    reqs.append(S.Request(1.0, 5.0, 0, ok=False))
+    st = S.step_stats(6, reqs, 10.0, 100.0)
+    assert (st.requests, st.completed, st.errors) == (1001, 1000, 1)
+    assert st.tokens_per_s == pytest.approx(2000.0)
+    lo, hi = st.tokens_per_s_ci
+    assert lo <= 2000.0 <= hi and hi - lo < 50
+    assert st.goodput_rps == pytest.approx(90.0) and st.slo_attainment == pytest.approx(900 / 1001)
+    assert st.p99_ms == pytest.approx(150.0) and not st.meets  # a failed request: not met
+    back = S.StepStats.from_json(json.loads(json.dumps(st.to_json())))
+    assert back == st
+
+
+# --------------------------------------------------------------------------- the knee search
+
+
+def fake_measure(knee_c: int, slo: float = 100.0, log: list[tuple[int, str]] | None = None):
+    """Steps whose p99 is 50 ms up to `knee_c` clients and 200 ms above; 1000 requests each."""
+
+    def measure(c: int, phase: str) -> S.StepStats:
+        if log is not None:
+            log.append((c, phase))
+        lat = 0.05 if c <= knee_c else 0.2
+        reqs = [S.Request(lat, (i + 1) * 10.0 / 1000, 100) for i in range(1000)]
+        return S.step_stats(c, reqs, 10.0, slo, phase=phase)
+
+    return measure
+
+
+@pytest.mark.parametrize(("knee_c", "start"), [(37, 8), (37, 64), (5, 8), (1, 4), (100, 100), (300, 16)])
+def test_the_search_finds_the_knee_to_its_resolution(knee_c, start):
+    log: list[tuple[int, str]] = []
+    k, steps = S.search_knee(fake_measure(knee_c, log=log), start, resolution=0.1, max_concurrency=512)
+    assert k.concurrency is not None and k.concurrency <= knee_c
+    assert k.broke_at is not None and k.broke_at > knee_c
+    assert (k.broke_at - k.concurrency) <= max(1, 0.1 * k.concurrency)
+    assert len(log) == len({c for c, _ in log}) == k.steps == len(steps)  # no load measured twice
+    assert log[0] == (start, "screen")
+    assert k.tokens_per_s_ci[0] <= k.tokens_per_s <= k.tokens_per_s_ci[1]
+    assert len(log) <= 2 * math.log2(512) + 2  # doubling + bisection, not a grid
+
+
+def test_no_knee_and_a_knee_beyond_the_largest_load():
+    none, steps = S.search_knee(fake_measure(0), 8, max_concurrency=64)
+    assert none.concurrency is None and [s.concurrency for s in steps] == [1, 2, 4, 8]
+    assert "even at concurrency 1" in none.why
+    top, steps = S.search_knee(fake_measure(1000), 8, max_concurrency=64)
+    assert top.concurrency == 64 and top.broke_at is None and "never broke" in top.why
+
+
+def test_the_screening_step_is_reused():
+    first = fake_measure(37)(16, "screen")
+    log: list[tuple[int, str]] = []
+    k, _ = S.search_knee(fake_measure(37, log=log), 999, first=first)
+    assert (16, "screen") not in log and log[0] == (32, "up") and k.concurrency in (36, 37)
+
+
+# --------------------------------------------------------------------------- screening, deciding
+
+
+def _step(p99_ms: float, n: int = 1000, c: int = 8) -> S.StepStats:
+    rng = random.Random(int(p99_ms))
+    reqs = [S.Request(p99_ms / 1000 * (0.5 + 0.5 * rng.random()) / 0.995, i * 0.01, 10) for i in range(n)]
+    return S.step_stats(c, reqs, 10.0, 100.0)
+
+
+def test_screening_keeps_the_close_and_drops_the_clearly_worse():
+    best = _step(60)
+    assert S.screen_leader(best, None, 0.05)[0]
+    assert S.screen_leader(_step(61), best, 0.05)[0]
+    out, why = S.screen_leader(_step(120), best, 0.05)
+    assert not out and why.startswith("screened out") and "c=8" in why
+
+
+def _knee(tps: float, lo: float, hi: float) -> S.Knee:
+    return S.Knee(8, 9, tps, (lo, hi), tps / 100, 90.0, tps / 100, 0.1, 5)
+
+
+def test_decide_declares_a_winner_only_beyond_the_band():
+    a, b = S.Contender("a", _knee(200, 190, 210), (0, 0)), S.Contender("b", _knee(100, 95, 105), (0, 1))
+    v = S.decide([b, a], 0.05)
+    assert (v.winner, v.tie, v.runner_up) == ("a", False, "b")
+    assert v.ratio == pytest.approx(2.0) and v.ratio_ci == pytest.approx((190 / 105, 210 / 95))
+    # overlapping intervals: a tie, broken by the order (accuracy, then recipe order)
+    c = S.Contender("c", _knee(195, 185, 205), (-1.0, 2))
+    v = S.decide([a, c, b], 0.05)
+    assert v.tie and v.leader == "a" and v.winner == "c" and set(v.tied) == {"a", "c"} and "tie" in v.why
+    assert S.decide([], 0.05).winner is None
+
+
+def test_against_a_baseline_without_a_knee_the_comparison_is_at_equal_load():
+    from mopt_serve.serve_search import Result
+
+    w = Result("w", knee=_knee(200, 190, 210), screen=_step(60))
+    b = Result(
+        "b", knee=S.Knee(None, 4, None, None, None, None, None, math.nan, 3, "p99 above"), screen=_step(150)
+    )
+    v = vs_baseline({"w": w, "b": b}, "w", "b")
+    assert v["basis"] == "equal load (concurrency 8)" and "no knee" in v["why"] and v["ratio"] is not None
+    both = vs_baseline({"w": w, "b": Result("b", knee=_knee(100, 95, 105))}, "w", "b")
+    assert both["basis"] == "knee" and both["ratio"] == pytest.approx(2.0)
+
+
+# --------------------------------------------------------------------------- prediction
+
+
+W = S.Workload(input_len=256, texts_per_request=1, params=6e8, weight_bytes=1.2e9, slo_p99_ms=100.0)
+H200 = S.Profile(fp16_tflops=989.0, bandwidth_gbps=4800.0)
+
+
+def test_the_prediction_without_history_uses_the_prior_and_is_monotone():
+    pr = S.predict({"max_num_seqs": None}, W, H200)
+    assert pr.source.startswith("model with prior constants")
+    lat = [pr.latency_ms_at[c] for c in sorted(pr.latency_ms_at)]
+    assert lat == sorted(lat)
+    k = pr.knee_concurrency
+    assert k is not None
+
+    def p99_ms(c: int) -> float:
+        return (
+            (pr.overhead_s + pr.per_request_s * c + S.gpu_seconds(c, W, H200, None, None))
+            * S.P99_OVER_MEAN
+            * 1000
+        )
+
+    assert p99_ms(k) <= 100.0 < p99_ms(k + 1)  # the largest load the model says meets the SLO
+    # a config that batches fewer tokens per engine step needs more steps: no better knee
+    small = S.predict({"max_num_batched_tokens": 512, "max_num_seqs": 2}, W, H200)
+    assert (small.knee_concurrency or 0) <= (k or 0)
+
+
+def test_history_fits_the_overheads_and_a_measured_config_predicts_itself():
+    # measured: mean latency 20 ms + 3 ms per client + the engine's roofline time
+    pts = [[c, 0.020 + 0.003 * c + S.gpu_seconds(c, W, H200, None, 32)] for c in (4, 8, 16)]
+    hist = [{"config_key": S.config_key({"max_num_seqs": 32}), "config": {"max_num_seqs": 32},
+             "knee_concurrency": 14, "points": pts}]  # fmt: skip
+    other = S.predict({"max_num_seqs": 256}, W, H200, hist)
+    assert other.source == "model fitted to 3 measured steps"
+    assert other.overhead_s == pytest.approx(0.020, abs=2e-3) and other.per_request_s == pytest.approx(
+        0.003, abs=3e-4
+    )
+    # p99 = 1.5 x mean <= 100 ms: 0.02 + 0.003 c + gpu(c) <= 0.0667 -> c about 14
+    assert other.knee_concurrency in (13, 14, 15)
+    own = S.predict({"max_num_seqs": 32}, W, H200, hist)
+    assert own.knee_concurrency == 14 and own.source == "history: this config measured 1x"
+
+
+# --------------------------------------------------------------------------- the whole search
+
+
+@contextlib.contextmanager
+def fake_server(tmp: Path, knee_c: int) -> Iterator[Any]:
+    port = free_port()
+    log = tmp / f"fake-{port}.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([sys.executable, str(FAKE), str(port), "0.04", str(knee_c), "0.3"],
+                                stdout=f, stderr=subprocess.STDOUT)  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        t = wait_healthy(base, lambda: proc.poll() is None, 30, lambda: log.read_text())
+        yield SimpleNamespace(base_url=base, startup_s=t, log_path=log, pid=None, model="fake-model")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def params(**kw: Any) -> Any:
+    base = {
+        "screen_concurrency": 4, "min_requests": 100, "min_step_s": 0.3, "max_step_s": 1.5,
+        "max_requests": 2000, "warmup_requests": 4, "resolution": 0.1, "max_concurrency": 64,
+    }  # fmt: skip
+    return ServeSearchKind.Params(**{**base, **kw})
+
+
+def test_the_whole_search_against_servers_with_known_knees(tmp_path):
+    knees = {"defaults": 6, "tuned": 12, "slow": 3, "broken": 8}
+    cfgs = [
+        Config(
+            name,
+            tmp_path,
+            tmp_path,
+            {"defaults": name == "defaults", "max_num_seqs": i},
+            i,
+            quantized=False,
+            baseline=name == "defaults",
+        )
+        for i, name in enumerate(knees)
+    ]
+    for c in cfgs:
+        c.prediction = S.predict(c.meta, W, H200)
+    make = text_maker(None, 16, 0.5)
+    lines: list[str] = []
+    p = params()
+
+    def check(server: Any, cfg: Config) -> tuple[float, float, list[str]]:
+        return (0.5, 0.6, ["min cosine 0.5 < 0.999"]) if cfg.label == "broken" else (0.9999, 0.99995, [])
+
+    results, verdict, versus = search_configs(
+        cfgs, lambda c: fake_server(tmp_path, knees[c.label]), check, p,
+        lambda c: [make(random.Random(c * 1000 + i)) for i in range(400)], lines.append, lines.append,
+    )  # fmt: skip
+    by = {r.label: r for r in results}
+    assert by["defaults"].knee.concurrency == 6 and by["defaults"].knee.broke_at == 7
+    assert by["tuned"].knee.concurrency == 12 and by["tuned"].knee.broke_at == 13
+    # screened at c=4: "slow" (knee 3) is clearly worse there and never searched
+    assert by["slow"].status == "screened-out" and by["slow"].knee is None and len(by["slow"].steps) == 1
+    assert by["broken"].status == "excluded" and "min cosine" in by["broken"].why and not by["broken"].steps
+    assert verdict.winner == "tuned" and not verdict.tie and verdict.ratio_ci[0] > 1.05
+    assert by["tuned"].status == "winner" and by["defaults"].status == "lost"
+    assert versus["basis"] == "knee" and versus["ratio_ci"][0] > 1.3 and versus["ratio"] > 1.5
+    st = by["tuned"].screen
+    assert st.phase == "screen" and st.concurrency == 4 and st.slo_attainment == 1.0 and st.goodput_rps > 0
+    assert any("knee c=12" in x for x in lines) and any("screened out" in x for x in lines)
+
+    # what the kind writes from it: selection, summary, plot, history, prediction errors
+    doc = {"slo_p99_ms": 100.0, "wall_s": 1.0, "decision": verdict.to_json(), "vs_baseline": versus,
+           "configs": [r.to_json() for r in results]}  # fmt: skip
+    sel = selection_doc(json.loads(json.dumps(doc)), verdict)
+    assert sel["winner"] == "tuned" and sel["ratio_basis"] == "knee"
+    assert {v["label"]: v["knee_concurrency"] for v in sel["variants"]}["defaults"] == 6
+    text = "\n".join(summary(doc))
+    assert "decided:" in text and "vs baseline defaults (knee)" in text
+    assert "<svg" in plot(results, 100.0, "tuned")
+    errs = {e["label"]: e for e in prediction_errors(results)}
+    assert errs["tuned"]["measured"] == 12 and errs["slow"]["measured"] is None
+    hist = tmp_path / "history.jsonl"
+    fp = {"gpu_name": "fake", "vllm": "0"}
+    append_history(hist, results, cfgs, fp, "m", W)
+    hist.open("a").write("{torn")
+    got = read_history(hist, gpu="fake", vllm="0", model="m")
+    assert {h["label"] for h in got} == {"defaults", "tuned", "slow"}
+    assert read_history(hist, gpu="other", vllm="0", model="m") == []
+    # the next search ranks from what was measured
+    again = S.predict(cfgs[1].meta, W, H200, got)
+    assert again.knee_concurrency == 12 and again.source.startswith("history")
+
+
+def test_closed_loop_counts_every_request_and_failure(tmp_path):
+    with fake_server(tmp_path, 100) as srv:
+        t = time.monotonic()
+        reqs, dur, err = closed_loop(srv.base_url, "fake-model", ["a b c"] * 10, 3, min_requests=50,
+                                     min_s=0.2, max_s=5, max_requests=60, warmup=3)  # fmt: skip
+        assert 50 <= len(reqs) <= 60 and all(r.ok and r.tokens == 3 for r in reqs) and err == ""
+        assert 0.2 <= dur <= time.monotonic() - t
+        bad, _, err = closed_loop(srv.base_url, "no-such-model", ["x"], 2, min_requests=5, min_s=0,
+                                  max_s=5, max_requests=5)  # fmt: skip
+        assert len(bad) == 5 and not any(r.ok for r in bad) and "HTTP 404" in err
