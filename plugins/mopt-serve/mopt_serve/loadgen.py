@@ -30,8 +30,8 @@ from mopt_serve.search import Request
 
 def text_maker(
     tokenizer_dir: str | None, input_len: int, range_ratio: float
-) -> Callable[[random.Random], str]:
-    """A function of an RNG returning one text of about `input_len` tokens."""
+) -> Callable[[random.Random, int], list[str]]:
+    """A function of (RNG, n) returning n texts of about `input_len` tokens each."""
     tok: Any = None
     vocab: list[int] = []
     if tokenizer_dir:
@@ -47,11 +47,11 @@ def text_maker(
     hi = max(lo, int(input_len * (1 + range_ratio)))
     words = ("alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "lambda")
 
-    def make(rng: random.Random) -> str:
-        k = rng.randint(lo, hi)
+    def make(rng: random.Random, n: int) -> list[str]:
+        lens = [rng.randint(lo, hi) for _ in range(n)]
         if tok is not None:
-            return str(tok.decode([rng.choice(vocab) for _ in range(k)]))
-        return " ".join(rng.choice(words) for _ in range(k))
+            return [str(t) for t in tok.batch_decode([rng.choices(vocab, k=k) for k in lens])]
+        return [" ".join(rng.choices(words, k=k)) for k in lens]
 
     return make
 

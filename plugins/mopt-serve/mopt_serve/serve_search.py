@@ -333,8 +333,8 @@ class ServeSearchKind(TargetKind):
             default=800, ge=10, description="per step (>= ~730 for an upper bound on the p99 at 95%)"
         )
         min_step_s: float = Field(default=4.0, ge=0, description="per step, at least")
-        max_step_s: float = Field(default=20.0, gt=0, description="per step, at most")
-        max_requests: int = Field(default=6000, ge=10)
+        max_step_s: float = Field(default=15.0, gt=0, description="per step, at most")
+        max_requests: int = Field(default=4000, ge=10, description="per step, at most")
         warmup_requests: int = Field(
             default=64, ge=0, description="per step, not timed (at most 4 per client)"
         )
@@ -409,8 +409,7 @@ class ServeSearchKind(TargetKind):
         def texts_for(c: int) -> list[str]:
             # the same texts for every config at one load, none repeated within a step (the
             # prefix cache would answer a repeat)
-            rng = random.Random(1000 + c)
-            return [make(rng) for _ in range(p.max_requests + p.warmup_requests)]
+            return make(random.Random(1000 + c), p.max_requests + p.warmup_requests)
 
         @contextlib.contextmanager
         def launch(cfg: Config) -> Iterator[Any]:

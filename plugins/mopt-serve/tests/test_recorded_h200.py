@@ -320,8 +320,9 @@ def test_the_load_test_worker_imports_the_real_vllm_not_the_plugins_module(tmp_p
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_the_h200_serving_recipe_builds_and_a_rebuild_starts_no_server(tmp_path):
-    """`mopt build recipes/h200-serve.toml` with vLLM and ModelOpt on a GPU (nox -s gpu): six
-    servers, ~15 minutes on an H200; then a no-op rebuild, which must run nothing."""
+    """`mopt build recipes/h200-serve.toml` with vLLM and ModelOpt on a GPU (nox -s gpu), at the
+    default -j: six configs, each started once by serve-search (~15 minutes on an H200); then a
+    no-op rebuild, which must run nothing."""
     pytest.importorskip("vllm", reason="needs vLLM and a CUDA GPU")
     pytest.importorskip("modelopt", reason="needs nvidia-modelopt")
     if not _env.gpus():
@@ -329,11 +330,14 @@ def test_the_h200_serving_recipe_builds_and_a_rebuild_starts_no_server(tmp_path)
     proj = tmp_path / "p"
     shutil.copytree(ROOT / "recipes", proj / "recipes")
     shutil.copy(ROOT / "mopt.toml", proj / "mopt.toml")
-    build = [sys.executable, "-m", "mopt", "build", "-j", "1", "recipes/h200-serve.toml", "--json"]
+    build = [sys.executable, "-m", "mopt", "build", "recipes/h200-serve.toml", "--json"]
     first = subprocess.run(build, cwd=proj, capture_output=True, text=True, timeout=3600)
     assert first.returncode == 0, first.stderr[-3000:]
-    sel = json.loads((proj / "build/qwen3-shape/h200/best/selection.json").read_text())
-    assert sel["winner"] and sel["ratio_vs_baseline"] is not None
+    best = proj / "build/qwen3-shape/h200/best"
+    sel = json.loads((best / "selection.json").read_text())
+    doc = json.loads((best / "search.json").read_text())
+    assert sel["winner"] and len(doc["configs"]) == 6
+    assert all(c["startup_s"] for c in doc["configs"] if c["status"] != "excluded")
     again = subprocess.run(build, cwd=proj, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0
     counts = json.loads(again.stdout)["counts"]

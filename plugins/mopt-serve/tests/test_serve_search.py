@@ -264,7 +264,7 @@ def test_the_whole_search_against_servers_with_known_knees(tmp_path):
 
     results, verdict, versus = search_configs(
         cfgs, lambda c: fake_server(tmp_path, knees[c.label]), check, p,
-        lambda c: [make(random.Random(c * 1000 + i)) for i in range(400)], lines.append, lines.append,
+        lambda c: make(random.Random(c), 400), lines.append, lines.append,
     )  # fmt: skip
     by = {r.label: r for r in results}
     assert by["defaults"].knee.concurrency == 6 and by["defaults"].knee.broke_at == 7
