@@ -489,6 +489,8 @@ class ServeSearchKind(TargetKind):
             "ratio_vs_baseline_ci": versus["ratio_ci"],
             "slo_p99_ms": p.slo_p99_ms,
             "search_s": round(total_s, 1),
+            "eligible": sum(1 for r in results if r.status in ("winner", "lost")),
+            "variants": len(results) + len(unbuilt),
             "verdicts": {
                 r.label: {"status": r.status if r.status != "screened-out" else "lost", "why": r.why}
                 for r in [*results, *unbuilt]

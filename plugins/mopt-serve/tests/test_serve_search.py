@@ -312,3 +312,90 @@ def test_closed_loop_counts_every_request_and_failure(tmp_path):
         bad, _, err = closed_loop(srv.base_url, "no-such-model", ["x"], 2, min_requests=5, min_s=0,
                                   max_s=5, max_requests=5)  # fmt: skip
         assert len(bad) == 5 and not any(r.ok for r in bad) and "HTTP 404" in err
+
+
+# --------------------------------------------------------------------------- the kind's run(), vLLM faked
+
+
+def test_the_kind_runs_the_search_and_writes_its_files(tmp_path, monkeypatch):
+    """run() end to end with vLLM's launch replaced by fake servers (knees 6 and 12) and the
+    fp32 reference by the fake server's own vectors: configs matched to their models, the model
+    served from its digest-named path, the files written, the history appended and read back."""
+    import mopt_serve.serve_search as SS
+    from fake_openai_server import vector
+    from mopt.api import Artifact, HardwareProfile, Missing
+
+    weights = tmp_path / "in" / "weights"
+    weights.mkdir(parents=True)
+    (weights / "model.safetensors").write_bytes(b"\0" * 4096)
+    (weights / "config.json").write_text("{}")
+    serves = {}
+    for name in ("vllm", "vllm-tuned@s=32"):
+        d = tmp_path / "in" / name
+        d.mkdir()
+        (d / "args.json").write_text(
+            json.dumps({"argv": ["vllm", "serve", "{model}", "--config", "{here}/vllm.yaml"]})
+        )
+        (d / "vllm.yaml").write_text(f"# {name}\n")
+        serves[name] = d
+    knees = {"vllm": 6, "vllm-tuned@s=32": 12}
+    seen: list[list[str]] = []
+
+    @contextlib.contextmanager
+    def fake_vllm(argv, log_path, *, port, startup_timeout_s, env=None):
+        seen.append(argv)
+        assert env["VLLM_CACHE_ROOT"].endswith("vllm") and "TRITON_CACHE_DIR" in env
+        label = next(k for k, d in serves.items() if f"{d}/vllm.yaml" in argv)
+        with fake_server(tmp_path, knees[label]) as srv:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            log_path.write_text(
+                "INFO torch.compile took 12.5 s in total\nDirectly load AOT compilation from path x\n"
+            )
+            srv.log_path = log_path
+            yield srv
+
+    monkeypatch.setattr(SS, "local_vllm", fake_vllm)
+    monkeypatch.setattr(SS._env, "has_module", lambda name: True)
+    monkeypatch.setattr(SS._env, "require_gpu", lambda *a, **k: {})
+    monkeypatch.setattr(SS, "reference_embeddings", lambda path, fam, texts, n: [vector(t) for t in texts])
+    meta = {"served_model_name": "fake-model", "model_target": "weights"}
+    ctx = SimpleNamespace(
+        params=params(texts=None, num_texts=8, min_cosine=0.999),
+        inputs={
+            "candidates": [
+                Artifact(serves["vllm"], "vllm", "vllm", "d1", meta | {"defaults": True}, label="vllm"),
+                Artifact(serves["vllm-tuned@s=32"], "vllm", "vllm-tuned", "d2", meta | {"max_num_seqs": 32},
+                         label="vllm-tuned@s=32"),
+            ],
+            "model": [Artifact(weights, "weights", "weights", "b3" * 32)],
+            "reference": [Artifact(weights, "weights", "weights", "b3" * 32)],
+        },
+        missing={"candidates": [Missing("vllm-fp8", "vllm", "failed", "boom")]},
+        cache_dir=tmp_path / "cache", out=tmp_path / "out", tmp=tmp_path / "tmp", project_dir=tmp_path,
+        family=None, task="embedding", section="m.h200", model_name="m", target="best",
+        hardware=HardwareProfile(name="h200", description="x", fp16_tflops=989.0, bandwidth_gbps=4800.0),
+        log=lambda m: None, progress=lambda m: None,
+    )  # fmt: skip
+    ctx.input = lambda slot: ctx.inputs[slot][0]
+    ctx.out.mkdir()
+    res = SS.ServeSearchKind().run(ctx)
+    assert res["winner"] == "vllm-tuned@s=32" and res["baseline"] == "vllm" and not res["tie"]
+    assert res["ratio_vs_baseline"] > 1.5 and res["ratio_vs_baseline_ci"][0] > 1.05
+    assert res["verdicts"]["vllm-fp8"]["status"] == "unbuilt" and (res["eligible"], res["variants"]) == (2, 3)
+    model_dir = ctx.cache_dir / "models" / ("b3" * 12)
+    assert all(str(model_dir) in argv for argv in seen) and (model_dir / "model.safetensors").is_file()
+    files = {f.name for f in ctx.out.iterdir()}
+    assert {"search.json", "selection.json", "serving.svg", "args.json", "vllm.yaml"} <= files
+    assert (ctx.out / "vllm.yaml").read_text() == "# vllm-tuned@s=32\n"  # the winner's config
+    doc = json.loads((ctx.out / "search.json").read_text())
+    by = {c["label"]: c for c in doc["configs"]}
+    assert by["vllm"]["knee"]["concurrency"] == 6 and by["vllm-tuned@s=32"]["knee"]["concurrency"] == 12
+    assert by["vllm"]["vllm_log"] == {"torch_compile_s": 12.5, "compile_cache_hit": True}
+    assert by["vllm"]["min_cosine"] == pytest.approx(1.0) and by["vllm"]["startup_s"] is not None
+    assert doc["prediction_errors"][0]["source"].startswith("model with prior constants")
+    # the second search predicts from the first's measurements
+    hist = SS.read_history(ctx.cache_dir / "history.jsonl", gpu=doc["fingerprint"].get("gpu_name", ""),
+                           vllm=doc["fingerprint"]["vllm"], model="b3" * 32)  # fmt: skip
+    assert {h["label"] for h in hist} == {"vllm", "vllm-tuned@s=32"}
+    again = S.predict(ctx.inputs["candidates"][1].meta, S.Workload(256, 1, 1e3, 2e3, 100.0), H200, hist)
+    assert again.knee_concurrency == 12
