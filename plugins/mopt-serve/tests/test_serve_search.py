@@ -323,6 +323,7 @@ def test_the_kind_runs_the_search_and_writes_its_files(tmp_path, monkeypatch):
     served from its digest-named path, the files written, the history appended and read back."""
     import mopt_serve.serve_search as SS
     from fake_openai_server import vector
+
     from mopt.api import Artifact, HardwareProfile, Missing
 
     weights = tmp_path / "in" / "weights"
