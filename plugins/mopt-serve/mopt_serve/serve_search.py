@@ -127,7 +127,7 @@ def search_configs(
     screen_c = p.screen_concurrency or _screen_point(configs, p)
     log(f"screening load: concurrency {screen_c}; SLO p99 <= {p.slo_p99_ms} ms")
     for cfg in _ordered(configs):
-        res = results[cfg.label] = Result(cfg.label, config=_config_view(cfg.meta))
+        res = results[cfg.label] = Result(cfg.label, config=_config_view(cfg.meta) | {"model_dir": str(cfg.model_dir)})
         res.predicted = cfg.prediction.to_json() if cfg.prediction else None
         t_wall = time.monotonic()
         try:
