@@ -311,14 +311,19 @@ class Store:
         if stat.S_ISREG(st.st_mode):
             try:
                 ok = self.state.digest_of(path, st) == digest
-                if not ok:
-                    # Never condemn a blob on the stat cache's word alone: a wrong row
-                    # (restored backup, clock skew) must not delete intact bytes.
+            except OSError:
+                # the stat cache gave up: the stat kept moving while it read (siblings linking
+                # the blob into their inputs move its ctime); the bytes decide below
+                ok = False
+            if not ok:
+                # Never condemn a blob on the stat cache's word alone: a wrong row
+                # (restored backup, clock skew) must not delete intact bytes.
+                try:
                     ok = hash_file(path) == digest
                     if ok:
                         self.state.record(path, st, digest)
-            except OSError:
-                ok = False
+                except OSError:
+                    ok = False
         if ok and st.st_mode & 0o222 and repair and not self.read_only:
             with suppress(OSError):
                 os.chmod(path, 0o444)

@@ -160,3 +160,23 @@ def test_quick_and_slow_consumers_of_one_large_output_build_in_parallel(tmp_path
         for i in range(6):
             out = (tmp_path / "build" / "toy" / "cpu" / f"quick{i}" / "o").read_text().split()
             assert out == [str(round_), str(size)]
+
+
+def test_a_blob_whose_stat_keeps_moving_is_judged_by_its_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`Store.intact_stat` on a blob siblings keep linking: the stat cache gives up ("kept
+    changing"), and the blob is rehashed, not condemned and removed; damaged bytes still are."""
+    from mopt.store import Store
+
+    store = Store(tmp_path / "store")
+    digest = store.put_bytes(b"x" * 4096)
+
+    def gives_up(path: str, st: object) -> str:
+        raise OSError(f"{path} kept changing while being hashed")
+
+    monkeypatch.setattr(store.state, "digest_of", gives_up)
+    assert store.intact_stat(digest) is not None
+    assert Path(store.blob_str(digest)).is_file()
+    blob = Path(store.blob_str(digest))
+    blob.chmod(0o644)
+    blob.write_bytes(b"y" * 4096)
+    assert store.intact_stat(digest) is None and not blob.exists()
