@@ -162,7 +162,9 @@ def test_quick_and_slow_consumers_of_one_large_output_build_in_parallel(tmp_path
             assert out == [str(round_), str(size)]
 
 
-def test_a_blob_whose_stat_keeps_moving_is_judged_by_its_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_blob_whose_stat_keeps_moving_is_judged_by_its_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`Store.intact_stat` on a blob siblings keep linking: the stat cache gives up ("kept
     changing"), and the blob is rehashed, not condemned and removed; damaged bytes still are."""
     from mopt.store import Store
