@@ -46,9 +46,10 @@ def _outcome(st: Any) -> str:
 class LineReporter:
     """One line per finished action (logs, CI, pipes)."""
 
-    def __init__(self, stream: Any, quiet: bool = False) -> None:
+    def __init__(self, stream: Any, quiet: bool = False, progress: bool | None = None) -> None:
         self.stream = stream
         self.quiet = quiet
+        self.show_progress = not quiet if progress is None else progress
         self.total = 0
         self.n = 0
 
@@ -71,7 +72,7 @@ class LineReporter:
             self.stream.flush()
 
     def progress(self, st: Any, msg: str) -> None:
-        if not self.quiet:
+        if self.show_progress:
             self.stream.write(f"      {st.node.id}: {msg}\n")
             self.stream.flush()
 
@@ -190,7 +191,8 @@ def register(app: click.Group) -> None:
             run_check_for_build(s, ids)
         engine = Engine(s, offline=offline, selectors=selectors, use_log=use_log)
         if as_json or not sys.stderr.isatty() or os.environ.get("CI"):
-            reporter: Any = LineReporter(sys.stderr, quiet=quiet or as_json)
+            # --json: the report is stdout's; stderr still carries long actions' progress
+            reporter: Any = LineReporter(sys.stderr, quiet=quiet or as_json, progress=not quiet)
         else:
             reporter = LiveReporter()
         # a service manager's stop (SIGTERM) or a closed terminal (SIGHUP) stops the actions

@@ -449,3 +449,19 @@ def test_a_failure_whose_log_cannot_be_written_is_still_a_clean_failure(tmp_path
     assert proc.returncode == 1, proc.stderr
     assert "FAILED m.cpu:a" in proc.stderr and "no space left while materializing" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr.split("  | ")[0], proc.stderr
+
+
+def test_progress_lines_reach_stderr_with_json_but_not_with_quiet(tmp_path: Path) -> None:
+    """A long action's progress lines (`BuildContext.progress`, "progress: " in its log) are
+    printed under --json too (the report is stdout's; a 12-minute serving search must not be
+    silent), and not with -q."""
+    (tmp_path / "r.toml").write_text(
+        'schema = 1\n[defaults]\ntargets = ["a"]\n[defaults.a]\nkind = "command"\n'
+        'argv = ["sh", "-c", "echo \'progress: halfway there\'; echo done > {out}/x"]\n[models.m]\n[m.cpu]\n'
+    )
+    first = run_mopt("build", "r.toml", "--json", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert "m.cpu:a: halfway there" in first.stderr and json.loads(first.stdout)["counts"] == {"built": 1}
+    (tmp_path / "r.toml").write_text((tmp_path / "r.toml").read_text().replace("halfway", "almost"))
+    quiet = run_mopt("build", "r.toml", "--json", "-q", cwd=tmp_path)
+    assert quiet.returncode == 0 and "almost there" not in quiet.stderr
