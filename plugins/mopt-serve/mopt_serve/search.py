@@ -36,14 +36,17 @@ far (the intervals overlap within the tolerance). Configs are screened in predic
 (`predict`), best first, so a config that is clearly behind costs one step, not a search.
 
 **Prediction** (`predict`): before any server starts, a model of the closed loop:
-latency(c) = overhead + per_request * c + gpu(c), where gpu(c) is the roofline time of the
-engine steps that c requests of `input_len` tokens need under the config's
-`max_num_batched_tokens` / `max_num_seqs` (FLOPs at the profile's fp16 rate, weights read once
-per step at its bandwidth). `overhead` and `per_request` (the API server's serial work per
-request) are fitted to earlier measurements of the same model, GPU and vLLM version (the
-history file) when there are any, else DEFAULT_OVERHEAD_S / DEFAULT_PER_REQUEST_S; a config
-measured before is predicted from its own measured knee. The p99 is taken as P99_OVER_MEAN
-times the mean.
+latency(c) = overhead + per_request * c + gpu_factor * roofline(c), where roofline(c) is the
+time of the engine steps that c requests of `input_len` tokens need under the config's
+`max_num_batched_tokens` / `max_num_seqs` (FLOPs at the profile's fp16 rate, twice that for FP8,
+weights read once per step at its bandwidth). `overhead`, `per_request` (the API server's serial
+work per request) and `gpu_factor` (how many times its roofline the engine really takes) are
+fitted by least squares to earlier measurements of the same model, GPU and vLLM version (the
+history file) when there are any, else DEFAULT_OVERHEAD_S / DEFAULT_PER_REQUEST_S and 1; a
+config measured before is predicted from its own measured knee. The p99 is taken as
+P99_OVER_MEAN times the mean. On the H200 (2026-12-05) the engine took ~10x its roofline at
+these batch sizes and the API server's ~20 ms per request dominated: the prior constants said
+13 clients for every config, the measured knees were 10 (bf16 defaults) and 26 (FP8).
 """
 
 from __future__ import annotations
@@ -440,18 +443,34 @@ class Profile:
 
 
 def gpu_seconds(
-    c: int, w: Workload, prof: Profile, max_batched_tokens: int | None, max_seqs: int | None
+    c: int,
+    w: Workload,
+    prof: Profile,
+    max_batched_tokens: int | None,
+    max_seqs: int | None,
+    fp8: bool = False,
 ) -> float:
     """Roofline time for the engine steps that `c` concurrent requests need: prefill of
     c * input_len tokens in steps of at most max_batched_tokens tokens and max_seqs sequences,
-    each step bounded by max(FLOPs / peak, weights / bandwidth)."""
-    tflops = (prof.fp16_tflops or 400.0) * 1e12
+    each step bounded by max(FLOPs / peak, weights / bandwidth). `fp8`: FP8 weights and
+    matmuls (twice the FLOP/s on Hopper, half the bytes)."""
+    tflops = (prof.fp16_tflops or 400.0) * 1e12 * (2 if fp8 else 1)
     bw = (prof.bandwidth_gbps or 2000.0) * 1e9
     seqs = c * w.texts_per_request
     tokens = seqs * w.input_len
     steps = max(1, math.ceil(tokens / (max_batched_tokens or 8192)), math.ceil(seqs / (max_seqs or 256)))
     flops = 2.0 * w.params * tokens
-    return max(flops / tflops, steps * w.weight_bytes / bw)
+    return max(flops / tflops, steps * w.weight_bytes * (0.5 if fp8 else 1) / bw)
+
+
+def is_fp8(config: dict[str, Any]) -> bool:
+    return "fp8" in str(config.get("qformat") or "") + str(config.get("quantization") or "")
+
+
+def config_gpu_seconds(c: int, w: Workload, prof: Profile, config: dict[str, Any]) -> float:
+    return gpu_seconds(
+        c, w, prof, config.get("max_num_batched_tokens"), config.get("max_num_seqs"), is_fp8(config)
+    )
 
 
 @dataclass
@@ -461,23 +480,48 @@ class Prediction:
     source: str  # "history: this config" | "model fitted to N points" | "model, prior constants"
     overhead_s: float
     per_request_s: float
+    gpu_factor: float = 1.0  # the engine's time over the roofline's, as fitted
 
     def to_json(self) -> dict[str, Any]:
         return {**self.__dict__, "latency_ms_at": {str(k): v for k, v in self.latency_ms_at.items()}}
 
 
-def fit_overheads(points: Sequence[tuple[int, float, float]]) -> tuple[float, float] | None:
-    """Least squares of mean latency - gpu time = overhead + per_request * c over measured
-    (c, mean latency s, gpu s) points; None with fewer than two distinct loads."""
+def fit_overheads(points: Sequence[tuple[int, float, float]]) -> tuple[float, float, float] | None:
+    """Least squares of mean latency = overhead + per_request * c + gpu_factor * roofline(c)
+    over measured (c, mean latency s, roofline s) points: (overhead, per_request, gpu_factor),
+    all >= 0; gpu_factor is how many times the roofline the engine really takes. With too few
+    points (or rooflines that do not vary apart from c) gpu_factor stays 1 and two are fitted;
+    None with fewer than two distinct loads."""
     if len({c for c, _, _ in points}) < 2:
         return None
+    three = _lstsq([[1.0, float(c), g] for c, _, g in points], [lat for _, lat, _ in points])
+    if three is not None and len(points) >= 6 and all(x >= 0 for x in three):
+        return three[0], three[1], three[2]
     xs = [float(c) for c, _, _ in points]
     ys = [lat - g for _, lat, g in points]
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     sxx = sum((x - mx) ** 2 for x in xs)
     b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
     a = my - b * mx
-    return max(a, 0.0), max(b, 0.0)
+    return max(a, 0.0), max(b, 0.0), 1.0
+
+
+def _lstsq(rows: list[list[float]], ys: list[float]) -> list[float] | None:
+    """Ordinary least squares by the normal equations (Gauss-Jordan); None if singular."""
+    n = len(rows[0])
+    ata = [[sum(r[i] * r[j] for r in rows) for j in range(n)] for i in range(n)]
+    aty = [sum(r[i] * y for r, y in zip(rows, ys, strict=True)) for i in range(n)]
+    m = [row[:] + [v] for row, v in zip(ata, aty, strict=True)]
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[piv][col]) < 1e-12 * max(1.0, abs(ata[col][col])):
+            return None
+        m[col], m[piv] = m[piv], m[col]
+        for r in range(n):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                m[r] = [x - f * y for x, y in zip(m[r], m[col], strict=True)]
+    return [m[i][n] / m[i][i] for i in range(n)]
 
 
 def predict(
@@ -491,22 +535,20 @@ def predict(
     records of the same model, GPU and vLLM version ({"config_key", "knee_concurrency",
     "points": [[c, mean_latency_s], ...], "config": {...}})."""
     key = config_key(config)
-    mbt, mseqs = config.get("max_num_batched_tokens"), config.get("max_num_seqs")
     own = [h for h in history if h.get("config_key") == key and h.get("knee_concurrency")]
     points: list[tuple[int, float, float]] = []
     for h in history:
         hc = h.get("config") or {}
         for c, lat in h.get("points", []):
-            points.append((int(c), float(lat), gpu_seconds(int(c), w, prof, hc.get("max_num_batched_tokens"),
-                                                            hc.get("max_num_seqs"))))  # fmt: skip
+            points.append((int(c), float(lat), config_gpu_seconds(int(c), w, prof, hc)))
     fit = fit_overheads(points)
-    a, b = fit if fit else (DEFAULT_OVERHEAD_S, DEFAULT_PER_REQUEST_S)
+    a, b, k = fit if fit else (DEFAULT_OVERHEAD_S, DEFAULT_PER_REQUEST_S, 1.0)
     source = (
         f"model fitted to {len(points)} measured steps" if fit else "model with prior constants (no history)"
     )
 
     def lat(c: int) -> float:
-        return a + b * c + gpu_seconds(c, w, prof, mbt, mseqs)
+        return a + b * c + k * config_gpu_seconds(c, w, prof, config)
 
     table = {c: round(lat(c) * P99_OVER_MEAN * 1000, 2) for c in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
              if c <= max_concurrency}  # fmt: skip
@@ -526,7 +568,7 @@ def predict(
                 else:
                     hi = mid - 1
             knee = lo
-    return Prediction(knee, table, source, a, b)
+    return Prediction(knee, table, source, a, b, k)
 
 
 def config_key(config: dict[str, Any]) -> str:

@@ -420,9 +420,10 @@ def _recorded() -> list[dict[str, Any]]:
 
 def test_prediction_left_one_out_on_the_recorded_h200_grid():
     """The six configs of 2026-12-01 (grid 4/16/64/128 clients, vllm bench serve): the model
-    fitted to five predicts the sixth's knee. Measured: overhead ~25 ms, ~2.4 ms per client;
-    predictions 14-15 clients where the grid's knees are 4 (defaults) and 16 (the rest, whose p99
-    breaks 100 ms somewhere between 16 and 64)."""
+    fitted to five predicts the sixth's knee. Fitted: overhead ~24-26 ms, ~1.7-2.5 ms per
+    client, the engine ~3-4x its roofline (1x where FP8 is left out: bf16 alone cannot tell the
+    roofline from the per-client term); predictions 14-15 clients where the grid's knees are 4
+    (defaults) and 16 (the rest, whose p99 breaks 100 ms somewhere between 16 and 64)."""
     rec = _recorded()
     assert len(rec) == 6
     for h in rec:
@@ -464,3 +465,57 @@ def test_the_search_on_the_recorded_curves_finds_the_crossing():
         assert k.concurrency is not None and k.broke_at is not None, h["label"]
         assert k.concurrency <= crossing < k.broke_at, (h["label"], crossing, k)
         assert (k.broke_at - k.concurrency) <= max(1, 0.1 * k.concurrency) and len(steps) <= 8
+
+
+H200_0512 = (
+    Path(__file__).resolve().parents[3] / "tests/data/h200-2026-12-05"
+)  # serve-search, 2026-12-05, H200
+
+
+def test_the_recorded_search_decides_again_as_it_did():
+    """serve-search's own record of 2026-12-05 (six configs, empty store, default -j): from its
+    steps alone, the knees, the screening, the decision and the ratio to vLLM's defaults come out
+    as recorded (vllm-fp8, knee 26 clients, 2.32x the defaults' 10 clients)."""
+    doc = json.loads((H200_0512 / "search.json").read_text())
+    by = {c["label"]: c for c in doc["configs"]}
+    cons, best = [], None
+    from mopt_serve.serve_search import Result
+
+    results = {}
+    for c in doc["configs"]:  # the recorded order: the baseline first, then by prediction
+        steps = [S.StepStats.from_json(s) for s in c["steps"]]
+        screen = S.StepStats.from_json(c["screen"])
+        lead, _ = S.screen_leader(screen, best, doc["params"]["tie_tolerance"])
+        if best is None or screen.p99_ms < best.p99_ms:
+            best = screen
+        assert (lead or c["label"] == "vllm") == (c["status"] != "screened-out"), c["label"]
+        knee = None
+        if c["knee"]:
+            knee = S.knee_of(
+                steps, c["knee"]["concurrency"], c["knee"]["broke_at"], doc["params"]["max_concurrency"]
+            )
+            assert knee.to_json() == S.Knee.from_json(c["knee"]).to_json()
+            cons.append(S.Contender(c["label"], knee, (-(c["mean_cosine"] or 0.0), len(cons))))
+        results[c["label"]] = Result(c["label"], status=c["status"], knee=knee, screen=screen)
+    v = S.decide(cons, doc["params"]["tie_tolerance"])
+    assert v.to_json() == doc["decision"] and v.winner == "vllm-fp8" and not v.tie
+    vs = vs_baseline(results, v.winner, "vllm")
+    assert vs["ratio"] == pytest.approx(doc["vs_baseline"]["ratio"]) and vs["ratio"] == pytest.approx(
+        2.315, abs=1e-3
+    )
+    assert by["vllm"]["knee"]["concurrency"] == 10 and by["vllm-fp8"]["knee"]["concurrency"] == 26
+    assert sum(1 for c in doc["configs"] if c["status"] == "screened-out") == 4
+    # every step carried enough requests for its p99's upper bound
+    assert all(s["p99_bounded"] for c in doc["configs"] for s in c["steps"])
+
+
+def test_the_recorded_history_predicts_the_baseline_left_out():
+    """Fitted to the other five configs' steps of 2026-12-05 (FP8 among them), the model puts
+    the engine at ~10x its roofline and predicts the baseline's knee at 12 clients where 10 was
+    measured (+20 %); the prior constants had said 13 for every config."""
+    hist = [json.loads(line) for line in (H200_0512 / "history.jsonl").read_text().splitlines()]
+    base = next(h for h in hist if h["label"] == "vllm")
+    pr = S.predict(base["config"], W, H200, [h for h in hist if h is not base])
+    assert pr.source == "model fitted to 11 measured steps" and 8 <= pr.gpu_factor <= 13
+    assert pr.knee_concurrency == 12 and base["knee_concurrency"] == 10
+    assert S.predict(base["config"], W, H200).knee_concurrency == 13
