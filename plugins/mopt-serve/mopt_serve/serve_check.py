@@ -47,6 +47,7 @@ from pydantic import Field
 from mopt.api import BuildContext, CheckContext, Finding, Input, Params, Role, TargetKind
 from mopt.api import plugin_env as _env
 from mopt_serve.plots import latency_throughput_svg as loadtest_svg
+from mopt_serve.search import percentile as sorted_percentile
 
 INSTALL_VLLM = "pip install vllm (CUDA wheels on PyPI)"
 FORMAT = "mopt-serve-check/1"
@@ -339,12 +340,7 @@ class Step:
 
 def percentile(values: list[float], q: float) -> float:
     """Linear-interpolated percentile (numpy's default method), q in [0, 100]."""
-    if not values:
-        return math.nan
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    return sorted_percentile(sorted(values), q)
 
 
 def step_from_latencies(

@@ -6,6 +6,7 @@ known in advance."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import random
@@ -442,7 +443,7 @@ def test_the_search_on_the_recorded_curves_finds_the_crossing():
         pts = [(s["concurrency"], s["p99_ms"], s["tokens_per_s"]) for s in h["steps"]]
 
         def interp(c: float, i: int, pts: list[tuple[float, float, float]] = pts) -> float:
-            for (c0, *a), (c1, *b) in zip(pts, pts[1:], strict=False):
+            for (c0, *a), (c1, *b) in itertools.pairwise(pts):
                 if c0 <= c <= c1:
                     return a[i] + (b[i] - a[i]) * (c - c0) / (c1 - c0)
             return pts[0][i + 1] if c < pts[0][0] else pts[-1][i + 1]
@@ -456,7 +457,7 @@ def test_the_search_on_the_recorded_curves_finds_the_crossing():
             return st
 
         crossing = next(
-            (c0 + (100 - p0) * (c1 - c0) / (p1 - p0) for (c0, p0, _), (c1, p1, _) in zip(pts, pts[1:], strict=False)
+            (c0 + (100 - p0) * (c1 - c0) / (p1 - p0) for (c0, p0, _), (c1, p1, _) in itertools.pairwise(pts)
              if p0 <= 100 < p1), None)  # fmt: skip
         k, steps = S.search_knee(measure, 14, resolution=0.1, max_concurrency=512)
         if crossing is None:
