@@ -25,18 +25,44 @@ from mopt import hookspecs
 from mopt.api import Executor, Family, HardwareProfile, Input, Source, TargetKind
 from mopt.errors import PluginError, closest, did_you_mean
 
+#: the plugin distributions this project ships (plugins/*): first-party. The `mopt-` prefix
+#: says nothing (third parties use it too, as pytest-* and datasette-* plugins do); a name
+#: here is registered before every other plugin and never blamed for a clash.
+FIRST_PARTY_DISTRIBUTIONS = frozenset(
+    {
+        "mopt-image",
+        "mopt-ml",
+        "mopt-openvino",
+        "mopt-ray",
+        "mopt-report",
+        "mopt-serve",
+        "mopt-tensorrt",
+        "mopt-torch",
+    }
+)
+
+
+def _normalized(dist_name: str) -> str:
+    """A distribution name as PEP 503 compares them (`Mopt_ML` is `mopt-ml`)."""
+    return re.sub(r"[-_.]+", "-", dist_name).lower()
+
+
+def is_first_party(dist_name: str | None) -> bool:
+    """Whether the distribution `dist_name` is one of mopt's own (FIRST_PARTY_DISTRIBUTIONS)."""
+    return dist_name is not None and _normalized(dist_name) in FIRST_PARTY_DISTRIBUTIONS
+
 
 @functools.cache
 def _entry_points() -> list[md.EntryPoint]:
     """The `mopt` entry points in registration order: mopt's own plugin distributions
-    (mopt-*, modules mopt_*) first, then the others, each by name; so a third party that
-    registers a name mopt's plugins already have is the one blamed, however pip ordered them.
-    Read once a process (each scan of the installed distributions costs ~7 ms)."""
+    (FIRST_PARTY_DISTRIBUTIONS) first, then the others, each by name; so a third party that
+    registers a name mopt's plugins already have is the one blamed, however pip ordered them
+    and whatever its distribution is called. Read once a process (each scan of the installed
+    distributions costs ~7 ms)."""
 
     def third_party(ep: md.EntryPoint) -> bool:
         dist = getattr(ep, "dist", None)
-        dist_name = (dist.name if dist is not None else "") or ""
-        return not (dist_name.startswith("mopt-") and ep.value.startswith("mopt_"))
+        return not is_first_party(dist.name if dist is not None else None)
 
     eps = list(md.entry_points(group="mopt"))
     return sorted(eps, key=lambda ep: (third_party(ep), ep.name))
@@ -64,6 +90,8 @@ class PluginInfo:
     dist: str | None
     builtin: bool
     registered: dict[str, list[str]] = field(default_factory=dict)
+    #: the core's own (`builtin`) or a distribution of FIRST_PARTY_DISTRIBUTIONS
+    first_party: bool = False
 
 
 @dataclass
@@ -203,6 +231,7 @@ def build_registry(pm: pluggy.PluginManager, disabled: Iterable[str] = ()) -> Re
             dist=dist,
             builtin=name.startswith("mopt.builtin"),
             registered={c: [] for c in CATEGORIES},
+            first_party=name.startswith("mopt.builtin") or is_first_party(dist),
         )
     for category in CATEGORIES:
         hook = getattr(pm.hook, f"mopt_register_{category}")
@@ -279,16 +308,31 @@ def _registrar(reg: Registry, category: str, plugin: str) -> Callable[[Any], Non
         table: dict[str, Any] = getattr(reg, category)
         if name in table:
             other = reg.origin[(category, name)]
-            raise PluginError(
-                f"plugin {_described(reg, plugin)} registers {SINGULAR[category]} {name!r}, already "
-                f"registered by plugin {_described(reg, other)}",
-                hint=f"rename it in {plugin!r}, or disable {plugin!r} with MOPT_DISABLE_PLUGINS={plugin}",
-            )
+            raise _clash(reg, category, name, plugin, other)
         table[name] = obj
         reg.origin[(category, name)] = plugin
         reg.plugins[plugin].registered[category].append(name)
 
     return register
+
+
+def _clash(reg: Registry, category: str, name: str, plugin: str, other: str) -> PluginError:
+    """Two plugins register `name`: the third-party one is blamed, and its fix given (never
+    "disable" a first-party plugin: that takes all its kinds away); of two third parties, the
+    later. First-party plugins register first, so the later one is the third party's anyway
+    unless a plugin was registered by hand."""
+    first = reg.plugins.get(plugin)
+    if first is not None and first.first_party and not reg.plugins[other].first_party:
+        return PluginError(
+            f"plugin {_described(reg, other)} registers {SINGULAR[category]} {name!r}, which "
+            f"plugin {_described(reg, plugin)} (mopt's own) registers too",
+            hint=f"rename it in {other!r}, or disable {other!r} with MOPT_DISABLE_PLUGINS={other}",
+        )
+    return PluginError(
+        f"plugin {_described(reg, plugin)} registers {SINGULAR[category]} {name!r}, already "
+        f"registered by plugin {_described(reg, other)}",
+        hint=f"rename it in {plugin!r}, or disable {plugin!r} with MOPT_DISABLE_PLUGINS={plugin}",
+    )
 
 
 def _described(reg: Registry, plugin: str) -> str:

@@ -8,6 +8,8 @@ the no-op rebuild takes the fast path."""
 from __future__ import annotations
 
 import json
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -160,3 +162,97 @@ def test_wrong_input_names_the_format(tmp_path: Path) -> None:
         "[distil.cpu.slim] input: input 'small' is a 'distill' (format 'hf-checkpoint'), which kind "
         "'onnx-slim' does not take (it takes: format onnx, kind onnx)"
     )
+
+
+def _fake_distribution(site: Path, dist: str, ep_name: str, module: str, kind: str) -> None:
+    """A distribution `dist` (a dist-info folder, as pip leaves one) whose plugin registers the
+    target kind `kind`: on sys.path, importlib.metadata finds it like an installed one."""
+    (site / module).mkdir(parents=True)
+    (site / module / "__init__.py").write_text("")
+    (site / module / "plugin.py").write_text(
+        "from mopt.api import Params, TargetKind, hookimpl\n\n\n"
+        "class Clash(TargetKind):\n"
+        f"    name = {kind!r}\n"
+        "    Params = Params\n\n"
+        "    def run(self, ctx):\n"
+        "        return None\n\n\n"
+        "@hookimpl\n"
+        "def mopt_register_targets(register):\n"
+        "    register(Clash)\n"
+    )
+    info = site / f"{dist.replace('-', '_')}-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text(f"[mopt]\n{ep_name} = {module}.plugin\n")
+
+
+def test_a_third_party_named_mopt_something_is_blamed_for_a_clash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`mopt-acme2` is a third party's name (the mopt- prefix is the ecosystem's convention,
+    as pytest-* is): its `onnx` clashes with mopt-ml's, and it is the one blamed, with a fix
+    that disables it, not all of mopt-ml's kinds."""
+    from mopt.errors import PluginError
+    from mopt.plugins import _entry_points, build_registry, make_plugin_manager
+
+    _fake_distribution(tmp_path, "mopt-acme2", "acme2", "mopt_acme2", "onnx")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _entry_points.cache_clear()
+    try:
+        names = [ep.name for ep in _entry_points()]
+        assert names.index("ml") < names.index("acme2")
+        with pytest.raises(PluginError) as exc:
+            build_registry(make_plugin_manager())
+    finally:
+        monkeypatch.undo()
+        _entry_points.cache_clear()
+        sys.modules.pop("mopt_acme2.plugin", None)
+        sys.modules.pop("mopt_acme2", None)
+    assert exc.value.message.startswith(
+        "plugin 'acme2' (mopt-acme2 0.1.0) registers target kind 'onnx', already registered by plugin 'ml' (mopt-ml "
+    )
+    assert exc.value.hint == "rename it in 'acme2', or disable 'acme2' with MOPT_DISABLE_PLUGINS=acme2"
+    # through the CLI as well
+    proc = run_mopt("plugins", cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)})
+    assert proc.returncode != 0
+    assert "plugin 'acme2' (mopt-acme2 0.1.0) registers target kind 'onnx'" in proc.stderr
+    assert "MOPT_DISABLE_PLUGINS=acme2" in proc.stderr and "MOPT_DISABLE_PLUGINS=ml" not in proc.stderr
+    # the first-party set is what plugins/ ships
+    from mopt.plugins import FIRST_PARTY_DISTRIBUTIONS
+
+    root = Path(__file__).resolve().parents[1]
+    shipped = {
+        re.search(r'^name = "([^"]+)"', (d / "pyproject.toml").read_text(), re.M).group(1)  # type: ignore[union-attr]
+        for d in (root / "plugins").iterdir()
+        if (d / "pyproject.toml").is_file()
+    }
+    assert shipped == FIRST_PARTY_DISTRIBUTIONS
+
+
+def test_a_first_party_plugin_registered_after_a_third_party_is_not_blamed() -> None:
+    """Even out of order (a third party registered first), the clash is the third party's."""
+    import types
+
+    from mopt.api import Params as NoParams
+    from mopt.api import TargetKind, hookimpl
+    from mopt.errors import PluginError
+    from mopt.plugins import build_registry, make_plugin_manager
+
+    class Clash(TargetKind):
+        name = "onnx"
+        Params = NoParams
+
+        def run(self, ctx: object) -> None:
+            return None
+
+    mod = types.ModuleType("mopt_acme3")
+    mod.mopt_register_targets = hookimpl(lambda register: register(Clash))  # type: ignore[attr-defined]
+    pm = make_plugin_manager(disable=["ml"])
+    pm.register(mod, name="acme3")
+    import mopt_ml.plugin
+
+    pm.register(mopt_ml.plugin, name="ml")
+    with pytest.raises(PluginError) as exc:
+        build_registry(pm)
+    assert exc.value.message.startswith("plugin 'acme3' registers target kind 'onnx', which plugin 'ml' (mopt-ml ")
+    assert exc.value.hint == "rename it in 'acme3', or disable 'acme3' with MOPT_DISABLE_PLUGINS=acme3"
