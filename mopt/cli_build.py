@@ -472,7 +472,8 @@ def _lock_roots(
 
 
 def _one(s: Any, target: str) -> str:
-    ids = [i for i in s.graph.select([target]) if _matches(s.graph.nodes[i], target)]
+    named = set(s.graph.match([target]))  # exact names first, then globs
+    ids = [i for i in s.graph.select([target]) if i in named and _matches(s.graph.nodes[i], target)]
     if len(ids) != 1:
         raise MoptError(
             f"{target!r} names {len(ids)} targets" + (f": {', '.join(ids[:5])}" if ids else ""),
@@ -484,11 +485,14 @@ def _one(s: Any, target: str) -> str:
 def _matches(node: Any, sel: str) -> bool:
     import fnmatch
 
+    def part(name: str, pattern: str) -> bool:  # a printed id (`bench[int8]`) is itself
+        return name == pattern or fnmatch.fnmatchcase(name, pattern or "*")
+
     sec, _, tgt = sel.partition(":")
     return any(
-        fnmatch.fnmatchcase(a.partition(":")[0], sec or "*")
+        part(a.partition(":")[0], sec)
         and (
-            fnmatch.fnmatchcase(a.partition(":")[2], tgt or "*")
+            part(a.partition(":")[2], tgt)
             or (tgt == node.target.name and a.partition(":")[2] == node.label)
         )
         for a in node.addresses

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,20 +89,18 @@ class Graph:
         if not selectors:
             return list(self.nodes)
         picked: set[str] = set()
+        addrs = [(node, *addr.split(":", 1)) for node in self.nodes.values() for addr in node.addresses]
         for sel in selectors:
             sec_pat, _, tgt_pat = sel.partition(":")
-            sec_pat = sec_pat or "*"
-            tgt_pat = tgt_pat or "*"
+            sec_ok = name_matcher(sec_pat or "*", {sec for _, sec, _ in addrs})
+            tgt_ok = name_matcher(
+                tgt_pat or "*", {x for node, sec, label in addrs if sec_ok(sec) for x in (label, node.target.name)}
+            )
             hit = False
-            for node in self.nodes.values():
-                for addr in node.addresses:
-                    sec, _, label = addr.partition(":")
-                    if fnmatch.fnmatchcase(sec, sec_pat) and (
-                        fnmatch.fnmatchcase(label, tgt_pat)
-                        or fnmatch.fnmatchcase(node.target.name, tgt_pat)
-                    ):
-                        picked.add(node.id)
-                        hit = True
+            for node, sec, label in addrs:
+                if sec_ok(sec) and (tgt_ok(label) or tgt_ok(node.target.name)):
+                    picked.add(node.id)
+                    hit = True
             if not hit:
                 sections = sorted({s.id for s in self.recipe.sections})
                 targets = sorted({n.target.name for n in self.nodes.values()})
@@ -116,6 +114,15 @@ class Graph:
                     hint=hint + "; selectors look like model.hardware:target, globs allowed",
                 )
         return [i for i in self.nodes if i in picked]
+
+
+def name_matcher(pattern: str, names: Iterable[str]) -> Callable[[str], bool]:
+    """A test for one part of a selector: `pattern` taken exactly when it is one of `names`,
+    else as a glob. The ids mopt prints can be typed back: `bench[int8]` and `validate[onnx]`
+    hold `[...]`, a glob character class that would not match them."""
+    if pattern in set(names):
+        return pattern.__eq__
+    return lambda name: fnmatch.fnmatchcase(name, pattern)
 
 
 def _candidates(slot: Input, section: Section, me: Target, registry: Registry) -> list[str]:
