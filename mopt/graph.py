@@ -89,7 +89,11 @@ class Graph:
         if not selectors:
             return list(self.nodes)
         picked: set[str] = set()
-        addrs = [(node, *addr.split(":", 1)) for node in self.nodes.values() for addr in node.addresses]
+        addrs: list[tuple[Node, str, str]] = [
+            (node, addr.partition(":")[0], addr.partition(":")[2])
+            for node in self.nodes.values()
+            for addr in node.addresses
+        ]
         for sel in selectors:
             sec_pat, _, tgt_pat = sel.partition(":")
             sec_ok = name_matcher(sec_pat or "*", {sec for _, sec, _ in addrs})
