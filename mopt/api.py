@@ -184,6 +184,10 @@ class Input:
     #: listed in `BuildContext.missing` and their status is part of the action key
     partial: bool = False
     formats: tuple[str, ...] = ()
+    #: kinds tried first, in this order, before the other producers of `formats` (a
+    #: preference, where `kinds` is a restriction): `vllm` takes `weights` when the section has
+    #: it, and a third party's `hf-checkpoint` too
+    prefer: tuple[str, ...] = ()
 
     def accepts(self, kind: str, produces: str) -> bool:
         """Whether an artifact of `kind` in format `produces` may fill this slot."""

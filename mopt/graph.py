@@ -131,13 +131,15 @@ def name_matcher(pattern: str, names: Iterable[str]) -> Callable[[str], bool]:
 
 def _candidates(slot: Input, section: Section, me: Target, registry: Registry) -> list[str]:
     """Target names in `section` that can feed `slot`, most preferred first: by the slot's
-    kinds when it names kinds, else by its formats; section order within one preference."""
+    kinds when it names kinds, else by its preferred kinds and then its formats; section
+    order within one preference."""
     produces = {t.name: registry.targets[t.kind].produces for t in section.targets}
     usable = [t for t in section.targets if t.name != me.name and slot.accepts(t.kind, produces[t.name])]
     if slot.kinds:
         tiers = [[t for t in usable if t.kind == k] for k in slot.kinds]
     else:
-        tiers = [[t for t in usable if produces[t.name] == f] for f in slot.formats]
+        tiers = [[t for t in usable if t.kind == k] for k in slot.prefer]
+        tiers += [[t for t in usable if produces[t.name] == f] for f in slot.formats]
     names: list[str] = []
     for tier in tiers:
         for t in tier:
@@ -205,8 +207,8 @@ def _wire(section: Section, registry: Registry) -> dict[str, dict[str, list[str]
 def _producer_of(registry: Registry, slot: Input) -> str | None:
     """A kind that can fill `slot`, for hints (the first named kind, else the first
     registered kind producing its preferred format)."""
-    if slot.kinds:
-        return slot.kinds[0]
+    if slot.kinds or slot.prefer:
+        return (slot.kinds or slot.prefer)[0]
     for fmt in slot.formats:
         for name, cls in registry.targets.items():
             if cls.produces == fmt:

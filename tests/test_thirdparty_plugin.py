@@ -256,3 +256,90 @@ def test_a_first_party_plugin_registered_after_a_third_party_is_not_blamed() -> 
         build_registry(pm)
     assert exc.value.message.startswith("plugin 'acme3' registers target kind 'onnx', which plugin 'ml' (mopt-ml ")
     assert exc.value.hint == "rename it in 'acme3', or disable 'acme3' with MOPT_DISABLE_PLUGINS=acme3"
+
+
+PTQ = """\
+[distil.l4.ptq]
+kind = "modelopt-ptq"
+calib_texts = "calib.txt"
+
+"""
+
+SERVING = """\
+schema = 1
+
+[models.distil]
+family = "distilbert"
+task = "embedding"
+source = { synthetic = "distilbert", seed = 0 }
+
+[distil.l4]
+hardware = "nvidia-l4"
+targets = ["weights", "small", "ptq", "vllm", "ov", "vllm-small", "trtllm-small", "check-small",
+           "ov-small", "tc-small", "aoti-small"]
+
+[distil.l4.small]
+kind = "distill"
+layers = 1
+
+{PTQ}[distil.l4.ov]
+kind = "openvino"
+
+[distil.l4.vllm-small]
+kind = "vllm"
+input = "small"
+
+[distil.l4.trtllm-small]
+kind = "trtllm"
+input = "small"
+
+[distil.l4.check-small]
+kind = "serve-check"
+input = ["vllm-small", "small"]
+
+[distil.l4.ov-small]
+kind = "openvino"
+input = "small"
+
+[distil.l4.tc-small]
+kind = "torch-compile"
+input = "small"
+
+[distil.l4.aoti-small]
+kind = "aoti"
+input = "small"
+""".replace("{PTQ}", PTQ)
+
+
+def test_a_third_party_hf_checkpoint_feeds_every_kind_that_takes_the_format(tmp_path: Path) -> None:
+    """`distill` produces an `hf-checkpoint`: vllm, trtllm, serve-check, openvino,
+    torch-compile and aoti take it as they take `weights` (they used to name their kinds:
+    "which kind 'vllm' does not take"). Unnamed, they still pick what they did: modelopt-ptq,
+    then weights (not ambiguous with the third party's checkpoint); openvino onnx, then weights."""
+    pytest.importorskip("mopt_serve", reason="vllm, trtllm and serve-check are in mopt-serve")
+    pytest.importorskip("mopt_openvino", reason="openvino is in mopt-openvino")
+    pytest.importorskip("mopt_torch", reason="torch-compile and aoti are in mopt-torch")
+    (tmp_path / "r.toml").write_text(SERVING)
+    (tmp_path / "calib.txt").write_text("a calibration text\n")
+    proc = run_mopt("plan", "r.toml", "--json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    inputs = {n["id"].removeprefix("distil.l4:"): n["inputs"] for n in json.loads(proc.stdout)["nodes"]}
+    small = ["distil.l4:small"]
+    assert inputs["vllm-small"] == {"model": small}
+    assert inputs["trtllm-small"] == {"model": small}
+    assert inputs["ov-small"] == {"model": small}
+    assert inputs["tc-small"] == {"weights": small}
+    assert inputs["aoti-small"] == {"weights": small}
+    assert inputs["check-small"] == {
+        "serve": ["distil.l4:vllm-small"],
+        "model": small,
+        "reference": ["distil.l4:weights"],
+    }
+    assert inputs["vllm"] == {"model": ["distil.l4:ptq"]}  # the preferred kind, as before
+    assert inputs["ov"] == {"model": ["distil.l4:weights"]}
+    # without modelopt-ptq, weights: preferred over the third party's checkpoint, not ambiguous
+    (tmp_path / "r.toml").write_text(SERVING.replace('"ptq", ', "").replace(PTQ, ""))
+    proc = run_mopt("plan", "r.toml", "--json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    (vllm,) = [n for n in json.loads(proc.stdout)["nodes"] if n["id"] == "distil.l4:vllm"]
+    assert vllm["inputs"] == {"model": ["distil.l4:weights"]}

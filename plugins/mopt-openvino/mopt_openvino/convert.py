@@ -35,7 +35,7 @@ class OpenVinoKind(TargetKind):
     version = "1"
     description = "OpenVINO IR (fp32 weights; f32 or bf16 inference precision), from ONNX or the weights"
     produces: ClassVar[str] = "openvino-ir"
-    consumes = (Input("model", kinds=("onnx", "onnx-slim", "weights")),)
+    consumes = (Input("model", formats=("onnx", "hf-checkpoint"), prefer=("onnx", "onnx-slim", "weights")),)
     requires = ("python:openvino",)
     install_hints: ClassVar[dict[str, str]] = {"python:openvino": "pip install -e plugins/mopt-openvino"}
     static_fingerprint = True  # library versions only: a no-op build may skip it

@@ -613,7 +613,7 @@ class ServeCheckKind(TargetKind):
     memory_model = "none"
     consumes = (
         Input("serve", kinds=("vllm",)),
-        Input("model", kinds=("modelopt-ptq", "weights")),
+        Input("model", formats=("modelopt-checkpoint", "hf-checkpoint"), prefer=("modelopt-ptq", "weights")),
         Input("reference", kinds=("weights",)),
     )
     produces = "report"

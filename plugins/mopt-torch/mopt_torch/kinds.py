@@ -138,7 +138,7 @@ class TorchCompileKind(TargetKind):
         "torch.compile cache artifact (save_cache_artifacts) for shape buckets; warm start elsewhere"
     )
     memory_model = "none"  # the buckets' workload is not in max_batch_size / max_seq_len form
-    consumes = (Input("weights", kinds=("weights",)),)
+    consumes = (Input("weights", formats=("hf-checkpoint",), prefer=("weights",)),)
     produces = "torch-compile-cache"
     per_hardware = True
     requires = ("gpu", "hardware", "python:torch", "python:transformers")
@@ -322,7 +322,7 @@ class AotiKind(TargetKind):
         "torch.export + AOTInductor package (model.pt2), dynamic batch/seq; load-checked in a child process"
     )
     memory_model = "engine"  # mopt check: batch × sequence through one forward pass
-    consumes = (Input("weights", kinds=("weights",)),)
+    consumes = (Input("weights", formats=("hf-checkpoint",), prefer=("weights",)),)
     produces = "aoti-package"
     per_hardware = True
     requires = ("gpu", "hardware", "python:torch", "python:transformers")
