@@ -76,13 +76,16 @@ class OpenVinoKind(TargetKind):
         from mopt_ml.common import require
 
         art = ctx.input("model")
-        require("openvino", "transformers", *(("torch",) if art.kind == "weights" else ("onnxruntime",)))
+        # by what the input is, not by which kind made it: any kind's hf-checkpoint (a third
+        # party's distill) converts from the weights, any kind's ONNX graph from the graph
+        src_kind = "onnx" if any(art.path.glob("*.onnx")) else "weights"
+        require("openvino", "transformers", *(("torch",) if src_kind == "weights" else ("onnxruntime",)))
         from mopt_ml.quantize import Shared
 
         # the IR of an ONNX graph is the same for every inference precision (a runtime
         # property): a section's `openvino` targets of one graph convert and check it once
-        cache = Shared(ctx.cache_dir, art.digest) if ctx.cache_dir and art.kind != "weights" else None
-        return convert(art.path, art.kind, ctx.out, ctx.family, ctx.params, ctx.log, cache)
+        cache = Shared(ctx.cache_dir, art.digest) if ctx.cache_dir and src_kind != "weights" else None
+        return convert(art.path, src_kind, ctx.out, ctx.family, ctx.params, ctx.log, cache)
 
 
 def runtime_settings(params: Any) -> dict[str, Any]:

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -204,3 +205,30 @@ def test_minilm_fp32_matches_and_int8_keeps_accuracy(tmp_path: Path) -> None:
     int8 = json.loads((cpu / "validate[ov-int8]" / "report.json").read_text())["metrics"]
     # 0.987 on AVX2 (no VNNI); 0.994+ on VNNI machines (the issue's measurement)
     assert 0.97 <= int8["min_cosine"] < 0.9999 and int8["mean_cosine"] >= 0.99
+
+
+@pytest.mark.parametrize(("files", "want"), [(["model.onnx", "config.json"], "onnx"),
+                                             (["model.safetensors", "config.json"], "weights")])  # fmt: skip
+def test_the_input_is_converted_by_what_it_is_not_by_its_kind(tmp_path: Path, monkeypatch: Any, files: list[str],
+                                                             want: str) -> None:  # fmt: skip
+    """Any kind's hf-checkpoint (a third party's `distill`) converts from the weights and any
+    kind's ONNX graph from the graph: `openvino` takes inputs by format (issue 28)."""
+    from types import SimpleNamespace
+
+    import mopt_ml.common
+    from mopt.api import Artifact
+
+    import mopt_openvino.convert as C
+
+    src = tmp_path / "distill"
+    src.mkdir()
+    for f in files:
+        (src / f).write_text("x")
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(mopt_ml.common, "require", lambda *names: seen.setdefault("require", names))
+    monkeypatch.setattr(C, "convert", lambda path, kind, *a, **k: seen.setdefault("kind", kind) and {})
+    art = Artifact(src, "distill", "small", "d" * 64)
+    ctx = SimpleNamespace(input=lambda slot: art, cache_dir=None, out=tmp_path / "out", family=None, params=None,
+                          log=print)  # fmt: skip
+    C.OpenVinoKind().run(ctx)
+    assert seen["kind"] == want and ("torch" in seen["require"]) == (want == "weights")

@@ -307,7 +307,7 @@ class ServeSearchKind(TargetKind):
     memory_model = "none"
     consumes = (
         Input("candidates", kinds=("vllm",), gather=True, partial=True),
-        Input("model", kinds=("modelopt-ptq", "weights"), gather=True),
+        Input("model", formats=("modelopt-checkpoint", "hf-checkpoint"), prefer=("modelopt-ptq", "weights"), gather=True),
         Input("reference", kinds=("weights",)),
     )
     produces = "selection"
