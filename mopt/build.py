@@ -26,7 +26,7 @@ from mopt import buildlog
 from mopt.api import LOCK_NAME, PROGRESS, Artifact, Missing, SourceContext, SourceError, TargetKind
 from mopt.digest import canonical_json, hash_bytes
 from mopt.errors import MoptError
-from mopt.filehash import FileStat, file_stat
+from mopt.filehash import FileStat, file_stat, open_regular
 from mopt.graph import Node
 from mopt.keys import action_key, diff_parts
 from mopt.runner import InputWatch, ProcessRunner
@@ -901,11 +901,13 @@ class Engine:
         absent = []
         lock = str(lock_path(self.recipe.path))
         try:
-            with open(lock, "rb") as fh:
+            with open(open_regular(lock, follow=True), "rb") as fh:
                 lst = os.fstat(fh.fileno())
                 watch(lock, file_stat(lst), (hash_bytes(fh.read()), mode_of(lst.st_mode)))
         except FileNotFoundError:
             absent.append(lock)
+        except OSError:  # a fifo or a folder in its place: never a blocking open
+            off.append(f"{lock} is not a readable regular file")
         for d in [self.recipe.path.parent, *self.recipe.path.parent.parents]:
             if self.project.config_file is not None and d == self.project.config_file.parent:
                 break
@@ -1520,10 +1522,17 @@ class LockFileError(MoptError):
 def load_lock_file(p: Path) -> dict[str, Any]:
     """The parsed lock file at `p` ({} if there is none); LockFileError if it cannot be read
     or is not what mopt writes (`gc` must not guess what a damaged one pinned)."""
+    from mopt.filehash import NotRegularFileError, read_regular
+
     try:
-        text = p.read_text(encoding="utf-8")
+        # never a blocking open: a fifo in its place (or reached through a gc root) is an error
+        text = read_regular(p, follow=True).decode("utf-8")
     except FileNotFoundError:
         return {}
+    except NotRegularFileError:
+        raise LockFileError(
+            "the lock file is not a regular file", file=str(p), hint="remove it and rebuild"
+        ) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise LockFileError(f"cannot read the lock file: {exc}", file=str(p)) from None
     return parse_lock(text, str(p))
@@ -1620,7 +1629,10 @@ def _write_lock(recipe_path: Path, now: LockData, artifacts: dict[str, str]) -> 
     from mopt.filehash import replace_durably
 
     p = lock_path(recipe_path)
-    with open(p.parent / f".{LOCK_NAME}.flock", "a+") as lk:
+    # O_NOFOLLOW | O_NONBLOCK: a link in its place is refused (ELOOP, a one-line LockFileError)
+    # rather than created or written through; a fifo cannot block the open
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    with open(os.open(p.parent / f".{LOCK_NAME}.flock", flags, 0o644), "a+") as lk:
         fcntl.flock(lk, fcntl.LOCK_EX)
         try:
             data = load_lock_file(p)

@@ -4,6 +4,7 @@ no-op path needs (it runs before json, re or dataclasses are loaded)."""
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 
@@ -32,6 +33,37 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+class NotRegularFileError(OSError):
+    """A file mopt reads is a fifo, a socket or a device (a folder is IsADirectoryError)."""
+
+
+def open_regular(path: StrPath, *, follow: bool = False) -> int:
+    """A read-only descriptor of the regular file at `path`.
+
+    Opened with O_NONBLOCK (a fifo in its place cannot block the open) and, unless `follow`,
+    O_NOFOLLOW (a symbolic link is refused: ELOOP); NotRegularFileError when the descriptor is
+    a fifo, socket or device (IsADirectoryError: a folder), checked with fstat before any read."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+    fd = os.open(path, flags)
+    try:
+        mode = os.fstat(fd).st_mode
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), os.fspath(path))
+        raise NotRegularFileError(errno.EINVAL, "not a regular file", os.fspath(path))
+    return fd
+
+
+def read_regular(path: StrPath, *, follow: bool = False) -> bytes:
+    """The bytes of the regular file at `path` (see `open_regular`): never a blocking open."""
+    with open(open_regular(path, follow=follow), "rb") as fh:
+        return fh.read()
+
+
 def hash_bytes(b: bytes | bytearray | memoryview) -> str:
     """BLAKE3 hex digest of `b`."""
     return blake3.blake3(b).hexdigest()
@@ -42,7 +74,7 @@ def hash_file(path: StrPath, *, size: int | None = None) -> str:
     it; a large one is mapped at once, without opening it here first (the digest is the
     same either way: only how the bytes are read depends on the size)."""
     if size is None or size < MMAP_THRESHOLD:
-        with open(path, "rb") as f:
+        with open(open_regular(path, follow=True), "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size < MMAP_THRESHOLD:
                 return blake3.blake3(f.read()).hexdigest()

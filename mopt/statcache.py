@@ -339,9 +339,27 @@ class StatCache:
                 self._conn.close()
             self._conn = None
 
+    def _not_regular(self) -> str | None:
+        """The database file or one of its -wal/-shm/-journal files when it is there but is
+        not a regular file (a symbolic link, a fifo, a folder): SQLite would write through
+        the link or block on the fifo, so the cache is not used."""
+        for side in ("", "-wal", "-shm", "-journal"):
+            try:
+                st = os.lstat(self.db_path + side)
+            except OSError:
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                return self.db_path + side
+        return None
+
     def _db(self) -> sqlite3.Connection | None:
         if self._conn is not None or self._unavailable:
             return self._conn
+        bad = self._not_regular()
+        if bad is not None:
+            _log().warning("stat cache %s is not a regular file; not using a stat cache (remove it)", bad)
+            self._unavailable = True
+            return None
         if self.read_only:
             return self._open_read_only()
         parent = os.path.dirname(self.db_path)

@@ -58,7 +58,7 @@ from mopt.digest import (
     tree_manifest_bytes,
 )
 from mopt.errors import MoptError, human
-from mopt.filehash import FileStat, file_stat
+from mopt.filehash import FileStat, NotRegularFileError, file_stat, read_regular
 from mopt.statcache import StatCache
 
 log = logging.getLogger(__name__)
@@ -111,6 +111,79 @@ class StoreUnusableError(StoreError):
 
 class OutsideError(StoreError):
     """A path to write or delete resolves outside the store and the build folders."""
+
+
+class StoreLayoutError(StoreError):
+    """A folder or file of the store's own layout is something else (a file where a folder
+    belongs, a symbolic link, a fifo): exit 2, the message names the path and what to do."""
+
+    exit_code = 2
+
+
+#: the store's own folders and files (see the module): each must be what it is meant to be
+_LAYOUT_DIRS = ("cas", "ac", "tmp", "logs", "locks", "roots", "log", "cache")
+_LAYOUT_FILES = ("state.db", "state.db-wal", "state.db-shm", "state.db-journal")
+_SHARD_RE = re.compile(r"[0-9a-f]{2}")
+
+
+def _what(mode: int) -> str:
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISREG(mode):
+        return "a file"
+    if stat.S_ISFIFO(mode):
+        return "a fifo"
+    return "a device or socket"
+
+
+def check_layout(root: StrPath) -> None:
+    """StoreLayoutError unless every folder and metadata file of the store at `root` that
+    exists is what mopt keeps there: a folder (not a file or a link to one elsewhere) for
+    the store itself, cas/ (and its shards), ac/, tmp/, logs/, locks/, roots/, log/, cache/;
+    a regular file (not a link, which SQLite would write through, nor a fifo, which would
+    block the open) for state.db and its -wal/-shm/-journal files. The store's own path may
+    be a link to a folder (a store on another disk)."""
+    root = Path(root).absolute()
+    hint = "remove it and mopt recreates it, or point [store] path elsewhere"
+    try:
+        st = os.stat(root)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise StoreLayoutError(f"the store {root} cannot be read: {e.strerror or e}", hint=hint) from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise StoreLayoutError(
+            f"the store {root} is {_what(st.st_mode)}, not a folder", hint="remove it or point [store] path elsewhere"
+        )
+    for name in _LAYOUT_DIRS:
+        p = root / name
+        try:
+            mode = os.lstat(p).st_mode
+        except OSError:
+            continue  # missing: created when needed
+        if not stat.S_ISDIR(mode):
+            raise StoreLayoutError(f"{p} is {_what(mode)}, not the folder mopt keeps there", hint=hint)
+    for d in _scandir_quiet(root / "cas"):
+        if _SHARD_RE.fullmatch(d.name):
+            try:
+                mode = d.stat(follow_symlinks=False).st_mode
+            except OSError:
+                continue
+            if not stat.S_ISDIR(mode):
+                raise StoreLayoutError(f"{d.path} is {_what(mode)}, not the cas/ folder mopt keeps there", hint=hint)
+    for name in _LAYOUT_FILES:
+        p = root / name
+        try:
+            mode = os.lstat(p).st_mode
+        except OSError:
+            continue
+        if not stat.S_ISREG(mode):
+            raise StoreLayoutError(
+                f"{p} is {_what(mode)}, not the stat cache mopt keeps there",
+                hint="remove it (a cache: files are rehashed once), or point [store] path elsewhere",
+            )
 
 
 def _free_bytes(path: StrPath) -> int | None:
@@ -225,6 +298,7 @@ class Store:
         self._use_fds: dict[int, int | None] = {}  # shard → descriptor of locks/entries-<NN>.lock
         self._used: set[str] = set()
         self._use_lock = threading.Lock()
+        check_layout(self.root)
         if not read_only:
             for d in (self.cas_dir, self.ac_dir, self.tmp_dir, self.logs_dir, self.locks_dir):
                 with self._writing(f"the folder {d}"):
@@ -426,10 +500,15 @@ class Store:
     def read_bytes(self, digest: str) -> bytes:
         """The content of blob `digest`; BlobMissingError if it is not in the store."""
         try:
-            with open(self.blob_str(digest), "rb") as fh:
-                return fh.read()
+            return read_regular(self.blob_str(digest))  # a fifo or a link in its place: missing
         except FileNotFoundError:
             raise BlobMissingError(f"blob {digest} is not in the store {self.root}") from None
+        except (NotRegularFileError, IsADirectoryError):
+            raise BlobMissingError(f"blob {digest} in the store {self.root} is not a regular file") from None
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise BlobMissingError(f"blob {digest} in the store {self.root} is a symbolic link") from None
+            raise
 
     def verify(self, digest: str) -> bool:
         """Whether blob `digest` is present and its bytes still hash to `digest`."""
@@ -761,7 +840,7 @@ class Store:
                     st = d.stat(follow_symlinks=False)
                     if not stat.S_ISREG(st.st_mode):
                         raise StoreError("not a regular file")
-                    e = ActionEntry.model_validate_json(Path(d.path).read_bytes())
+                    e = ActionEntry.model_validate_json(read_regular(d.path))
                     refs = self._entry_refs(e)
                 except FileNotFoundError:
                     continue
@@ -945,7 +1024,17 @@ class Store:
     def _flock(self, name: str, *, shared: bool, on_wait: Callable[[], None] | None = None) -> Iterator[int]:
         # Lock files are never deleted: unlinking one while another process waits on it
         # would let a third process lock a new file of the same name at the same time.
-        fd = os.open(self.locks_dir / f"{name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        # O_NOFOLLOW: a link planted in locks/ is refused (ELOOP), never created or written through
+        path = self.locks_dir / f"{name}.lock"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            raise StoreLayoutError(
+                f"{path} is a symbolic link, not the lock file mopt keeps there",
+                hint="remove it and mopt recreates it",
+            ) from None
         try:
             op = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
             try:
@@ -1062,7 +1151,9 @@ def _lock_entry(fds: dict[int, int | None], locks_dir: Path, key: str, op: int) 
         fds[shard] = None
         for flags in (os.O_RDWR | os.O_CREAT, os.O_RDONLY):
             with suppress(OSError):
-                fds[shard] = os.open(locks_dir / f"entries-{shard:02x}.lock", flags | os.O_CLOEXEC, 0o666)
+                fds[shard] = os.open(
+                    locks_dir / f"entries-{shard:02x}.lock", flags | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666
+                )
                 break
     fd = fds[shard]
     if fd is None:

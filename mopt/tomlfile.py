@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from mopt.errors import MoptError
+from mopt.filehash import open_regular
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -28,7 +29,8 @@ reads: dict[str, tuple[os.stat_result, bytes, int] | None] = {}
 
 
 def _read(path: Path) -> str:
-    with open(path, "rb") as fh:
+    # never a blocking open: a fifo in the recipe's or mopt.toml's place is "not a regular file"
+    with open(open_regular(path, follow=True), "rb") as fh:
         at = time.time_ns()  # a file changed less than a moment before may change again unseen
         st = os.fstat(fh.fileno())
         data = fh.read()

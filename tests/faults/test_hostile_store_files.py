@@ -1,0 +1,154 @@
+"""Issue #28, section 1: mopt's own files, damaged or hostile, each through the real CLI.
+
+Three families: a fifo (or other non-regular file) where mopt reads one of its metadata files
+must not block (every command runs with a timeout, so a regression fails instead of hanging);
+a symbolic link in the store's layout is never written through; a file where one of the
+store's folders belongs is a one-line error naming it, exit 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_mopt
+from tests.faults.test_store import World, one_line_error
+
+TIMEOUT = 30
+COMMANDS = (
+    ("plan", "r.toml"),
+    ("ls", "r.toml"),
+    ("show", "r.toml", "toy.cpu:toy-export"),
+    ("gc",),
+    ("build", "r.toml", "--no-check"),
+)
+
+
+@pytest.fixture
+def w(tmp_path: Path) -> Iterator[World]:
+    yield World(tmp_path)
+
+
+def run(w: World, *args: str) -> subprocess.CompletedProcess[str]:
+    try:
+        proc = run_mopt(*args, cwd=w.proj, timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"`mopt {' '.join(args)}` blocked for {TIMEOUT}s")
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return proc
+
+
+def built(w: World) -> None:
+    proc = run(w, "build", "r.toml", "--no-check")
+    assert proc.returncode == 0, proc.stderr
+
+
+def first(pattern: str, root: Path) -> Path:
+    found = sorted(root.glob(pattern))
+    assert found, pattern
+    return found[0]
+
+
+def unbuilt(w: World) -> None:
+    """Forget what was built (entries, build/, the build log, the lock file) so the next
+    build writes to the store again."""
+    for p in w.store.glob("ac/*.json"):
+        p.unlink()
+    shutil.rmtree(w.build_dir)
+    shutil.rmtree(w.store / "log", ignore_errors=True)
+    (w.proj / "mopt.lock").unlink(missing_ok=True)
+
+
+# ----------------------------------------------------------------- family 1: a fifo never blocks
+
+
+@pytest.mark.parametrize(
+    "where",
+    ["mopt.lock", ".mopt/state.db", ".mopt/ac/*.json", ".mopt/log/*.log", ".mopt/cas/*/*"],
+    ids=["lock-file", "state-db", "ac-entry", "build-log", "cas-blob"],
+)
+def test_fifo_in_place_of_a_metadata_file_never_blocks(w: World, where: str) -> None:
+    built(w)
+    p = first(where, w.proj)
+    p.unlink()
+    os.mkfifo(p)
+    for cmd in COMMANDS:
+        proc = run(w, *cmd)
+        assert proc.returncode in (0, 2), f"{cmd}: exit {proc.returncode}\n{proc.stderr}"
+        if proc.returncode == 2:  # a miss ("not built") or the path named in one line
+            one_line_error(proc.stderr)
+    assert w.outside() == w.before
+
+
+def test_gc_root_leading_to_a_fifo_is_an_error_not_a_hang(w: World) -> None:
+    built(w)
+    (w.proj / "mopt.lock").unlink()
+    os.mkfifo(w.proj / "mopt.lock")
+    proc = run(w, "gc")
+    assert proc.returncode == 2, proc.stderr
+    line = one_line_error(proc.stderr)
+    assert "mopt.lock" in line and "not a regular file" in line, line
+    assert len(list(w.store.glob("ac/*.json"))) == 2  # gc did not guess what it pinned
+
+
+# ------------------------------------------------------- family 2: a link is never written through
+
+
+@pytest.mark.parametrize(
+    ("where", "to_dir"),
+    [
+        (".mopt/state.db", False),
+        (".mopt/state.db-wal", False),
+        (".mopt/locks/*.lock", False),
+        (".mopt/log", True),
+        (".mopt/tmp", True),
+        (".mopt/ac", True),
+    ],
+    ids=["state-db", "state-db-wal", "action-lock", "log-folder", "tmp-folder", "ac-folder"],
+)
+def test_symlink_in_the_store_is_refused_not_followed(w: World, where: str, to_dir: bool) -> None:
+    built(w)
+    unbuilt(w)
+    found = sorted(w.proj.glob(where))
+    p = found[0] if found else w.proj / where
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p)
+    else:
+        p.unlink(missing_ok=True)
+    target = w.victim / "sub" if to_dir else w.victim / "v"
+    p.symlink_to(target)
+    proc = run(w, "build", "r.toml", "--no-check")
+    assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stderr}"
+    line = one_line_error(proc.stderr)
+    assert str(p) in line and "symbolic link" in line and "remove it" in line, line
+    assert not (w.victim / "v").exists()
+    assert w.outside() == w.before, "something outside the store was written through the link"
+
+
+# --------------------------------------------------- family 3: a file where a store folder belongs
+
+
+@pytest.mark.parametrize(
+    "where",
+    [".mopt", ".mopt/roots", ".mopt/tmp", ".mopt/cas/*", ".mopt/ac", ".mopt/locks", ".mopt/logs", ".mopt/log"],
+    ids=["store", "roots", "tmp", "cas-shard", "ac", "locks", "logs", "log"],
+)
+def test_file_in_place_of_a_store_folder_is_exit_2(w: World, where: str) -> None:
+    built(w)
+    unbuilt(w)
+    p = first(where, w.proj) if "*" in where else w.proj / where
+    shutil.rmtree(p, ignore_errors=True)
+    p.write_text("not a folder\n")
+    for cmd in (("build", "r.toml", "--no-check"), ("plan", "r.toml"), ("gc",)):
+        proc = run(w, *cmd)
+        assert proc.returncode == 2, f"{cmd}: exit {proc.returncode}\n{proc.stderr}"
+        line = one_line_error(proc.stderr)
+        assert str(p) in line and ("not a folder" in line or "not the" in line), line
+        assert "remove it" in line and "[store] path" in line, line
+    assert p.read_text() == "not a folder\n"
+    assert w.outside() == w.before
