@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from mopt.machine import Machine, check_requirements, detect, matching_profiles, version_ok
@@ -77,8 +76,9 @@ def _gib(x: float | None) -> str:
     return f"{x:.1f} GiB" if x is not None else "?"
 
 
-def diagnose(m: Machine) -> list[DoctorCheck]:
-    """The checks of `mopt doctor` for machine `m`."""
+def diagnose(m: Machine, registry: Any = None) -> list[DoctorCheck]:
+    """The checks of `mopt doctor` for machine `m`; then the plugins' own (OpenVINO's CPU
+    flags, Docker and buildah for images, ...: `mopt_register_doctor_checks`)."""
     out: list[DoctorCheck] = []
     add = out.append
 
@@ -159,7 +159,11 @@ def diagnose(m: Machine) -> list[DoctorCheck]:
     add(_torch_check(m))
     add(_cuda_check(m))
     out.extend(_library_checks(m))
-    out.extend(_container_checks(m))
+    for name, fn in (registry.doctor_checks if registry is not None else {}).items():
+        try:
+            out += [DoctorCheck(**d) for d in fn(m)]
+        except Exception as exc:  # a plugin's bug is its check's failure, not the doctor's
+            out.append(DoctorCheck(name, "fail", f"the check failed: {type(exc).__name__}: {exc}"))
     return out
 
 
@@ -296,7 +300,6 @@ def _library_checks(m: Machine) -> list[DoctorCheck]:
             )
         else:
             out.append(DoctorCheck("onnxruntime", "ok", f"onnxruntime {ort}: providers {provs}"))
-    out.append(_openvino_check(m))
     return out + [_library_check(m, name) for name in ("tensorrt", "tensorrt-llm", "vllm", "nvidia-modelopt")]
 
 
@@ -305,133 +308,6 @@ def _library_check(m: Machine, name: str) -> DoctorCheck:
     if v:
         return DoctorCheck(name, "ok", f"{name} {v}")
     return DoctorCheck(name, "missing", f"{name} is not installed", *_LIB_FIX[name])
-
-
-def _openvino_check(m: Machine) -> DoctorCheck:
-    """OpenVINO (plugin mopt-openvino): its CPU plugin's capabilities, and the CPU flags that
-    decide whether its INT8 and bf16 kernels are fast here (VNNI / AMX, AVX512-BF16)."""
-    v = m.libraries.get("openvino")
-    if v is None:
-        return DoctorCheck(
-            "openvino",
-            "missing",
-            "openvino is not installed",
-            "the openvino and nncf-quantize kinds (plugin mopt-openvino) build and run OpenVINO IR with it",
-            "pip install -e plugins/mopt-openvino (installs openvino and nncf)",
-        )
-    if m.openvino_cpu is None:
-        return DoctorCheck(
-            "openvino",
-            "fail",
-            f"openvino {v} is installed but its CPU plugin could not be queried: {m.openvino_error}",
-            "a broken install or a CPU OpenVINO does not support",
-            "pip install --force-reinstall openvino",
-        )
-    caps = [str(c) for c in m.openvino_cpu.get("capabilities", [])]
-    flags = _cpu_flags()
-    int8 = "AMX" if "amx_int8" in flags else "VNNI" if {"avx512_vnni", "avx_vnni"} & flags else "no VNNI/AMX"
-    bf16 = "native" if {"amx_bf16", "avx512_bf16"} & flags else "none (a bf16 hint runs f32)"
-    nncf = m.libraries.get("nncf")
-    return DoctorCheck(
-        "openvino",
-        "ok",
-        f"openvino {v}: CPU capabilities {', '.join(caps) or 'none'}; int8 dot product: {int8}; "
-        f"bf16: {bf16}; nncf {nncf or 'not installed'}",
-    )
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="utf-8")
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith(("flags", "Features")):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
-def _container_checks(m: Machine) -> list[DoctorCheck]:
-    out = []
-    d = m.docker
-    if d.client is None:
-        out.append(
-            DoctorCheck(
-                "docker",
-                "missing",
-                "docker CLI not found",
-                "Docker is not installed (the image kind can use buildah instead)",
-                "install Docker Engine (https://docs.docker.com/engine/install/) or buildah",
-            )
-        )
-    elif not d.daemon:
-        err = d.error or ""
-        if "permission denied" in err.lower():
-            cause = f"your user may not use the Docker socket ({d.host})"
-            fix = "add yourself to the docker group (sudo usermod -aG docker $USER; log in again), or use rootless Docker / buildah"
-        else:
-            cause = (
-                f"no Docker daemon answers at {d.host}: it is not running, or (inside a container) "
-                "its socket is not mounted"
-            )
-            fix = (
-                "start it (sudo systemctl start docker), point DOCKER_HOST at one, mount "
-                "/var/run/docker.sock into this container, or build images daemonless with buildah"
-            )
-        out.append(
-            DoctorCheck(
-                "docker", "missing", f"docker client {d.client}, daemon not reachable: {err}", cause, fix
-            )
-        )
-    else:
-        out.append(
-            DoctorCheck(
-                "docker",
-                "ok",
-                f"docker daemon {d.server_version or '?'} reachable; runtimes: {', '.join(d.runtimes) or '-'}",
-            )
-        )
-    ctk = "; " + ("nvidia-ctk " + m.nvidia_ctk if m.nvidia_ctk else "no nvidia-ctk on PATH")
-    cdi = f"; CDI specs: {', '.join(m.cdi_specs)}" if m.cdi_specs else ""
-    toolkit_fix = (
-        "install the NVIDIA Container Toolkit, then `sudo nvidia-ctk runtime configure "
-        "--runtime=docker && sudo systemctl restart docker`"
-    )
-    if d.daemon and (d.nvidia_runtime or m.cdi_specs):
-        out.append(DoctorCheck("nvidia-container-runtime", "ok", "registered with Docker" + ctk + cdi))
-    elif d.daemon:
-        out.append(
-            DoctorCheck(
-                "nvidia-container-runtime",
-                "missing",
-                "Docker has no 'nvidia' runtime and no CDI spec for NVIDIA GPUs" + ctk,
-                "the NVIDIA Container Toolkit is not installed or not configured for Docker",
-                toolkit_fix,
-            )
-        )
-    else:
-        out.append(
-            DoctorCheck(
-                "nvidia-container-runtime",
-                "missing",
-                "cannot tell: no Docker daemon to ask" + ctk + cdi,
-                "GPU containers need the NVIDIA Container Toolkit registered with a running daemon",
-                toolkit_fix + " (once a daemon runs)",
-            )
-        )
-    if m.buildah:
-        out.append(DoctorCheck("buildah", "ok", m.buildah_version or m.buildah))
-    else:
-        out.append(
-            DoctorCheck(
-                "buildah",
-                "missing",
-                "buildah not found on PATH",
-                "the image kind builds OCI images without a daemon through buildah",
-                "sudo apt-get install buildah (Debian/Ubuntu) or dnf install buildah",
-            )
-        )
-    return out
 
 
 def sandbox_check(mode: str) -> DoctorCheck:
@@ -486,7 +362,7 @@ def target_statuses(graph: Any) -> list[TargetStatus]:
 def doctor(registry: Any, session: Any = None) -> DoctorReport:
     """The full report; with a loaded recipe session, which of its targets are buildable here."""
     m = detect()
-    report = DoctorReport(m, diagnose(m), matching_profiles(registry))
+    report = DoctorReport(m, diagnose(m, registry), matching_profiles(registry))
     mode = session.project.config.executor.get("sandbox", "auto") if session is not None else "auto"
     report.checks.append(sandbox_check(str(mode)))
     if session is not None:

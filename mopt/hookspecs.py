@@ -41,5 +41,10 @@ def mopt_register_executors(register: Callable[[Any], None]) -> None:
 
 
 @hookspec
+def mopt_register_doctor_checks(register: Callable[[Any], None]) -> None:
+    """Register `mopt doctor` checks: `register(fn)`, `fn(machine)` returns a list of dicts (name, status: ok | info | warn | missing | fail, summary, cause, fix) about what the plugin needs here."""
+
+
+@hookspec
 def mopt_register_commands(cli: Any, core: Any) -> None:
     """Add commands to the `mopt` command line: `cli` is its click group (`@cli.command()`), `core` a `mopt.api.Core` (the registry, this machine's GPUs, built targets)."""

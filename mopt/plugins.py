@@ -77,7 +77,7 @@ BUILTIN_PLUGINS = (
     "mopt.builtin.executors",
 )
 
-CATEGORIES = ("targets", "families", "hardware", "sources", "executors")
+CATEGORIES = ("targets", "families", "hardware", "sources", "executors", "doctor_checks")
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_-]*$")
 
 
@@ -103,6 +103,7 @@ class Registry:
     hardware: dict[str, HardwareProfile] = field(default_factory=dict)
     sources: dict[str, type[Source]] = field(default_factory=dict)
     executors: dict[str, type[Executor]] = field(default_factory=dict)
+    doctor_checks: dict[str, Callable[[Any], list[dict[str, str]]]] = field(default_factory=dict)
     origin: dict[tuple[str, str], str] = field(default_factory=dict)
     plugins: dict[str, PluginInfo] = field(default_factory=dict)
     disabled: list[str] = field(default_factory=list)
@@ -130,6 +131,7 @@ SINGULAR = {
     "hardware": "hardware profile",
     "sources": "source",
     "executors": "executor",
+    "doctor_checks": "doctor check",
 }
 
 
@@ -301,6 +303,7 @@ def _registrar(reg: Registry, category: str, plugin: str) -> Callable[[Any], Non
         "hardware": _check_hardware,
         "sources": _check_source,
         "executors": _check_executor,
+        "doctor_checks": _check_doctor,
     }
 
     def register(obj: Any) -> None:
@@ -421,6 +424,12 @@ def _check_executor(obj: Any, plugin: str) -> str:
         raise _bad(plugin, f"registered executor {obj!r} is not a mopt.api.Executor subclass")
     _check_params_model(obj.Settings, plugin, obj.__name__, "Settings")
     return _check_name(getattr(obj, "name", None), plugin, "executor")
+
+
+def _check_doctor(obj: Any, plugin: str) -> str:
+    if not callable(obj):
+        raise _bad(plugin, f"registered doctor check {obj!r} is not a function of the machine")
+    return _check_name(getattr(obj, "__name__", "").replace("_", "-"), plugin, "doctor check")
 
 
 _REGISTRY: dict[Any, Registry] = {}

@@ -23,6 +23,7 @@ HOOKS = sorted(n for n in dir(hookspecs) if n.startswith("mopt_"))
 def test_every_hook_has_a_one_line_doc() -> None:
     assert HOOKS == [
         "mopt_register_commands",
+        "mopt_register_doctor_checks",
         "mopt_register_executors",
         "mopt_register_families",
         "mopt_register_hardware",
@@ -461,3 +462,24 @@ def test_kind_that_turns_the_fast_path_off_is_named(project: Path) -> None:
     second = run_mopt("build", "r.toml", "--json", cwd=project)
     miss = json.loads(second.stdout)["io"]["noop_miss"]
     assert miss == note.removeprefix("note: ").replace("no-op fast path off", "no-op off")
+
+
+def test_hook_mopt_register_doctor_checks() -> None:
+    """`mopt_register_doctor_checks`: OpenVINO's and the image kinds' lines come from their
+    plugins; a check that raises is reported as that check's failure, not the doctor's."""
+    from mopt.doctor import diagnose
+    from mopt.machine import detect
+    from mopt.plugins import Registry
+
+    reg = build_registry(make_plugin_manager([]))
+    assert {"openvino", "containers"} <= set(reg.doctor_checks)
+    assert reg.origin[("doctor_checks", "containers")] == "image"
+    names = [c.name for c in diagnose(detect(), reg)]
+    assert {"openvino", "docker", "nvidia-container-runtime", "buildah"} <= set(names)
+
+    def broken(m: object) -> list[dict[str, str]]:
+        raise RuntimeError("no probe")
+
+    bad = Registry(doctor_checks={"broken": broken})
+    last = diagnose(detect(), bad)[-1]
+    assert (last.name, last.status) == ("broken", "fail") and "RuntimeError: no probe" in last.summary

@@ -28,3 +28,11 @@ def mopt_register_commands(cli: Any, core: Core) -> None:
     from mopt_image.cli import register
 
     register(cli, core)
+
+
+@hookimpl
+def mopt_register_doctor_checks(register: Callable[[Any], None]) -> None:
+    """`mopt doctor`'s lines about what this plugin needs here."""
+    from mopt_image.doctor import containers
+
+    register(containers)

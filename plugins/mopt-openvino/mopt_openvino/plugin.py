@@ -18,3 +18,11 @@ def mopt_register_targets(register: Callable[[Any], None]) -> None:
     """openvino, nncf-quantize."""
     for kind in TARGETS:
         register(kind)
+
+
+@hookimpl
+def mopt_register_doctor_checks(register: Callable[[Any], None]) -> None:
+    """`mopt doctor`'s lines about what this plugin needs here."""
+    from mopt_openvino.doctor import openvino
+
+    register(openvino)
