@@ -34,6 +34,7 @@ def text_maker(
     """A function of (RNG, n) returning n texts of about `input_len` tokens each."""
     tok: Any = None
     vocab: list[int] = []
+    source = "words (no tokenizer given)"
     if tokenizer_dir:
         try:
             from transformers import AutoTokenizer
@@ -41,8 +42,9 @@ def text_maker(
             tok = AutoTokenizer.from_pretrained(tokenizer_dir)
             special = set(tok.all_special_ids)
             vocab = [i for i in range(tok.vocab_size) if i not in special]
-        except Exception:
-            tok = None
+            source = f"random ids of the model's tokenizer ({len(vocab)} ids), decoded"
+        except Exception as exc:  # said in what the search records (`texts`), not silent
+            tok, source = None, f"words (the tokenizer did not load: {type(exc).__name__}: {exc})"[:300]
     lo = max(1, int(input_len * (1 - range_ratio)))
     hi = max(lo, int(input_len * (1 + range_ratio)))
     words = ("alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "lambda")
@@ -53,6 +55,7 @@ def text_maker(
             return [str(t) for t in tok.batch_decode([rng.choices(vocab, k=k) for k in lens])]
         return [" ".join(rng.choices(words, k=k)) for k in lens]
 
+    make.source = source  # type: ignore[attr-defined]
     return make
 
 

@@ -456,6 +456,7 @@ class ServeSearchKind(TargetKind):
             "params": p.model_dump(mode="json"),
             "fingerprint": fp,
             "wall_s": round(total_s, 1),
+            "texts": getattr(make, "source", None),  # what the load sends
             "decision": verdict.to_json(),
             "vs_baseline": versus,
             "prediction_errors": prediction_errors(results),

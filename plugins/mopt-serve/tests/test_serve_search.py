@@ -395,6 +395,7 @@ def test_the_kind_runs_the_search_and_writes_its_files(tmp_path, monkeypatch):
     assert by["vllm"]["vllm_log"] == {"torch_compile_s": 12.5, "compile_cache_hit": True}
     assert by["vllm"]["min_cosine"] == pytest.approx(1.0) and by["vllm"]["startup_s"] is not None
     assert doc["prediction_errors"][0]["source"].startswith("model with prior constants")
+    assert doc["texts"].startswith("words (the tokenizer did not load")  # no tokenizer here: said so
     # the second search predicts from the first's measurements
     hist = SS.read_history(ctx.cache_dir / "history.jsonl", gpu=doc["fingerprint"].get("gpu_name", ""),
                            vllm=doc["fingerprint"]["vllm"], model="b3" * 32)  # fmt: skip
