@@ -376,7 +376,10 @@ def gate_outcome(failed: list[str], summary: str, on_fail: str, log: Any) -> Non
     GateFailed when a gate failed and on_fail = "fail", or the failures logged as recorded."""
     log(summary)
     if failed and on_fail == "fail":
-        raise GateFailed(f"validation gate failed: {'; '.join(failed)} ({summary})")
+        raise GateFailed(
+            f"validation gate failed: {'; '.join(failed)} ({summary}); to record it and build on, "
+            'set on_fail = "record" on this target'
+        )
     if failed:
         log(f'validation gate failed (recorded, on_fail = "record"): {"; ".join(failed)}')
 

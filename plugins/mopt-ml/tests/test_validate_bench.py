@@ -61,6 +61,7 @@ def test_gate_below_threshold_fails_the_build_with_the_numbers(
     assert "min_cosine 0.99" in msg and "< 0.9999" in msg
     assert "mean_cosine 0.99" in msg and "< 0.99999" in msg
     assert "on 223 texts" in msg
+    assert msg.endswith('set on_fail = "record" on this target')  # what to do, in the one line
 
 
 def test_validate_reads_the_recipe_texts(runner: Any, qwen3_chain: dict[str, Any]) -> None:
