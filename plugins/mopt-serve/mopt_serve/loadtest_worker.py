@@ -22,17 +22,14 @@ each step's `tool`, when the vLLM path fails on its first step.
 
 from __future__ import annotations
 
-import http.client
 import json
+import math
 import random
-import socket
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 HERE = Path(__file__).resolve().parent
 # run as a script, Python puts this file's folder first on sys.path, where mopt_serve's own
@@ -43,6 +40,7 @@ if str(HERE.parent) not in sys.path:
     sys.path.append(str(HERE.parent))  # mopt_serve's own statistics, whatever the cwd
 
 from mopt_serve.gen_check import gen_step_from_bench  # noqa: E402
+from mopt_serve.loadgen import closed_loop, text_maker  # noqa: E402
 from mopt_serve.serve_check import parse_metrics, step_from_latencies, step_from_vllm_bench  # noqa: E402
 
 
@@ -152,94 +150,20 @@ def gen_main(spec: dict[str, Any], out: Path) -> int:
     return 0
 
 
-def prompts(spec: dict[str, Any], n: int) -> list[str]:
-    """Texts of about input_len tokens (± range_ratio), from the model's own tokenizer."""
-    rng = random.Random(spec["seed"])
-    try:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(spec["tokenizer"])
-        vocab = [i for i in range(tok.vocab_size) if i not in set(tok.all_special_ids)]
-    except Exception:
-        tok, vocab = None, []
-    lo = int(spec["input_len"] * (1 - spec["range_ratio"]))
-    hi = int(spec["input_len"] * (1 + spec["range_ratio"]))
-    out = []
-    for _ in range(n):
-        k = rng.randint(max(lo, 1), max(hi, 1))
-        if tok is not None:
-            out.append(tok.decode([rng.choice(vocab) for _ in range(k)]))
-        else:
-            out.append(" ".join(rng.choice(("alpha", "beta", "gamma", "delta", "omega")) for _ in range(k)))
-    return out
-
-
 def loop_step(spec: dict[str, Any], concurrency: int, n: int) -> dict[str, Any]:
-    """Closed loop with `concurrency` threads until `n` requests are done."""
-    u = urlparse(spec["base_url"])
-    texts = prompts(spec, n + spec["warmups"])
-    lock = threading.Lock()
-    next_i = [0]
-    lat: list[float] = []
-    tokens = [0]
-    errors: list[str] = []
-
-    def one(conn: http.client.HTTPConnection, text: str) -> tuple[float, int]:
-        body = json.dumps({"model": spec["model"], "input": [text] * spec["texts_per_request"]})
-        t = time.perf_counter()
-        conn.request("POST", "/v1/embeddings", body, {"Content-Type": "application/json"})
-        r = conn.getresponse()
-        raw = r.read()
-        dt = time.perf_counter() - t
-        if r.status != 200:
-            raise RuntimeError(f"HTTP {r.status}: {raw[:200]!r}")
-        return dt, int(json.loads(raw).get("usage", {}).get("prompt_tokens", 0))
-
-    def connect() -> http.client.HTTPConnection:
-        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
-        conn.connect()
-        # no Nagle: a request's small writes must not wait for the delayed ACK (+40 ms)
-        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return conn
-
-    def client(first: int, count: int) -> None:
-        conn = connect()
-        while True:
-            with lock:
-                i = next_i[0]
-                if i >= count:
-                    break
-                next_i[0] += 1
-            try:
-                dt, tk = one(conn, texts[first + i])
-                with lock:
-                    lat.append(dt)
-                    tokens[0] += tk
-            except Exception as e:  # a failed request is counted, the client goes on
-                with lock:
-                    errors.append(f"{type(e).__name__}: {e}")
-                conn.close()
-                conn = connect()
-        conn.close()
-
-    def run(first: int, count: int) -> float:
-        next_i[0] = 0
-        threads = [threading.Thread(target=client, args=(first, count)) for _ in range(concurrency)]
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return time.perf_counter() - t0
-
-    if spec["warmups"]:
-        run(n, spec["warmups"])
-        lat.clear()
-        tokens[0] = 0
-        errors.clear()
-    dur = run(0, n)
-    step = step_from_latencies(concurrency, lat, tokens[0], len(errors), dur, "mopt-loop").to_json()
-    step["error_sample"] = errors[0][:200] if errors else ""
+    """Closed loop with `concurrency` threads until `n` requests are done (mopt_serve.loadgen,
+    the client serve-search uses)."""
+    make = text_maker(spec["tokenizer"], spec["input_len"], spec["range_ratio"])
+    texts = make(random.Random(spec["seed"]), n + spec["warmups"])
+    reqs, dur, err = closed_loop(
+        spec["base_url"], spec["model"], texts, concurrency, min_requests=n, min_s=0.0, max_s=math.inf,
+        max_requests=n, warmup=spec["warmups"], texts_per_request=spec["texts_per_request"],
+    )  # fmt: skip
+    ok = [r for r in reqs if r.ok]
+    step = step_from_latencies(
+        concurrency, [r.latency_s for r in ok], sum(r.tokens for r in ok), len(reqs) - len(ok), dur, "mopt-loop"
+    ).to_json()
+    step["error_sample"] = err[:200]
     return step
 
 
