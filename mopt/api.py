@@ -102,7 +102,7 @@ __all__ = [
 
 
 class Params(BaseModel):
-    """Base for a kind's params: unknown keys are errors, values are immutable."""
+    """Base for a kind's params: unknown keys are errors, values immutable, and strict in a recipe."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -276,7 +276,7 @@ def _merge_models(chain: list[_File], registry: Registry) -> dict[str, Model]:
         f = decl[name]
         table = ["models", name]
         try:
-            spec = ModelSpec.model_validate(body)
+            spec = ModelSpec.model_validate_json(json.dumps(body, default=str), strict=True)
         except ValidationError as exc:
             raise _pydantic_error(exc, f, table, ModelSpec) from None
         if spec.family not in registry.families:
@@ -322,7 +322,7 @@ def _validate_source(src: dict[str, Any], f: _File, table: list[str], registry: 
     kind = names[0]
     cls = registry.sources[kind]
     try:
-        return kind, cls.Params.model_validate(src)
+        return kind, cls.Params.model_validate_json(json.dumps(src, default=str), strict=True)
     except ValidationError as exc:
         raise _pydantic_error(exc, f, table + ["source"], cls.Params) from None
 
@@ -703,7 +703,8 @@ def _validate_params(
     cls: Any, params: dict[str, Any], origins: dict[str, Any], layers: list[_Layer], decl: _Layer, name: str
 ) -> Any:
     try:
-        return cls.Params.model_validate(params)
+        # strict: "yes" is no bool, "0.3" no float (an int is a float); over JSON, a string is a Path
+        return cls.Params.model_validate_json(json.dumps(params, default=str), strict=True)
     except ValidationError as exc:
 
         def place(loc: list[str]) -> tuple[Where, str]:

@@ -31,8 +31,29 @@ CASES: list[tuple[str, dict[str, str], str]] = [
         "wrong_type",
         {"r.toml": MODEL + '[toy.cpu]\ntargets = ["toy-weights", "toy-export"]\n'
          '[toy.cpu.toy-export]\nopset = "seventeen"\n'},
-        "r.toml:9: [toy.cpu.toy-export] opset: input should be a valid integer, unable to parse "
-        "string as an integer, got 'seventeen'",
+        "r.toml:9: [toy.cpu.toy-export] opset: input should be a valid integer, got 'seventeen'",
+    ),
+    # params are strict (pydantic's strict mode): no string, number or bool is coerced into
+    # another type; only an int where a float is expected is taken
+    *[
+        (
+            f"coerced_{name}",
+            {"r.toml": MODEL + f'[toy.cpu]\ntargets = ["toy-weights", "toy-export"]\n[toy.cpu.toy-export]\n{line}\n'},
+            f"r.toml:9: [toy.cpu.toy-export] {message}",
+        )
+        for name, line, message in [
+            ("yes", 'fail = "yes"', "fail: input should be a valid boolean, got 'yes' (fail after writing a partial output)"),
+            ("off", 'fail = "off"', "fail: input should be a valid boolean, got 'off' (fail after writing a partial output)"),
+            ("zero_bool", "fail = 0", "fail: input should be a valid boolean, got 0 (fail after writing a partial output)"),
+            ("float_string", 'sleep = "0.3"', "sleep: input should be a valid number, got '0.3' (seconds to sleep (tests of concurrency))"),
+            ("int_string", 'opset = "17"', "opset: input should be a valid integer, got '17'"),
+            ("float_int", "opset = 17.0", "opset: input should be a valid integer, got 17.0"),
+        ]
+    ],
+    (
+        "coerced_source_param",
+        {"r.toml": MODEL.replace('{ path = "toy-model" }', '{ toygen = "x", seed = "0" }') + '[toy.cpu]\ntargets = ["toy-weights"]\n'},
+        "r.toml:5: [models.toy.source] seed: input should be a valid integer, got '0'",
     ),
     (
         "unknown_key_in_target_table",
@@ -191,7 +212,7 @@ CASES: list[tuple[str, dict[str, str], str]] = [
     (
         "toml_date_as_a_param",  # a TOML date is a value like any other, not a crash
         {"r.toml": MODEL + '[toy.cpu]\ntargets = ["c"]\n[toy.cpu.c]\nkind = "command"\nargv = 1979-05-27\n'},
-        "r.toml:10: [toy.cpu.c] argv: input should be a valid list, got '1979-05-27' (the command and its arguments)",
+        "r.toml:10: [toy.cpu.c] argv: input should be a valid array, got '1979-05-27' (the command and its arguments)",
     ),
 ]
 

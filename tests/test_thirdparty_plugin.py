@@ -343,3 +343,17 @@ def test_a_third_party_hf_checkpoint_feeds_every_kind_that_takes_the_format(tmp_
     assert proc.returncode == 0, proc.stderr
     (vllm,) = [n for n in json.loads(proc.stdout)["nodes"] if n["id"] == "distil.l4:vllm"]
     assert vllm["inputs"] == {"model": ["distil.l4:weights"]}
+
+
+@pytest.mark.parametrize("value", ['"2"', "2.0", "true"])
+def test_a_coerced_param_of_the_third_partys_kind_is_refused(tmp_path: Path, value: str) -> None:
+    """Recipe params are strict (pydantic's strict mode, for every kind's `Params`): `layers =
+    "2"` is not quietly read as 2, nor 2.0 or true."""
+    (tmp_path / "r.toml").write_text(RECIPE.replace("layers = 1", f"layers = {value}"))
+    proc = run_mopt("plan", "r.toml", cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    line = RECIPE.splitlines().index("layers = 1") + 1
+    assert proc.stderr.splitlines() == [
+        f"error: r.toml:{line}: [distil.cpu.small] layers: input should be a valid integer, got "
+        f"{json.loads(value)!r} (transformer layers to keep)"
+    ]
