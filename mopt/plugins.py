@@ -22,8 +22,9 @@ import pluggy
 from pydantic import BaseModel
 
 from mopt import hookspecs
-from mopt.api import Executor, Family, HardwareProfile, Input, Source, TargetKind
+from mopt.api import FORMATS, Executor, Family, HardwareProfile, Input, Source, TargetKind
 from mopt.errors import PluginError, closest, did_you_mean
+from mopt.family import DEFAULT_CONFIG_KEYS
 
 #: the plugin distributions this project ships (plugins/*): first-party. The `mopt-` prefix
 #: says nothing (third parties use it too, as pytest-* and datasette-* plugins do); a name
@@ -121,7 +122,6 @@ class Registry:
         when a recipe names something unknown (an error): the disabled plugins are then
         imported and their hooks called with a throwaway `register`."""
         return _offers_of(self.disabled).get((category, name)) if self.disabled else None
-
 
 
 #: a category's name in messages
@@ -390,6 +390,10 @@ def _check_kind(obj: Any, plugin: str) -> str:
             raise _bad(plugin, f"{obj.__name__}.consumes: slot {slot.name!r} cannot both gather and fan out")
     if "run" not in {k for c in obj.__mro__[:-1] if c is not TargetKind for k in vars(c)}:
         raise _bad(plugin, f"target kind {name!r} ({obj.__name__}) does not implement run()")
+    for fmt in (obj.produces, *(f for slot in obj.consumes for f in slot.formats)):
+        if fmt and fmt not in FORMATS:  # a misspelled format would feed nothing, silently
+            raise _bad(plugin, f"target kind {name!r} names an unknown artifact format {fmt!r}",
+                       "a new one is added to mopt.api.FORMATS first; " + did_you_mean(fmt, FORMATS, "formats"))
     return name
 
 
@@ -398,6 +402,10 @@ def _check_family(obj: Any, plugin: str) -> str:
         raise _bad(plugin, f"registered family {obj!r} is not a mopt.api.Family subclass")
     if obj.pooling not in ("last-token", "mean", "cls"):
         raise _bad(plugin, f"family {obj.__name__}.pooling must be last-token, mean or cls")
+    for dim in obj.config_keys:
+        if dim not in DEFAULT_CONFIG_KEYS:
+            raise _bad(plugin, f"family {obj.__name__}.config_keys names {dim!r}, which is no dimension mopt reads",
+                       did_you_mean(dim, DEFAULT_CONFIG_KEYS, "dimensions"))
     return _check_name(getattr(obj, "name", None), plugin, "family")
 
 

@@ -169,6 +169,40 @@ def test_bad_params_model_is_refused_naming_the_plugin() -> None:
         _registry_with(_module(mopt_register_targets=lambda register: register(Open)))
 
 
+def test_misspelled_format_is_refused_when_the_kind_registers() -> None:
+    """A kind producing "hf-checkpiont" would feed no consumer, silently: refused at once."""
+    from mopt.api import Input
+
+    class Typo(_Kind):
+        produces = "hf-checkpiont"
+
+    class SlotTypo(_Kind):
+        consumes = (Input("model", formats=("onx",)),)
+
+    for cls, bad, best in ((Typo, "hf-checkpiont", "hf-checkpoint"), (SlotTypo, "onx", "onnx")):
+        with pytest.raises(PluginError) as exc:
+            _registry_with(_module(mopt_register_targets=lambda register, c=cls: register(c)), name="acme9")
+        assert str(exc.value) == (
+            f"plugin 'acme9': target kind 'extra-kind' names an unknown artifact format {bad!r} (a new "
+            f"one is added to mopt.api.FORMATS first; did you mean {best!r}?)"
+        )
+
+
+def test_misspelled_config_keys_name_is_refused_when_the_family_registers() -> None:
+    """config_keys = {"hiden": ("dim",)} would be ignored and the estimate read no hidden size."""
+
+    class Fam(Family):
+        name = "gpt2ish"
+        config_keys = {"hiden": ("n_embd",), "layers": ("n_layer",)}  # noqa: RUF012
+
+    with pytest.raises(PluginError) as exc:
+        _registry_with(_module(mopt_register_families=lambda register: register(Fam)), name="acme9")
+    assert str(exc.value) == (
+        "plugin 'acme9': family Fam.config_keys names 'hiden', which is no dimension mopt reads "
+        "(did you mean 'hidden'?)"
+    )
+
+
 def test_misspelled_hook_is_rejected_with_did_you_mean() -> None:
     pm = make_plugin_manager()
     mod = _module(mopt_register_tragets=lambda register: None)
