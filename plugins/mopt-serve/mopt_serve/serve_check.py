@@ -103,8 +103,13 @@ class LocalServer:
     proc: subprocess.Popen[bytes] | None = None
     started: float = 0.0
     startup_s: float = 0.0  # start to a healthy /health
+    pre: Any = None  # a prestart.Prestarted of this argv: start() tells it to go
 
     def start(self) -> None:
+        if self.pre is not None:
+            self.started = time.monotonic()
+            self.proc = self.pre.go()
+            return
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as logf:
             self.started = time.monotonic()
@@ -195,11 +200,13 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 @contextlib.contextmanager
 def local_vllm(
-    argv: list[str], log_path: Path, *, port: int, startup_timeout_s: float, env: dict[str, str] | None = None
+    argv: list[str], log_path: Path, *, port: int, startup_timeout_s: float, env: dict[str, str] | None = None,
+    pre: Any = None,
 ) -> Iterator[LocalServer]:
-    """Start `argv` (a `vllm serve` line that listens on 127.0.0.1:`port`), wait for /health,
-    yield the server; stop it on the way out whatever happened."""
-    server = LocalServer(argv, f"http://127.0.0.1:{port}", log_path, env)
+    """Start `argv` (a `vllm serve` line that listens on 127.0.0.1:`port`; or tell `pre`, the
+    same line prestarted, to go), wait for /health, yield the server; stop it on the way out
+    whatever happened."""
+    server = LocalServer(argv, f"http://127.0.0.1:{port}", log_path, env, pre=pre)
     with _sigterm_as_interrupt():
         server.start()
         try:
@@ -504,6 +511,7 @@ LOG_PATTERNS: dict[str, str] = {
     "compiled_now": r"(Compiling a graph for compile range)",
     "dynamo_s": r"Dynamo bytecode transform time: ([\d.]+) s",
     "profile_run_s": r"Initial profiling/warmup run took ([\d.]+) s",
+    "prestart_import_s": r"mopt-prestart: imported \d+ modules in ([\d.]+) s",
 }
 
 

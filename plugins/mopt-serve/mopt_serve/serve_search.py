@@ -10,7 +10,8 @@ variants) and, one server at a time (`search_configs`):
    the baseline first, then by predicted knee;
 2. starts the config (vLLM's compile cache in the kind's cache folder, the model at a path
    named by its digest, so configs that compile the same graph, and later builds, load it
-   instead of compiling), checks it (/v1/models, the cosine of its embeddings against the
+   instead of compiling; the next config's imports, CPU only, run meanwhile and are paused
+   while a step is timed: `prestart.py`), checks it (/v1/models, the cosine of its embeddings against the
    fp32 reference, gate `min_cosine`, or `min_cosine_quantized` for ModelOpt checkpoints);
 3. **screens** it at one shared load (`screen_concurrency`, default the baseline's predicted
    knee); a config whose p99 there is clearly worse than the best screened so far stops here
@@ -50,9 +51,11 @@ from mopt.api import plugin_env as _env
 from mopt_serve import search as S
 from mopt_serve.loadgen import closed_loop, text_maker
 from mopt_serve.plots import latency_throughput_svg
+from mopt_serve.prestart import Prestarted, vllm_launcher
 from mopt_serve.serve_check import (
     DEFAULT_TEXTS,
     INSTALL_VLLM,
+    _die_with_parent,
     cosines,
     embed,
     free_port,
@@ -120,20 +123,27 @@ def search_configs(
     texts_for: Callable[[int], list[str]],
     log: Callable[[str], None],
     progress: Callable[[str], None],
+    ahead: Callable[[Config], None] = lambda cfg: None,
+    quiet: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> tuple[list[Result], S.Verdict, dict[str, Any]]:
-    """Screen every config, search the knee of the baseline and the leaders, decide."""
+    """Screen every config, search the knee of the baseline and the leaders, decide.
+    `ahead(next)` is called as each config is launched (the next one's CPU-only start-up runs
+    meanwhile); every timed step runs inside `quiet()` (that start-up paused)."""
     results: dict[str, Result] = {}
     best: list[S.StepStats] = []  # the best screening step so far (its p99 is lowest)
     screen_c = p.screen_concurrency or _screen_point(configs, p)
     log(f"screening load: concurrency {screen_c}; SLO p99 <= {p.slo_p99_ms} ms")
-    for cfg in _ordered(configs):
+    order = _ordered(configs)
+    for i, cfg in enumerate(order):
         res = results[cfg.label] = Result(cfg.label, config=_config_view(cfg.meta) | {"model_dir": str(cfg.model_dir)})
         res.predicted = cfg.prediction.to_json() if cfg.prediction else None
         t_wall = time.monotonic()
         try:
+            if i + 1 < len(order):
+                ahead(order[i + 1])
             with launch(cfg) as server:
                 try:
-                    _measure_config(cfg, res, server, check, p, screen_c, best, texts_for, progress)
+                    _measure_config(cfg, res, server, check, p, screen_c, best, texts_for, progress, quiet)
                 finally:
                     res.engine_mib = (gpu_memory(server.pid) or {}).get("engine_mib") if server.pid else None
             res.startup_s = round(server.startup_s, 1)
@@ -175,6 +185,7 @@ def _measure_config(
     best: list[S.StepStats],
     texts_for: Callable[[int], list[str]],
     progress: Callable[[str], None],
+    quiet: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> None:
     """One config's turn while its server is up: check, screen, and search if it leads."""
     progress(f"{cfg.label}: healthy after {server.startup_s:.1f} s")
@@ -185,13 +196,14 @@ def _measure_config(
         return
 
     def measure(c: int, phase: str) -> S.StepStats:
-        t = time.monotonic()
-        reqs, dur, err = closed_loop(
-            server.base_url, server.model, texts_for(c), c,
-            min_requests=p.min_requests, min_s=p.min_step_s, max_s=p.max_step_s,
-            max_requests=p.max_requests, warmup=min(p.warmup_requests, 4 * c),
-            texts_per_request=p.texts_per_request,
-        )  # fmt: skip
+        t, texts = time.monotonic(), texts_for(c)
+        with quiet():
+            reqs, dur, err = closed_loop(
+                server.base_url, server.model, texts, c,
+                min_requests=p.min_requests, min_s=p.min_step_s, max_s=p.max_step_s,
+                max_requests=p.max_requests, warmup=min(p.warmup_requests, 4 * c),
+                texts_per_request=p.texts_per_request,
+            )  # fmt: skip
         st = S.step_stats(c, reqs, dur, p.slo_p99_ms, p.confidence, phase, err)
         res.measure_s += time.monotonic() - t
         lo, hi = st.p99_ci_ms
@@ -298,7 +310,7 @@ class ServeSearchKind(TargetKind):
 
     name = "serve-search"
     sandbox = False  # vLLM on the GPU, as serve-check
-    version = "1"
+    version = "2"  # 2: the next config prestarted
     reproducible = False  # latency numbers
     exclusive = True  # timed alone
     description = (
@@ -354,6 +366,10 @@ class ServeSearchKind(TargetKind):
             default=0.95, ge=-1, le=1, description="gate of ModelOpt checkpoints"
         )
         startup_timeout_s: float = Field(default=600, gt=0)
+        prestart: bool = Field(
+            default=True,
+            description="import the next config's vLLM (CPU only) while this one starts; paused while timed",
+        )
 
     def input_files(self, params: Any, project_dir: Path) -> list[Path]:
         return [(project_dir / params.texts).resolve()] if params.texts else []
@@ -402,6 +418,7 @@ class ServeSearchKind(TargetKind):
             "VLLM_CACHE_ROOT": str(cache / "vllm"),
             "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
             "TRITON_CACHE_DIR": str(cache / "triton"),
+            "HF_HUB_OFFLINE": "1",  # the model is a local folder: no lookups on the hub
         }
         make = text_maker(str(ref_art.path), p.input_len, p.input_len_range)
 
@@ -411,16 +428,41 @@ class ServeSearchKind(TargetKind):
             # prefix cache would answer a repeat)
             return make(random.Random(1000 + c), p.max_requests + p.warmup_requests)
 
-        @contextlib.contextmanager
-        def launch(cfg: Config) -> Iterator[Any]:
+        def command(cfg: Config) -> tuple[list[str], int, dict[str, str], Path]:
             args = json.loads((cfg.serve_dir / "args.json").read_text())
             port = free_port()
             argv = serve_command(args, cfg.model_dir, cfg.serve_dir, port)
             env = {**os.environ, **args.get("env", {}), **env_extra}
-            log_path = ctx.out / "logs" / f"{_safe(cfg.label)}.log"
-            ctx.log("$ " + " ".join(argv))
+            return argv, port, env, ctx.out / "logs" / f"{_safe(cfg.label)}.log"
+
+        # the next config's imports run while this one starts and serves; paused while timed
+        waiting: dict[str, tuple[Prestarted, tuple[list[str], int, dict[str, str], Path]]] = {}
+
+        def ahead(cfg: Config) -> None:
+            try:
+                cmd = command(cfg)
+                line = vllm_launcher(cmd[0], cfg.model_dir) if p.prestart else None
+                if line is not None:
+                    waiting[cfg.label] = (Prestarted.spawn(line, cmd[3], cmd[2], _die_with_parent), cmd)
+            except Exception as e:  # only slower: it starts when its turn comes
+                ctx.log(f"{cfg.label}: not prestarted ({type(e).__name__}: {e})")
+
+        @contextlib.contextmanager
+        def quiet() -> Iterator[None]:
+            for pre, _ in waiting.values():
+                pre.pause()
+            try:
+                yield
+            finally:
+                for pre, _ in waiting.values():
+                    pre.resume()
+
+        @contextlib.contextmanager
+        def launch(cfg: Config) -> Iterator[Any]:
+            pre, (argv, port, env, log_path) = waiting.pop(cfg.label, (None, command(cfg)))
+            ctx.log("$ " + " ".join(argv) + (" (prestarted)" if pre else ""))
             with local_vllm(
-                argv, log_path, port=port, startup_timeout_s=p.startup_timeout_s, env=env
+                argv, log_path, port=port, startup_timeout_s=p.startup_timeout_s, env=env, pre=pre
             ) as server:
                 server.model = cfg.meta.get("served_model_name") or ctx.model_name
                 yield server
@@ -441,9 +483,11 @@ class ServeSearchKind(TargetKind):
         t0 = time.monotonic()
         try:
             results, verdict, versus = search_configs(
-                configs, launch, check, p, texts_for, ctx.log, ctx.progress
+                configs, launch, check, p, texts_for, ctx.log, ctx.progress, ahead, quiet
             )
         finally:
+            for pre, _ in waiting.values():
+                pre.cancel()
             pool.shutdown(wait=True, cancel_futures=True)
         total_s = time.monotonic() - t0
         unbuilt = [

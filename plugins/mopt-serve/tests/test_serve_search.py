@@ -263,11 +263,27 @@ def test_the_whole_search_against_servers_with_known_knees(tmp_path):
     def check(server: Any, cfg: Config) -> tuple[float, float, list[str]]:
         return (0.5, 0.6, ["min cosine 0.5 < 0.999"]) if cfg.label == "broken" else (0.9999, 0.99995, [])
 
+    events: list[str] = []
+
+    def launch(c: Config) -> Any:
+        events.append(f"launch {c.label}")
+        return fake_server(tmp_path, knees[c.label])
+
+    @contextlib.contextmanager
+    def quiet() -> Iterator[None]:
+        events.append("quiet")
+        yield
+
     results, verdict, versus = search_configs(
-        cfgs, lambda c: fake_server(tmp_path, knees[c.label]), check, p,
-        lambda c: make(random.Random(c), 400), lines.append, lines.append,
+        cfgs, launch, check, p, lambda c: make(random.Random(c), 400), lines.append, lines.append,
+        ahead=lambda c: events.append(f"ahead {c.label}"), quiet=quiet,
     )  # fmt: skip
     by = {r.label: r for r in results}
+    # each config's successor is prestarted as it launches; every timed step ran quiet
+    launched = [e.split()[1] for e in events if e.startswith("launch")]
+    assert [e.split()[1] for e in events if e.startswith("ahead")] == launched[1:]
+    assert events.index(f"ahead {launched[1]}") < events.index(f"launch {launched[0]}")
+    assert events.count("quiet") == sum(len(r.steps) for r in results) > 0
     assert by["defaults"].knee.concurrency == 6 and by["defaults"].knee.broke_at == 7
     assert by["tuned"].knee.concurrency == 12 and by["tuned"].knee.broke_at == 13
     # screened at c=4: "slow" (knee 3) is clearly worse there and never searched
@@ -343,9 +359,14 @@ def test_the_kind_runs_the_search_and_writes_its_files(tmp_path, monkeypatch):
     knees = {"vllm": 6, "vllm-tuned@s=32": 12}
     seen: list[list[str]] = []
 
+    prestarted: list[Any] = []
+
     @contextlib.contextmanager
-    def fake_vllm(argv, log_path, *, port, startup_timeout_s, env=None):
+    def fake_vllm(argv, log_path, *, port, startup_timeout_s, env=None, pre=None):
         seen.append(argv)
+        if pre is not None:  # the real launcher waited for its go: a fake server serves instead
+            prestarted.append(pre.proc.poll())
+            pre.cancel()
         assert env["VLLM_CACHE_ROOT"].endswith("vllm") and "TRITON_CACHE_DIR" in env
         label = next(k for k, d in serves.items() if f"{d}/vllm.yaml" in argv)
         with fake_server(tmp_path, knees[label]) as srv:
@@ -357,6 +378,7 @@ def test_the_kind_runs_the_search_and_writes_its_files(tmp_path, monkeypatch):
             yield srv
 
     monkeypatch.setattr(SS, "local_vllm", fake_vllm)
+    monkeypatch.setattr("mopt_serve.prestart.VLLM_PRELOAD", ("json",))
     monkeypatch.setattr(SS._env, "has_module", lambda name: True)
     monkeypatch.setattr(SS._env, "require_gpu", lambda *a, **k: {})
     monkeypatch.setattr(SS, "reference_embeddings", lambda path, fam, texts, n: [vector(t) for t in texts])
@@ -381,6 +403,7 @@ def test_the_kind_runs_the_search_and_writes_its_files(tmp_path, monkeypatch):
     ctx.input = lambda slot: ctx.inputs[slot][0]
     ctx.out.mkdir()
     res = SS.ServeSearchKind().run(ctx)
+    assert prestarted == [None]  # the second config's launcher was waiting (alive) when its turn came
     assert res["winner"] == "vllm-tuned@s=32" and res["baseline"] == "vllm" and not res["tie"]
     assert res["ratio_vs_baseline"] > 1.5 and res["ratio_vs_baseline_ci"][0] > 1.05
     assert res["verdicts"]["vllm-fp8"]["status"] == "unbuilt" and (res["eligible"], res["variants"]) == (2, 3)
@@ -521,3 +544,57 @@ def test_the_recorded_history_predicts_the_baseline_left_out():
     assert pr.source == "model fitted to 11 measured steps" and 8 <= pr.gpu_factor <= 13
     assert pr.knee_concurrency == 12 and base["knee_concurrency"] == 10
     assert S.predict(base["config"], W, H200).knee_concurrency == 13
+
+
+# --------------------------------------------------------------------------- prestart
+
+
+def test_a_prestarted_server_imports_waits_pauses_and_serves_on_go(tmp_path):
+    """The launcher imports, says so and waits; nothing listens before `go`; SIGSTOP holds
+    it while another server is timed; after `go` it runs the module as `python -m` would,
+    with the argv; stop() stops it. A launcher never told to go runs nothing."""
+    import os
+
+    from mopt_serve.prestart import READY, Prestarted, vllm_launcher
+    from mopt_serve.serve_check import local_vllm
+
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(FAKE.parent)}
+    log = tmp_path / "srv.log"
+    line = [sys.executable, "-m", "mopt_serve.prestart", "--preload", "json,no_such_module_x",
+            "-m", "fake_openai_server", "--", str(port), "0.001"]  # fmt: skip
+    pre = Prestarted.spawn(line, log, env)
+    t = time.monotonic()
+    while READY not in log.read_text() and time.monotonic() - t < 60:
+        time.sleep(0.05)
+    text = log.read_text()
+    assert f"{READY} 1 modules" in text and "could not import no_such_module_x" in text
+
+    def state() -> str:
+        return Path(f"/proc/{pre.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+    pre.pause()
+    t = time.monotonic()
+    while state() != "T" and time.monotonic() - t < 10:  # a signal is delivered, not awaited
+        time.sleep(0.01)
+    assert state() == "T" and pre.paused
+    pre.resume()
+    with pytest.raises(RuntimeError, match="not healthy"):
+        wait_healthy(f"http://127.0.0.1:{port}", lambda: pre.proc.poll() is None, 1.0)
+    with local_vllm(["unused"], log, port=port, startup_timeout_s=30, pre=pre) as srv:
+        assert srv.proc is pre.proc and srv.startup_s > 0
+        assert json.loads(__import__("urllib.request").request.urlopen(srv.base_url + "/v1/models").read())
+    assert pre.proc.poll() is not None and "go after" in log.read_text()
+
+    idle = Prestarted.spawn(line, tmp_path / "idle.log", env)
+    idle.cancel()
+    assert idle.proc.poll() is not None
+
+    # the vllm line it is given: both spellings of `vllm serve`, the model's architecture
+    (tmp_path / "config.json").write_text('{"architectures": ["Qwen3Model"]}')
+    got = vllm_launcher(["vllm", "serve", "/m", "--port", "1"], tmp_path)
+    assert got[-6:] == ["-m", "vllm.entrypoints.cli.main", "--", "serve", "/m", "--port", "1"][-6:]
+    assert got[got.index("--arch") + 1] == "Qwen3Model"
+    assert vllm_launcher([sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "/m"], tmp_path)[-2:] == [
+        "serve", "/m"]  # fmt: skip
+    assert vllm_launcher(["trtllm-serve", "/m"], tmp_path) is None
