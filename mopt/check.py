@@ -31,6 +31,7 @@ from mopt.api import (
     TargetKind,
     param_roles,
 )
+from mopt.errors import PluginError
 from mopt.estimate import (
     BYTES,
     GIB,
@@ -240,8 +241,11 @@ def _model_info(model: Model, recipe: Recipe, registry: Any) -> _ModelInfo:
         dims = model_dims(cfg, registry.families.get(model.spec.family))
     except ConfigError as exc:
         return _ModelInfo(cfg, f"{origin} (lacks {', '.join(exc.missing)})")
-    except Exception as exc:  # a family plugin's bug must not stop the check
-        return _ModelInfo(cfg, f"{origin} (family {model.spec.family!r}'s dims() failed: {_short(exc)})")
+    except Exception as exc:  # a bug of the family's plugin, not a config to add (MOPT_TRACEBACK=1: where)
+        plugin = registry.plugin_of("families", model.spec.family).name
+        raise PluginError(f"plugin {plugin!r} failed in family {model.spec.family!r} dims() on {origin}: "
+                          f"{type(exc).__name__}: {_short(exc)}", hint="fix the plugin (or that config.json), "
+                          f"or disable it with MOPT_DISABLE_PLUGINS={plugin}") from exc
     return _ModelInfo(cfg, origin, dims)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -470,6 +471,8 @@ def main() -> None:
     try:
         rv = app.main(standalone_mode=False, prog_name="mopt")
     except MoptError as exc:
+        if exc.__cause__ is not None and os.environ.get("MOPT_TRACEBACK"):  # a plugin's bug: where
+            __import__("traceback").print_exception(exc.__cause__)
         err.print(f"error: {exc}")
         sys.exit(exc.exit_code)
     except BuildFailed as exc:

@@ -266,6 +266,42 @@ def test_cli_exception_in_a_hook_is_one_line_and_exit_2(tmp_path: Path) -> None:
         "(fix the plugin, or disable it with MOPT_DISABLE_PLUGINS=brokenplug)\n"
     )
     assert run_mopt("plugins", cwd=tmp_path, env={**env, "MOPT_DISABLE_PLUGINS": "brokenplug"}).returncode == 0
+    # MOPT_TRACEBACK=1 adds where the plugin raised, before the same line
+    proc = run_mopt("plugins", cwd=tmp_path, env={**env, "MOPT_TRACEBACK": "1"})
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("Traceback (most recent call last):\n")
+    assert 'brokenplug.py", line 4, in mopt_register_targets\n' in proc.stderr
+    assert proc.stderr.splitlines()[-1].startswith("error: plugin 'brokenplug' failed in hook mopt_register_targets")
+
+
+def test_cli_failing_family_dims_is_a_plugin_error(tmp_path: Path) -> None:
+    """A family whose dims() raises is its plugin's bug, one line naming plugin, family and
+    method (the traceback with MOPT_TRACEBACK=1), not "add config" advice from `mopt check`."""
+    env = _install(tmp_path / "site", "famplug", (
+        "from mopt.api import Family, hookimpl\n"
+        "class Gpt2(Family):\n"
+        "    name = 'gpt2ish'\n"
+        "    def dims(self, config):\n"
+        "        return config['n_embd'] // config['n_head']\n"
+        "@hookimpl\n"
+        "def mopt_register_families(register):\n"
+        "    register(Gpt2)\n"
+    ))  # fmt: skip
+    write_files(tmp_path, {
+        "config.json": '{"n_embd": 64, "n_head": 0}',
+        "r.toml": 'schema = 1\n[models.m]\nfamily = "gpt2ish"\nconfig = "config.json"\n'
+                  '[m.h200]\nhardware = "h200"\ntargets = ["c"]\n[m.h200.c]\nkind = "command"\nargv = ["true"]\n',
+    })  # fmt: skip
+    proc = run_mopt("check", "r.toml", cwd=tmp_path, env=env)
+    assert proc.returncode == 2
+    assert proc.stderr == (
+        f"error: plugin 'famplug' failed in family 'gpt2ish' dims() on {tmp_path / 'config.json'}: "
+        "ZeroDivisionError: integer division or modulo by zero (fix the plugin (or that config.json), "
+        "or disable it with MOPT_DISABLE_PLUGINS=famplug)\n"
+    )
+    proc = run_mopt("check", "r.toml", cwd=tmp_path, env={**env, "MOPT_TRACEBACK": "1"})
+    assert 'famplug.py", line 5, in dims\n' in proc.stderr
+    assert proc.stderr.splitlines()[-1].startswith("error: plugin 'famplug' failed in family 'gpt2ish' dims()")
 
 
 CMD_PLUGIN = """\
