@@ -27,7 +27,7 @@ from mopt.api import LOCK_NAME, PROGRESS, Artifact, Missing, SourceContext, Sour
 from mopt.digest import canonical_json, hash_bytes
 from mopt.errors import MoptError
 from mopt.filehash import FileStat, file_stat, open_regular
-from mopt.graph import Node
+from mopt.graph import Node, checked_files
 from mopt.keys import action_key, diff_parts
 from mopt.runner import InputWatch, ProcessRunner
 from mopt.schedule import (
@@ -78,26 +78,6 @@ def address_parts(build_dir: Path, address: str, recipe: Any = None) -> tuple[st
                 hint="model, section and target names are single folder names",
             )
     return parts[0], parts[1], label
-
-
-def _check_input_files(kind: TargetKind) -> None:
-    """Make `kind.input_files` fail with a one-line error naming the file.
-
-    A kind resolves its declared files itself (e.g. `Path.resolve()`, which raises
-    RuntimeError on a loop of symbolic links in Python 3.11, ValueError on a NUL): every
-    caller, the schedulers' upfront hashing included, gets this wrapped method."""
-    inner = kind.input_files
-
-    def input_files(params: Any, project_dir: Path) -> list[Path]:
-        try:
-            return list(inner(params, project_dir))
-        except (OSError, RuntimeError, ValueError) as exc:
-            raise MoptError(
-                f"a declared input file of kind {kind.name!r} cannot be resolved: {exc}",
-                hint="fix the path or the symbolic link it goes through",
-            ) from None
-
-    kind.input_files = input_files  # type: ignore[method-assign]
 
 
 def _relative(path: Path, base: Path) -> str:
@@ -201,9 +181,7 @@ class Engine:
 
     def kind(self, name: str) -> TargetKind:
         if name not in self._kinds:
-            k = self.registry.targets[name]()
-            _check_input_files(k)
-            self._kinds[name] = k
+            self._kinds[name] = checked_files(self.registry.targets[name]())
         return self._kinds[name]
 
     def fingerprint(self, kind: str) -> dict[str, str]:
@@ -1191,7 +1169,8 @@ class Engine:
         """The declared input files of `node` (its kind's `input_files`, asked once a build)."""
         files = self._node_files.get(node.id)
         if files is None:
-            files = self._node_files[node.id] = self.kind(node.kind).input_files(node.target.params, self.recipe.project_dir)
+            files = self.kind(node.kind).input_files(node.target.params, self.recipe.project_dir)
+            files = self._node_files[node.id] = self.graph.require_files(node, files)
         return files
 
     def _prefetch_dirs(self, paths: Any) -> None:

@@ -957,6 +957,7 @@ def run_checks(graph: Graph, ids: list[str] | None = None) -> CheckReport:
     """Check the selected nodes (all when `ids` is None) on every section they belong to."""
     t0 = time.perf_counter()
     ids = list(graph.nodes) if ids is None else ids
+    graph.declared_files(ids)
     c = _Checker(graph)
     by_id = {s.id: s for s in graph.recipe.sections}
     # a node shared by several sections (same definition) is checked in each of them

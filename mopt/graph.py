@@ -10,17 +10,21 @@ inputs instead of identities) are computed by `mopt.keys` when the graph runs.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import itertools
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from mopt import tomlfile
 from mopt.api import HardwareProfile, Input, TargetKind
 from mopt.digest import hash_bytes
 from mopt.errors import MoptError, did_you_mean
 from mopt.keys import canonical_bytes
 from mopt.plugins import Registry
-from mopt.recipe import Model, Recipe, Section, Target
+from mopt.recipe import Model, Recipe, Section, Target, _display
 
 
 @dataclass
@@ -84,6 +88,36 @@ class Graph:
             return list(self.nodes)
         return self.closure(self.match(selectors))
 
+    def require_files(self, node: Node, files: list[Path]) -> list[Path]:
+        """`files` (`node`'s declared input files) if each exists, else a one-line error at the
+        line of the param naming the first missing one: `check` and `plan` find it, not the
+        action reading it once its inputs are built."""
+        for f in files:
+            if not os.path.exists(f):
+                key = next((k for k, v in node.params_json().items() for x in (v if isinstance(v, list) else [v])
+                            if isinstance(x, str) and x and str(f).endswith(os.path.normpath(x).lstrip("./"))), None)  # fmt: skip
+                hint = "fix the path, relative to the recipe's folder, or create the file"
+                raise MoptError(f"input file {f} does not exist", **self._written_at(node, key), hint=hint)
+        return files
+
+    def declared_files(self, ids: list[str]) -> None:
+        """`require_files` of every node of `ids` (`mopt check`)."""
+        kinds: dict[str, TargetKind] = {}
+        for n in map(self.nodes.__getitem__, ids):
+            k = kinds.get(n.kind) or kinds.setdefault(n.kind, checked_files(self.registry.targets[n.kind]()))
+            self.require_files(n, k.input_files(n.target.params, self.recipe.project_dir))
+
+    def _written_at(self, node: Node, key: str | None) -> dict[str, Any]:
+        """Where `key` of `node`'s target is set (the highest layer setting it), else its table."""
+        sec, t, w = node.section, node.target.name, node.target.where
+        for path in reversed(self.recipe.files) if key else ():
+            data, text = tomlfile.load(path, _display(path))
+            for table in ([sec.model, sec.key, t], [sec.model, sec.key], ["defaults", t], ["defaults", node.kind], ["defaults"]):  # fmt: skip
+                body = functools.reduce(lambda d, k: d.get(k, {}) if isinstance(d, dict) else {}, table, data)
+                if isinstance(body, dict) and key in body:
+                    return {"file": _display(path), "table": ".".join(table), "key": key, "line": tomlfile.find_line(text, table, key)}  # fmt: skip
+        return {"file": w.file, "table": w.table, "key": key, "line": w.line}
+
     def match(self, selectors: list[str]) -> list[str]:
         """Node ids matched by the selectors themselves (all nodes when there are none)."""
         if not selectors:
@@ -118,6 +152,27 @@ class Graph:
                     hint=hint + "; selectors look like model.hardware:target, globs allowed",
                 )
         return [i for i in self.nodes if i in picked]
+
+
+def checked_files(kind: TargetKind) -> TargetKind:
+    """`kind`, its `input_files` failing with a one-line error naming the file.
+
+    A kind resolves its declared files itself (e.g. `Path.resolve()`, which raises
+    RuntimeError on a loop of symbolic links in Python 3.11, ValueError on a NUL): every
+    caller, the schedulers' upfront hashing included, gets this wrapped method."""
+    inner = kind.input_files
+
+    def input_files(params: Any, project_dir: Path) -> list[Path]:
+        try:
+            return list(inner(params, project_dir))
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise MoptError(
+                f"a declared input file of kind {kind.name!r} cannot be resolved: {exc}",
+                hint="fix the path or the symbolic link it goes through",
+            ) from None
+
+    kind.input_files = input_files  # type: ignore[method-assign]
+    return kind
 
 
 def name_matcher(pattern: str, names: Iterable[str]) -> Callable[[str], bool]:
