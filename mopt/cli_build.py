@@ -407,7 +407,10 @@ def _report_build(engine: Any, states: dict[str, Any], seconds: float, as_json: 
             if st.status == "failed":
                 err.print(f"FAILED {st.node.id}: {st.reason}")
                 if st.log_path:
-                    for line in Path(st.log_path).read_text(errors="replace").splitlines()[-15:]:
+                    # the action's own last lines: mopt's FAILED line and traceback close the log
+                    lines = Path(st.log_path).read_text(errors="replace").splitlines()
+                    end = max((k for k, line in enumerate(lines) if line.startswith("mopt: FAILED: ")), default=len(lines))
+                    for line in lines[:end][-15:]:
                         err.print(f"  | {line}")
                     err.print(f"  full log: {st.log_path}")
         summary = ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))

@@ -51,3 +51,16 @@ def test_a_missing_data_file_is_found_before_any_action_runs(tmp_path: Path, whe
     missing.parent.mkdir(exist_ok=True)
     missing.write_text("a text\n")
     assert run_mopt("build", "r.toml", cwd=tmp_path).returncode == 0
+
+
+def test_a_failing_command_shows_its_own_output_not_mopts_frames(tmp_path: Path) -> None:
+    write_files(tmp_path, {"r.toml": 'schema = 1\n[models.m]\nfamily = "generic"\n[m.cpu]\ntargets = ["c"]\n'
+                           '[m.cpu.c]\nkind = "command"\n'
+                           'argv = ["sh", "-c", "for i in $(seq 1 20); do echo err $i >&2; done; exit 3"]\n'})
+    proc = run_mopt("build", "r.toml", cwd=tmp_path)
+    assert proc.returncode == 1
+    shown = [line[4:] for line in proc.stderr.splitlines() if line.startswith("  | ")]
+    assert shown == [f"err {i}" for i in range(6, 21)], proc.stderr  # the last 15 lines it printed
+    assert "Traceback" not in proc.stderr and "runner.py" not in proc.stderr
+    log = Path(proc.stderr.split("full log: ")[1].split()[0])
+    assert "Traceback" in log.read_text()  # kept for a plugin's author
