@@ -564,6 +564,8 @@ class ProcessRunner:
             spawn = replace(spawn, env={**spawn.env, "TMPDIR": str(tmp)})
         try:
             res = w.run(spawn, on_line, lock_fd)
+            if self._closed and not res.ok:  # its worker was killed: the build is being stopped
+                raise KeyboardInterrupt("the build was stopped")  # an action stopped, not failed
             # the result's bytes stay in the worker's scratch until stored: the worker
             # (which could write there) is not given another action meanwhile
             yield res
@@ -585,6 +587,8 @@ class ProcessRunner:
             w.kill()
         for w in idle:
             w.close()
+        with self._cond:  # their threads may still read their scratch (keep a log, store): it
+            self._cond.wait_for(lambda: not self._busy, timeout=10)  # goes with the zygote's
         for z in list(self._zygotes.values()):
             z.close()
         _RUNNERS.discard(self)

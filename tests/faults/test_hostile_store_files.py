@@ -1,23 +1,29 @@
 """Issue #28, section 1: mopt's own files, damaged or hostile, each through the real CLI.
 
-Three families: a fifo (or other non-regular file) where mopt reads one of its metadata files
+Four families: a fifo (or other non-regular file) where mopt reads one of its metadata files
 must not block (every command runs with a timeout, so a regression fails instead of hanging);
 a symbolic link in the store's layout is never written through; a file where one of the
-store's folders belongs is a one-line error naming it, exit 2, never a traceback.
+store's folders belongs is a one-line error naming it, exit 2, never a traceback; a
+SIGTERM during `-j4` stops the running actions and fails none (no "could not keep the log of
+failed action" while their scratch goes).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import signal
 import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import run_mopt
-from tests.faults.test_store import World, one_line_error
+from tests.faults.test_store import TOY, World, one_line_error
 
 TIMEOUT = 30
 COMMANDS = (
@@ -152,3 +158,37 @@ def test_file_in_place_of_a_store_folder_is_exit_2(w: World, where: str) -> None
         assert "remove it" in line and "[store] path" in line, line
     assert p.read_text() == "not a folder\n"
     assert w.outside() == w.before
+
+
+# ------------------------------------------ family 4: a signal during -j4 stops actions, fails none
+
+
+def test_sigterm_during_j4_stops_the_actions_without_keeping_failed_logs(w: World) -> None:
+    # four actions that say they run (a file in their output folder), then flood their log
+    env = {k: v for k, v in os.environ.items() if k != "MOPT_DISABLE_PLUGINS"}
+    for rnd in range(3):  # the race this guards was timing-dependent: a few rounds
+        names = [f"s{n}" for n in range(4)]
+        recipe = TOY.replace('["toy-weights", "toy-export"]', json.dumps(names))
+        for n in names:
+            argv = ["sh", "-c", f"touch {{out}}/started-{rnd}; exec yes {n}-line"]
+            recipe += f'[toy.cpu.{n}]\nkind = "command"\nargv = {json.dumps(argv)}\n'
+        (w.proj / "r.toml").write_text(recipe)
+        mopt = subprocess.Popen(
+            [sys.executable, "-m", "mopt", "build", "r.toml", "--no-check", "-j4"],
+            cwd=w.proj, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            deadline = time.time() + TIMEOUT
+            while len(list(w.store.glob(f"tmp/**/out/started-{rnd}"))) < 4:
+                assert mopt.poll() is None and time.time() < deadline, "the four actions never ran"
+                time.sleep(0.02)
+            mopt.send_signal(signal.SIGTERM)
+            err = mopt.communicate(timeout=TIMEOUT)[1]
+        finally:
+            mopt.kill()
+        assert mopt.returncode == 143, err
+        assert "could not keep" not in err and "Traceback" not in err, err
+        assert err.splitlines()[-1].startswith("terminated (SIGTERM): running actions stopped;"), err
+        # stopped, not failed: no failed action's log, no entry
+        assert not list(w.store.glob("logs/*")) and not list(w.store.glob("ac/*"))
+    w.check(with_build=False)
