@@ -34,6 +34,7 @@ from mopt.schedule import (
     NodeState,
     Reporter,
     built_inputs,
+    code_digest,
     log_failure,
     missing_inputs,
     node_spawn,
@@ -176,6 +177,9 @@ class Engine:
         self._touched: dict[str, Any] = {}
         #: what the user should know but that failed nothing (a lock file not written)
         self.warnings: list[str] = []
+        #: nodes `mopt build --rebuild` runs again though up to date; kind → why its hits are stale
+        self.rebuild: set[str] = set()
+        self.stale: dict[str, str] = {}
 
     # ------------------------------------------------------------------ key parts
 
@@ -442,6 +446,17 @@ class Engine:
             parts["env"] = env_values(node.target.params)
         return parts, action_key(parts)
 
+    def code_changed(self, node: Node, meta: dict[str, Any]) -> None:
+        """Warn, once per kind, when the code of `node`'s kind is not the code that made the
+        entry `meta` is of while its version is (the same key: its output is reused)."""
+        made_by = meta.get("code")
+        if made_by and node.kind not in self.stale and made_by != code_digest(self.registry.targets[node.kind]):
+            self.stale[node.kind] = w = (
+                f"kind {node.kind!r} (plugin {node.plugin!r}) changed since it built {node.id}, but its version "
+                f"{node.kind_version!r} did not: that output is reused (bump the kind's version if its outputs "
+                f"change; `mopt build --rebuild {node.id}` rebuilds it)")  # fmt: skip
+            logging.getLogger("mopt").warning("warning: %s", w)
+
     # ------------------------------------------------------------------ the last build
 
     def last_parts(self, node_id: str) -> dict[str, Any] | None:
@@ -519,10 +534,12 @@ class Engine:
             rec = self._logged(node, key)
             if rec is not None:
                 tree: str | None = rec[1]["outputs_tree"]
+                meta = rec[1]["meta"]
             else:
                 entry = self.hit(key, fetch=False)
-                tree = None if entry is None else entry.outputs_tree
+                tree, meta = (None, {}) if entry is None else (entry.outputs_tree, entry.meta)
             if tree is not None:
+                self.code_changed(node, meta)
                 outputs[i] = tree
                 result[i] = {"state": "up-to-date", "summary": "up to date", "key": key}
                 if i in want and not self._laid_out(node, tree, rec):
@@ -678,7 +695,7 @@ class Engine:
                         if st.key is None:
                             st.missing = missing
                             st.parts, st.key = self.keyed(node, built_inputs(node, outputs), missing)
-                            entry = self.hit(st.key, node=node)
+                            entry = None if i in self.rebuild else self.hit(st.key, node=node)
                             if entry is not None:
                                 self._finish_hit(st, entry, outputs)
                                 reporter.done(st)
@@ -836,7 +853,7 @@ class Engine:
                     [[st.node.id, len(st.node.addresses), st.node.kind, st.node.input_ids(), st.node.section.id]
                      for st in states.values()]
                 ),
-                "warnings": list(self.registry.warnings),
+                "warnings": [*self.registry.warnings, *self.stale.values()],
             },
         )
 
@@ -1264,6 +1281,7 @@ class Engine:
     def _finish_hit(self, st: NodeState, entry: ActionEntry, outputs: dict[str, str]) -> None:
         st.status = "cached"
         st.entry = entry
+        self.code_changed(st.node, entry.meta)
         self._meta[entry.outputs_tree] = dict(entry.meta.get("result") or {})
         outputs[st.node.id] = entry.outputs_tree
         rec = self._from_log.get(st.node.id)
@@ -1303,7 +1321,7 @@ class Engine:
         assert st.key is not None and st.parts is not None
         key = st.key
         with self.store.lock(key, on_wait=lambda: reporter.waiting(st)) as lock_fd, ExitStack() as stack:
-            entry = self.hit(key)
+            entry = None if node.id in self.rebuild else self.hit(key)
             if entry is not None:
                 self._finish_hit(st, entry, {})
                 return st

@@ -484,6 +484,7 @@ def report(log: Log, seconds: float, as_json: bool, quiet: bool) -> None:
     """Print what a no-op `mopt build` prints."""
     res = log.doc["result"]
     ids: list[str] = res["ids"]
+    sys.stderr.write("".join(f"warning: {w}\n" for w in res["warnings"]))  # as the full path printed them
     if as_json:
         import json
 

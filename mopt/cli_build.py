@@ -149,6 +149,7 @@ def register(app: click.Group) -> None:
     @click.option("--quiet", "-q", is_flag=True, help="do not list cached actions")
     @click.option("--no-lock", is_flag=True, help="do not write mopt.lock (e.g. a read-only recipe folder)")
     @click.option("--no-log", is_flag=True, help="do not trust the build log: check every hit in the store")
+    @click.option("--rebuild", metavar="SEL", multiple=True, help="run the targets SEL selects again, up to date or not")
     @json_opt
     # keying 10,000 cached nodes makes ~1M objects that live until the end (the graph, the
     # entries, their manifests); each full collection walks them all again (~1.7 s of 7.5 s
@@ -165,6 +166,7 @@ def register(app: click.Group) -> None:
         quiet: bool,
         no_lock: bool,
         no_log: bool,
+        rebuild: tuple[str, ...],
         as_json: bool,
     ) -> None:
         """Build the selected targets of RECIPE: cache hits are reused, misses run.
@@ -175,7 +177,7 @@ def register(app: click.Group) -> None:
         t0 = time.time()
         use_log = not no_log and not os.environ.get("MOPT_NO_LOG")
         miss = "--no-log"
-        if use_log:  # (`python -m mopt` asked already, before click was imported)
+        if use_log and not rebuild:  # (`python -m mopt` asked already, before click was imported)
             log, miss = buildlog.noop(str(recipe), selectors, offline) if recipe.exists() else (None, "")
             if log is not None:  # nothing it depends on changed: no plugins, no keys
                 buildlog.report(log, time.time() - t0, as_json, quiet)
@@ -190,6 +192,7 @@ def register(app: click.Group) -> None:
 
             run_check_for_build(s, ids)
         engine = Engine(s, offline=offline, selectors=selectors, use_log=use_log)
+        engine.rebuild = set(s.graph.match(list(rebuild))) if rebuild else set()
         if as_json or not sys.stderr.isatty() or os.environ.get("CI"):
             # --json: the report is stdout's; stderr still carries long actions' progress
             reporter: Any = LineReporter(sys.stderr, quiet=quiet or as_json, progress=not quiet)

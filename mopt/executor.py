@@ -135,8 +135,11 @@ class BuildSession:
         is to be materialized under build/."""
         st = self._states[node_id]
         assert st.key is not None, "key() first"
+        if node_id in self._engine.rebuild:  # mopt build --rebuild
+            return False
         entry = self._engine.hit(st.key, remote=False)  # the remote's own way is next: no bytes yet
         if entry is not None:
+            self._engine.code_changed(st.node, entry.meta)
             return self._finish(st, entry, "cached", local=True)
         entry = self.remote.fetch_entry(st.key, verify=True)
         return entry is not None and self._finish(st, entry, "cached", local=False)

@@ -6,7 +6,9 @@ for all of them, so they agree.
 
 from __future__ import annotations
 
+import functools
 import socket
+import sys
 import traceback
 from contextlib import suppress
 from dataclasses import dataclass, field
@@ -14,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from mopt.api import Artifact, Missing
+from mopt.digest import hash_bytes
 from mopt.graph import Node
 from mopt.spawn import Spawn, SpawnResult
 from mopt.store import ActionEntry, Store
@@ -141,10 +144,21 @@ def store_built(
                     "result": res.meta,
                     "parts": parts,
                     "reproducible": bool(kind.reproducible and res.meta.get("reproducible", True)),
+                    "code": code_digest(type(kind)),
                     **meta,
                 },
             ),
         )
+
+
+@functools.cache
+def code_digest(kind_class: type) -> str:
+    """BLAKE3 of the module defining a target kind ("" if it has no file): an action entry
+    records it, so that code changed under the same `version` is noticed (`Engine.code_changed`)."""
+    try:
+        return hash_bytes(Path(sys.modules[kind_class.__module__].__file__ or "").read_bytes())
+    except (AttributeError, KeyError, OSError):
+        return ""
 
 
 def log_failure(log_path: Path, why: BaseException | str) -> None:
