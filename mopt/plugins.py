@@ -31,6 +31,7 @@ from mopt.family import DEFAULT_CONFIG_KEYS
 #: here is registered before every other plugin and never blamed for a clash.
 FIRST_PARTY_DISTRIBUTIONS = frozenset(
     {
+        "mopt-deploy",
         "mopt-image",
         "mopt-ml",
         "mopt-openvino",
