@@ -283,7 +283,8 @@ def register(app: click.Group) -> None:
             out.print(f"  note: {data['path']} does not hold these bytes (run: mopt build {recipe} '{node_id}')")
         out.print(f"  key {entry.key}\n  tree {entry.outputs_tree}")
         for f in data["files"]:
-            out.print(f"  {human(f['size']):>10}  {f['digest'][:16]}  {f['path']}")
+            name = f["path"] if f["path"].isprintable() else repr(f["path"])[1:-1]  # a newline, ESC: escaped
+            out.print(f"  {human(f['size']):>10}  {f['digest'][:16]}  {name}")
         prov = data["provenance"]
         out.print(
             f"  built by {prov['kind']} on {prov['host']} at {prov['created']} in {prov['duration_s']:.2f}s"

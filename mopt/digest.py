@@ -135,7 +135,7 @@ def iter_files(root: StrPath) -> Iterator[tuple[str, str, os.stat_result]]:
     """Yield (relative posix path, absolute path, lstat) for each regular file under `root`.
 
     Walks each folder in name order without following links. A symlink raises SymlinkError and any
-    other non-regular file raises TreeError, both naming the path and what to do.
+    other non-regular file, or a name that is not UTF-8, raises TreeError, both naming the path and what to do.
     """
     base = os.path.abspath(root)
     if not os.path.isdir(base):
@@ -148,6 +148,12 @@ def iter_files(root: StrPath) -> Iterator[tuple[str, str, os.stat_result]]:
         subdirs: list[tuple[str, str]] = []
         for d in items:
             rel = f"{dir_rel}{d.name}"
+            if not d.name.isascii():  # manifests are UTF-8 JSON: a name of other bytes is refused
+                try:
+                    d.name.encode("utf-8")
+                except UnicodeEncodeError:
+                    shown = os.fsencode(d.path).decode("utf-8", "backslashreplace")
+                    raise TreeError(f"{shown}: not a UTF-8 name (mopt stores file names as UTF-8; rename it)") from None
             if d.is_symlink():
                 raise SymlinkError(
                     f"{d.path}: is a symbolic link (to {os.readlink(d.path)!r}); mopt stores "

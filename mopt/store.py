@@ -490,7 +490,7 @@ class Store:
     def put_tree(self, directory: StrPath) -> tuple[str, list[TreeEntry]]:
         """Store every file under `directory` and its manifest; return (tree digest, entries)."""
         entries = []
-        for rel, abs_, st in iter_files(directory):
+        for rel, abs_, st in list(iter_files(directory)):  # every name checked before a blob is stored
             digest = self.put_file(abs_)
             size = self.blob_path(digest).stat().st_size
             entries.append(TreeEntry(rel, mode_of(st.st_mode), size, digest))

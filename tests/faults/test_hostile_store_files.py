@@ -1,11 +1,12 @@
 """Issue #28, section 1: mopt's own files, damaged or hostile, each through the real CLI.
 
-Four families: a fifo (or other non-regular file) where mopt reads one of its metadata files
+Five families: a fifo (or other non-regular file) where mopt reads one of its metadata files
 must not block (every command runs with a timeout, so a regression fails instead of hanging);
 a symbolic link in the store's layout is never written through; a file where one of the
-store's folders belongs is a one-line error naming it, exit 2, never a traceback; a
-SIGTERM during `-j4` stops the running actions and fails none (no "could not keep the log of
-failed action" while their scratch goes).
+store's folders belongs is a one-line error naming it, exit 2, never a traceback; an output
+or source file name that is not UTF-8 is refused in one line before anything is stored (names
+with newlines are kept, and listed escaped); a SIGTERM during `-j4` stops the running actions
+and fails none (no "could not keep the log of failed action" while their scratch goes).
 """
 
 from __future__ import annotations
@@ -160,7 +161,50 @@ def test_file_in_place_of_a_store_folder_is_exit_2(w: World, where: str) -> None
     assert w.outside() == w.before
 
 
-# ------------------------------------------ family 4: a signal during -j4 stops actions, fails none
+
+# ----------------------------------------------------------------- family 4: odd names of outputs
+
+
+def one_command(w: World, script: str) -> None:
+    """The recipe is one `command` target, `odd`, running `sh -c script`."""
+    argv = json.dumps(["sh", "-c", script])
+    recipe = TOY.replace('["toy-weights", "toy-export"]', '["odd"]')
+    (w.proj / "r.toml").write_text(recipe + f'[toy.cpu.odd]\nkind = "command"\nargv = {argv}\n')
+
+
+def test_an_output_name_that_is_not_utf8_is_refused_in_one_line_and_nothing_is_stored(w: World) -> None:
+    one_command(w, "echo ok > {out}/ok.txt; mkdir {out}/z; printf x > \"{out}/z/$(printf 'bad\\377.bin')\"")
+    proc = run(w, "build", "r.toml", "--no-check")
+    assert proc.returncode == 1, proc.stderr
+    failed = [ln for ln in proc.stderr.splitlines() if ln.startswith("FAILED ")]
+    assert len(failed) == 1 and "toy.cpu:odd" in failed[0], proc.stderr
+    assert "z/bad\\xff.bin: not a UTF-8 name" in failed[0] and "rename it" in failed[0], failed[0]
+    # refused before any blob was stored: no entry, no blob (ok.txt's neither), no manifest
+    assert not list(w.store.glob("ac/*")) and not list(w.store.glob("cas/*/*"))
+    w.check(with_build=False)
+    # a model source folder holding such a name: exit 2, one line, for plan and build
+    (w.proj / "r.toml").write_text(TOY)
+    (w.proj / "toy-model" / os.fsdecode(b"bad\xff.txt")).write_text("x")
+    for cmd in (("plan", "r.toml"), ("build", "r.toml", "--no-check")):
+        proc = run(w, *cmd)
+        assert proc.returncode == 2, proc.stderr
+        assert "toy-model/bad\\xff.txt: not a UTF-8 name" in one_line_error(proc.stderr)
+
+
+def test_names_with_newlines_and_control_characters_are_kept_and_listed_escaped(w: World) -> None:
+    one_command(w, "for n in 'a\nb' \"$(printf 'esc\\033[31m\\a')\" 'tab\tx'; do echo \"$n\" > \"{out}/$n\"; done")
+    built(w)
+    laid = w.build_dir / "toy" / "cpu" / "odd"
+    assert sorted(p.name for p in laid.iterdir()) == ["a\nb", "esc\x1b[31m\x07", "tab\tx"]
+    assert (laid / "a\nb").read_text() == "a\nb\n"
+    shown = run(w, "show", "r.toml", "toy.cpu:odd").stdout
+    assert "\x1b" not in shown and "\x07" not in shown, shown  # no terminal escapes
+    files = [ln.split()[-1] for ln in shown.splitlines() if ln.startswith("  ") and " B  " in ln]
+    assert files == ["a\\nb", "esc\\x1b[31m\\x07", "tab\\tx"], shown
+    w.check()
+
+
+# ------------------------------------------ family 5: a signal during -j4 stops actions, fails none
 
 
 def test_sigterm_during_j4_stops_the_actions_without_keeping_failed_logs(w: World) -> None:
