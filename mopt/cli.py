@@ -70,11 +70,25 @@ def app() -> None:
 
 
 def recipe_arg(f: Any) -> Any:
-    return click.argument("recipe", type=click.Path(path_type=Path))(f)
+    return click.argument("recipe", required=False, type=click.Path(path_type=Path), callback=_recipe)(f)
 
 
-def selectors_arg(f: Any) -> Any:
-    return click.argument("selectors", nargs=-1)(f)
+def selectors_arg(f: Any) -> Any:  # (a first argument that is no recipe is the first selector)
+    return click.argument("selectors", nargs=-1, callback=lambda c, _p, v: c.meta.pop("sel", ()) + v)(f)
+
+
+def _recipe(ctx: click.Context, _param: Any, value: Path | None) -> Path:
+    """RECIPE, else the one recipe (a *.toml with `schema =`) in the current folder."""
+    import re
+
+    if value is not None and (value.suffix == ".toml" or value.exists()):
+        return value
+    found = [p for p in sorted(Path().glob("*.toml")) if p.is_file() and re.search(r"(?m)^schema\s*=", p.read_text(errors="replace"))]  # fmt: skip
+    if len(found) != 1:
+        what = f"{len(found)} recipes in {Path.cwd()}: {', '.join(map(str, found))}" if found else f"no recipe (a *.toml with `schema = 1`) in {Path.cwd()}"  # fmt: skip
+        raise MoptError(f"no RECIPE given, and {what}", hint="name one" if found else "give the recipe's path")
+    ctx.meta["sel"] = () if value is None else (str(value),)
+    return found[0]
 
 
 def json_opt(f: Any) -> Any:
@@ -345,15 +359,21 @@ def node_json(s: Session, i: str, status: dict[str, Any] | None) -> dict[str, An
 @recipe_arg
 @selectors_arg
 @click.option("--format", "-f", "fmt", default="dot", show_default=True, help="dot or mermaid")
-def graph(recipe: Path, selectors: tuple[str, ...], fmt: str) -> None:
-    """Print the build graph of RECIPE as Graphviz dot or a Mermaid flowchart."""
+@json_opt
+def graph(recipe: Path, selectors: tuple[str, ...], fmt: str, as_json: bool) -> None:
+    """Print the build graph of RECIPE as Graphviz dot or a Mermaid flowchart (--json: its
+    nodes, each with its kind, section and inputs per slot)."""
     from mopt.graph import to_dot, to_mermaid
 
     if fmt not in ("dot", "mermaid"):
         raise MoptError(f"unknown format {fmt!r}", key="--format", hint="use dot or mermaid")
     s = Session(recipe)
     ids = s.graph.select(list(selectors))
-    sys.stdout.write(to_dot(s.graph, ids) if fmt == "dot" else to_mermaid(s.graph, ids))
+    if as_json:
+        nodes = map(s.graph.nodes.__getitem__, ids)
+        _print_json({"recipe": str(s.recipe.path), "nodes": [{"id": n.id, "kind": n.kind, "section": n.section.id, "inputs": n.inputs} for n in nodes]})  # fmt: skip
+    else:
+        sys.stdout.write(to_dot(s.graph, ids) if fmt == "dot" else to_mermaid(s.graph, ids))
 
 
 # --------------------------------------------------------------------------- listings
@@ -470,10 +490,16 @@ def main() -> None:
     """Console entry point: map errors to exit codes, never a traceback for bad input."""
     try:
         rv = app.main(standalone_mode=False, prog_name="mopt")
-    except MoptError as exc:
+    except (MoptError, click.ClickException) as exc:
         if exc.__cause__ is not None and os.environ.get("MOPT_TRACEBACK"):  # a plugin's bug: where
             __import__("traceback").print_exception(exc.__cause__)
-        err.print(f"error: {exc}")
+        if "--json" in sys.argv[1:]:  # the error as data on stdout, where the answer would be
+            where = {k: getattr(exc, k) for k in ("file", "line", "table", "key")} if isinstance(exc, MoptError) else None
+            _print_json({"error": exc.message, "where": where, "hint": getattr(exc, "hint", None)})
+        elif isinstance(exc, MoptError):
+            err.print(f"error: {exc}")
+        else:
+            exc.show()
         sys.exit(exc.exit_code)
     except BuildFailed as exc:
         if str(exc):
@@ -482,9 +508,6 @@ def main() -> None:
     except (click.exceptions.Abort, KeyboardInterrupt):
         err.print("interrupted")
         sys.exit(130)
-    except click.ClickException as exc:
-        exc.show()
-        sys.exit(exc.exit_code)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
     sys.exit(rv if isinstance(rv, int) else 0)

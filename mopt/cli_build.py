@@ -89,7 +89,7 @@ class LiveReporter(LineReporter):
         from rich.console import Console
         from rich.live import Live
 
-        console = Console(stderr=True, highlight=False)
+        console = Console(stderr=True, highlight=False, markup=False, emoji=False)  # names print as they are
         self.console = console
         self.running: dict[str, Any] = {}
         self.counts: dict[str, int] = {}
@@ -108,7 +108,7 @@ class LiveReporter(LineReporter):
         self.running.pop(st.node.id, None)
         self.counts[st.status] = self.counts.get(st.status, 0) + 1
         if st.status != "cached":
-            self.live.console.print(f"{st.status:>11} {st.node.id}{_outcome(st)}", markup=False, highlight=False)
+            self.live.console.print(f"{st.status:>11} {st.node.id}{_outcome(st)}")
         self._refresh()
 
     def progress(self, st: Any, msg: str) -> None: ...  # the live view shows it as the last line
@@ -126,7 +126,7 @@ class LiveReporter(LineReporter):
             t.add_row(
                 Text(f"{now - st.started:6.1f}s", style="cyan"),
                 Text(st.node.id),
-                Text(st.last_line[-80:], style="dim"),
+                Text(st.last_line, style="dim", no_wrap=True, overflow="ellipsis"),  # cut to the terminal
             )
         summary = ", ".join(f"{v} {k}" for k, v in sorted(self.counts.items()))
         t.add_row(Text(""), Text(f"[{self.n}/{self.total}] {summary}", style="bold"), Text(""))
