@@ -519,7 +519,7 @@ class OnnxSlimKind(TargetKind):
             default=0.9999, description="fail below this min cosine vs the input graph"
         )
         check_texts: int = Field(default=64, ge=4, description="validation sentences used by the check")
-        max_length: int = Field(default=128, ge=8)
+        max_length: int = Field(default=128, ge=8, description="tokenizer truncation for the check")
 
     def input_files(self, params: Any, project_dir: Path) -> list[Path]:
         from mopt_ml.common import data_input_files

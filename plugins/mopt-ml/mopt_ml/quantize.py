@@ -80,7 +80,7 @@ class OrtQuantizeKind(TargetKind):
         calibration_pad_to: int | None = Field(
             default=128, ge=8, description="pad calibration batches to this length (the benchmark's)"
         )
-        calibration_batch_size: int = Field(default=8, ge=1)
+        calibration_batch_size: int = Field(default=8, ge=1, description="texts per calibration batch")
         calibration_method: Literal["minmax", "entropy", "percentile"] = Field(
             default="minmax", description="static mode only"
         )

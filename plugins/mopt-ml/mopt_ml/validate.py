@@ -166,7 +166,7 @@ class ValidateKind(ArtifactTester):
             default=None,
             description="validation texts (.txt / .jsonl, relative to the recipe); null: the shipped split",
         )
-        batch_size: int = Field(default=32, ge=1)
+        batch_size: int = Field(default=32, ge=1, description="texts per forward pass")
         max_length: int = Field(default=128, ge=8, description="tokenizer truncation")
         pad_to: int | None = Field(default=None, ge=8, description="pad every batch to this length")
         threads: int | None = Field(

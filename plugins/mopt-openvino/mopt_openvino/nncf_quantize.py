@@ -81,8 +81,10 @@ class NncfQuantizeKind(TargetKind):
             default="default",
             description="precision of the ops left in float (default: OpenVINO's, bf16 where native)",
         )
-        performance_hint: Literal["LATENCY", "THROUGHPUT"] = Field(default="LATENCY")
-        num_streams: int = Field(default=1, ge=1)
+        performance_hint: Literal["LATENCY", "THROUGHPUT"] = Field(
+            default="LATENCY", description="OpenVINO performance hint validate and bench compile with"
+        )
+        num_streams: int = Field(default=1, ge=1, description="CPU streams (1: one request at a time)")
         check_texts: int = Field(default=64, ge=4, description="validation sentences for the quick check")
 
     def fingerprint(self) -> dict[str, str]:

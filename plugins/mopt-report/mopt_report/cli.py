@@ -21,15 +21,46 @@ def _print_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=indent, separators=None if indent else (",", ":"), default=str) + "\n")
 
 
-def _table(columns: list[str], rows: list[list[str]]) -> None:
+def _table(columns: list[str], rows: list[list[str]], indent: str = "") -> None:
     """Aligned columns, never wrapped or cut (as `mopt plan` prints its table)."""
     widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(columns)]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths).format
+    fmt = (indent + "  ".join(f"{{:<{w}}}" for w in widths)).format
     sys.stdout.write("".join([fmt(*columns).rstrip() + "\n", *[fmt(*r).rstrip() + "\n" for r in rows]]))
 
 
 def register(app: click.Group, core: Core) -> None:
-    """Add `mopt report` to the `mopt` command line."""
+    """Add `mopt report` and `mopt kinds` to the `mopt` command line."""
+
+    @app.command(context_settings=CONTEXT)
+    @click.argument("kind", required=False)
+    @click.option("--markdown", "as_markdown", is_flag=True, help="the reference page (docs/kinds.md) on stdout")
+    @click.option("--first-party", is_flag=True, help="only mopt's own kinds (the core's and its plugins')")
+    @click.option("--json", "as_json", is_flag=True, help="machine-readable output on stdout")
+    def kinds(kind: str | None, as_markdown: bool, first_party: bool, as_json: bool) -> None:
+        """List the target kinds: plugin, what each takes and produces; with KIND, its params
+        (type, default, description)."""
+        import difflib
+
+        from mopt_report.kinds import kind_info, markdown, takes
+
+        reg = core.registry()
+        if kind is not None and kind not in reg.targets:
+            near = difflib.get_close_matches(kind, reg.targets, 1)
+            raise MoptError(f"unknown target kind {kind!r}", hint=f"did you mean {near[0]!r}?" if near else "see `mopt kinds`")
+        infos = [kind_info(reg, k) for k in ([kind] if kind else sorted(reg.targets))]
+        infos = [i for i in infos if i["first_party"] or not first_party]
+        if as_json:
+            _print_json({"kinds": infos})
+        elif as_markdown:
+            sys.stdout.write(markdown(infos))
+        elif kind is None:
+            _table(["kind", "plugin", "takes", "produces"], [[i["name"], i["distribution"], takes(i) or "-", i["produces"] or "-"] for i in infos])  # fmt: skip
+        else:
+            i = infos[0]
+            click.echo(f"{i['name']} ({i['distribution']}): {i['description']}\n  takes: {takes(i) or 'nothing'}\n  produces: {i['produces'] or 'nothing'}")  # fmt: skip
+            if i["params"]:
+                click.echo("  params:")
+                _table(["name", "type", "default", "description"], [list(p.values()) for p in i["params"]], indent="    ")  # fmt: skip
 
     @app.command(context_settings=CONTEXT)
     @click.argument("recipe", type=click.Path(path_type=Path))

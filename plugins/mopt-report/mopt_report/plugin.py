@@ -1,4 +1,5 @@
-"""Entry point of the mopt-report plugin (group `mopt`): the `mopt report` command.
+"""Entry point of the mopt-report plugin (group `mopt`): the `mopt report` and `mopt kinds`
+commands.
 
 Importing this module imports neither jinja2 nor the report; the command does when it runs."""
 
@@ -11,7 +12,7 @@ from mopt.api import Core, hookimpl
 
 @hookimpl
 def mopt_register_commands(cli: Any, core: Core) -> None:
-    """`mopt report RECIPE [SELECTORS] [--compare REF] [-o FILE] [--json]`."""
+    """`mopt report RECIPE [SELECTORS] [--compare REF] [-o FILE] [--json]`, `mopt kinds [KIND]`."""
     from mopt_report.cli import register
 
     register(cli, core)
