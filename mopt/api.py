@@ -511,6 +511,8 @@ class HardwareProfile(BaseModel):
     sm_count: int | None = None
     gpu_count: int = 1
     fp16_tflops: float | None = None
+    #: the GPU's `memory_gb` is the machine's one pool, shared with the CPU (Jetson-class)
+    shared_memory: bool = False
     #: device="accelerator": its kind ("npu", "tpu", "intel-gpu", ...)
     accelerator: str | None = None
     #: precisions with native support, when the compute capability cannot tell (accelerators)

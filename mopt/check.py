@@ -662,7 +662,7 @@ class _Checker:
             self.estimates.append(NodeEstimate(section.id, "(model)", hw.name, estimate(dims, w), basis))
             return
         prec = _sixteen_bit(dims, hw)
-        w = Workload(precision=prec, batch=1, seq_len=seq)
+        w = Workload(precision=prec, batch=1, seq_len=seq, shared_memory=hw.shared_memory)
         e = estimate(dims, w, hw.memory_gb)
         ne = NodeEstimate(
             section.id, "(model)", hw.name, e, f"{prec}, batch 1 × {seq} tokens (no target sets limits)"
@@ -687,7 +687,7 @@ class _Checker:
             tokens = min(seq, found[1].max_tokens) if found is not None else seq
             w = Workload(
                 precision=prec, batch=1, seq_len=seq, num_tokens=tokens, kv_cache=True,
-                device="cpu" if cpu else "gpu",
+                device="cpu" if cpu else "gpu", shared_memory=hw.shared_memory,
             )  # fmt: skip
             where = "on CPU" if cpu else "(no serving kind gives its runtime's defaults)"
             basis = f"text-generation, {prec} {where}, KV cache for 1 × {seq:,} tokens (the model's context)"
@@ -940,7 +940,8 @@ def workload_for(
         seq, sk = pick(Role.seq_len, min(ENGINE_DEFAULT_SEQ, max_pos), "seq")
         sizing = {"workspace_gb": _num(_first(params, Role.workspace_gb)[1]) or 0.0, "runtime": "engine"}
     # kv_dtype matters to an engine too: a generation engine keeps a KV cache
-    w = Workload(precision=prec, kv_dtype=kv_dtype, batch=batch, seq_len=seq, tp=tp, pp=pp, **sizing)
+    w = Workload(precision=prec, kv_dtype=kv_dtype, batch=batch, seq_len=seq, tp=tp, pp=pp,
+                 shared_memory=hw.shared_memory, **sizing)
     if bk:
         keys["batch"] = bk
     if sk:

@@ -245,6 +245,7 @@ class Workload:
     attention: str = "fused"  # "fused" (flash / SDPA / TensorRT MHA) or "eager"
     device: str = "gpu"
     runtime_overhead_gb: float | None = None  # default: 0.5 GiB on GPU, 0 on CPU
+    shared_memory: bool = False  # one pool with the CPU (Jetson): the weights' host copy counts too
     runtime: str = "engine"  # "engine", or the serving kind sized by its KV pool: for messages
 
     @property
@@ -396,7 +397,8 @@ def estimate(dims: ModelDims, w: Workload, capacity_gb: float | None = None) -> 
     )
     workspace = w.workspace_gb * GIB
     overhead = w.runtime_overhead_gb if w.runtime_overhead_gb is not None else (0.5 if w.device == "gpu" else 0.0)
-    runtime = overhead * GIB
+    host = weights if w.shared_memory else 0.0  # read into host memory before they reach the device
+    runtime = overhead * GIB + host
     capacity = capacity_gb * GIB if capacity_gb is not None else None
     budget = capacity
     kv_available = None
@@ -439,7 +441,8 @@ def estimate(dims: ModelDims, w: Workload, capacity_gb: float | None = None) -> 
     if workspace:
         lines.append(Line("workspace", workspace, f"workspace_gb = {w.workspace_gb:g}"))
     if runtime:
-        lines.append(Line("runtime", runtime, f"CUDA context ≈ {overhead:g} GiB"))
+        lines.append(Line("runtime", runtime, f"CUDA context ≈ {overhead:g} GiB"
+                          + (f" + the weights' host copy {gib(host)} (memory shared with the CPU)" if host else "")))
     return MemoryEstimate(
         params=pc.total,
         workload=w,

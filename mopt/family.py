@@ -20,6 +20,9 @@ from mopt.estimate import ConfigError, ModelDims, normalize_precision
 EMBEDDING = "embedding"
 #: causal language modelling with a KV cache (chat models)
 TEXT_GENERATION = "text-generation"
+#: why a WordPiece tokenizer is refused for text-generation
+NO_WORDPIECE = ("it lower-cases, wraps text in [CLS] ... [SEP] and cannot spell every byte, so generated text does "
+                "not round-trip; a causal LM needs a byte-level BPE one (docs/plugins.md, *Causal language models*)")
 #: transformers dtype names of mopt's precision names
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
@@ -281,6 +284,8 @@ class TransformersFamily(Family):
                 f"the tokenizer in {path} has no fast (Rust) implementation; "
                 "save a tokenizer.json with transformers first"
             )
+        if task == TEXT_GENERATION and type(tok.backend_tokenizer.model).__name__ == "WordPiece":
+            raise ValueError(f"the tokenizer in {path} is WordPiece: {NO_WORDPIECE}")
         self.sanitize_tokenizer(tok)
         return tok
 
@@ -393,7 +398,7 @@ class TransformersFamily(Family):
         return lambda **values: AutoConfig.for_model(mtype, **values)
 
     def synthetic_config(self, overrides: dict[str, Any], vocab_size: int, *, task: str = EMBEDDING) -> Any:
-        values = {**self.synthetic_defaults, "vocab_size": vocab_size, **overrides}
+        values = {"vocab_size": vocab_size, **self.synthetic_defaults, **overrides}  # as `mopt check` reads it
         if values["vocab_size"] < vocab_size:
             raise ValueError(
                 f"config.vocab_size={values['vocab_size']} is smaller than the synthetic "
@@ -407,6 +412,8 @@ class TransformersFamily(Family):
     def synthetic_tokenizer(self, texts: Sequence[str], *, task: str = EMBEDDING) -> Any:
         """A lower-casing WordPiece tokenizer ([CLS] text [SEP]) whose vocabulary (every
         character, and the most frequent words of `texts`) is chosen deterministically."""
+        if task == TEXT_GENERATION:
+            raise ValueError(f"family {self.name!r} has only a WordPiece synthetic tokenizer: {NO_WORDPIECE}")
         return wordpiece_tokenizer(texts)
 
     def _task(self, task: str) -> None:

@@ -211,6 +211,22 @@ def test_engine_estimate_breakdown_sums_up() -> None:
     assert js["bytes"]["total"] == round(e.total) and js["fits"] is True
 
 
+def test_shared_memory_counts_the_host_copy_of_the_weights_in_the_same_pool() -> None:
+    """A Jetson's GPU memory is the machine's: the weights read into host memory on their way
+    to the device take from the same capacity (the runtime line says so)."""
+    d = qwen3(QWEN3)
+    w = Workload(precision="fp16", batch=8, seq_len=512)
+    alone = estimate(d, w, capacity_gb=8)
+    shared = estimate(d, Workload(**{**w.__dict__, "shared_memory": True}), capacity_gb=8)
+    assert shared.total == pytest.approx(alone.total + alone.weights)
+    assert shared.runtime == alone.runtime + alone.weights
+    assert shared.lines[-1].formula == "CUDA context ≈ 0.5 GiB + the weights' host copy 1.11 GiB (memory shared with the CPU)"
+    # Qwen3-Embedding-0.6B at fp16 fits 8 GiB of its own at batch 8 × 512, and on a Jetson too
+    assert alone.fits and shared.fits
+    on_jetson = largest_fitting(d, Workload(**{**w.__dict__, "shared_memory": True}), 3, "batch", 1 << 16)
+    assert on_jetson is not None and 1 < on_jetson < largest_fitting(d, w, 3, "batch", 1 << 16) // 2  # type: ignore[operator]
+
+
 def test_vllm_pool_leaves_the_rest_for_kv_cache() -> None:
     d = qwen3(QWEN3)
     w = Workload(

@@ -82,7 +82,11 @@ def test_plugin_is_listed_with_what_it_registered(tmp_path: Path) -> None:
     proc = run_mopt("plugins", "--json", cwd=tmp_path)
     acme = {p["name"]: p for p in json.loads(proc.stdout)["plugins"]}["acme"]
     assert acme["distribution"] == "acme-distil-plugin"
-    assert acme["registered"] == {"targets": ["distill"], "families": ["distilbert"], "hardware": ["nvidia-l4"]}
+    assert acme["registered"] == {
+        "targets": ["distill"],
+        "families": ["distilbert", "gpt2"],
+        "hardware": ["nvidia-l4", "jetson-orin-nano"],
+    }
 
 
 def test_check_estimates_the_new_family_from_its_config_keys(tmp_path: Path) -> None:
@@ -98,10 +102,11 @@ def test_check_estimates_the_new_family_from_its_config_keys(tmp_path: Path) -> 
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert data["findings"] == []
-    assert "synthetic defaults" in data["model_configs"]["distil"]
+    # the vocabulary too: the family's synthetic_defaults say it, and the build makes it
+    assert data["model_configs"]["distil"] == "synthetic source config over the family's synthetic defaults"
     (est,) = [e for e in data["estimates"] if e["section"] == "distil.l4"]
     assert est["hardware"] == "nvidia-l4" and est["capacity_bytes"] == 24 * 2**30
-    cfg = {**DistilBertFamily.synthetic_defaults, "vocab_size": 32000}  # check assumes 32000
+    cfg = DistilBertFamily.synthetic_defaults
     with torch.device("meta"):
         model = AutoModel.from_config(AutoConfig.for_model("distilbert", **cfg))
     assert est["params"] == sum(p.numel() for p in model.parameters())
@@ -118,6 +123,7 @@ def test_distilled_checkpoint_goes_through_onnx_validate_bench_and_select(built:
     small = json.loads((p / "build/distil/cpu/small/config.json").read_text())
     full = json.loads((p / "build/distil/cpu/weights/config.json").read_text())
     assert (small["n_layers"], full["n_layers"]) == (1, 3)
+    assert full["vocab_size"] == 1024  # the family's synthetic_defaults', as `mopt check` estimated
     assert json.loads((p / "build/distil/cpu/onnx-small/mopt_ml.json").read_text())["family"] == "distilbert"
     report = json.loads((p / "build/distil/cpu/validate[onnx-small]/report.json").read_text())
     assert report["family"] == "distilbert" and report["metrics"]["n"] > 100
@@ -357,3 +363,93 @@ def test_a_coerced_param_of_the_third_partys_kind_is_refused(tmp_path: Path, val
         f"error: r.toml:{line}: [distil.cpu.small] layers: input should be a valid integer, got "
         f"{json.loads(value)!r} (transformer layers to keep)"
     ]
+
+
+GPT2 = """\
+schema = 1
+
+[models.tiny]
+family = "gpt2"
+task = "text-generation"
+source = { synthetic = "gpt2", seed = 0 }
+
+[tiny.cpu]
+targets = ["weights", "onnx"]
+
+[tiny.jetson]
+hardware = "jetson-orin-nano"
+targets = ["weights"]
+"""
+
+
+def test_a_causal_lm_family_as_the_docs_write_one(tmp_path: Path) -> None:
+    """docs/plugins.md's causal-LM contract, as a third party follows it: acme's GPT-2 family
+    (TransformersFamily, its shape, a byte-level BPE synthetic tokenizer) is estimated by
+    `check` from its synthetic defaults, vocabulary included, with the memory a Jetson's GPU
+    shares with its CPU counted once for both; and built to weights and the KV-cache ONNX."""
+    pytest.importorskip("transformers")
+    import torch
+    from acme_distil.plugin import Gpt2Family
+    from transformers import AutoModelForCausalLM, GPT2Config, PreTrainedTokenizerFast
+
+    (tmp_path / "mopt.toml").write_text('[store]\npath = ".mopt"\n')
+    (tmp_path / "r.toml").write_text(GPT2)
+    proc = run_mopt("check", "r.toml", "--json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["model_configs"]["tiny"] == "synthetic source config over the family's synthetic defaults"
+    est = {e["section"]: e for e in data["estimates"]}
+    jetson = est["tiny.jetson"]
+    assert jetson["capacity_bytes"] == 8 * 2**30
+    (runtime,) = [ln for ln in jetson["lines"] if ln["name"] == "runtime"]
+    assert runtime["bytes"] == 2**29 + jetson["bytes"]["weights"]  # the CUDA context + the host's copy
+    assert "host copy" in runtime["formula"] and "shared with the CPU" in runtime["formula"]
+
+    proc = run_mopt("build", "r.toml", "tiny.cpu", "--json", cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    weights = tmp_path / "build/tiny/cpu/weights"
+    assert json.loads((weights / "config.json").read_text())["vocab_size"] == 512
+    meta = json.loads((tmp_path / "build/tiny/cpu/onnx/mopt_ml.json").read_text())
+    assert (meta["task"], meta["vocab_size"]) == ("text-generation", 512)
+    assert meta["check"]["decode"]["top1_agreement"] == 1.0
+    tok = PreTrainedTokenizerFast.from_pretrained(str(weights))
+    text = "Grüße, 東京 ✓"  # bytes no learnt merge covers still spell: byte-level
+    assert tok.decode(tok(text)["input_ids"]) == text
+
+    # GPT-2 small's shape: the estimator's decoder block (llama-like) leaves out GPT-2's learned
+    # position table and its LayerNorm and MLP biases, 0.7 % of the parameters (docs/plugins.md)
+    small = {"n_embd": 768, "n_layer": 12, "n_head": 12, "n_positions": 1024, "vocab_size": 50257}
+    (tmp_path / "s.toml").write_text(GPT2.replace("seed = 0 }", f"seed = 0, config = {_toml(small)} }}"))
+    proc = run_mopt("check", "s.toml", "--json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    (est,) = [e for e in json.loads(proc.stdout)["estimates"] if e["section"] == "tiny.cpu"]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(GPT2Config(**small))
+    real = sum(p.numel() for p in model.parameters())  # 124,439,808: GPT-2 small
+    assert real == 124_439_808 and 0.99 * real < est["params"] < real
+
+
+def _toml(d: dict) -> str:
+    return "{ " + ", ".join(f"{k} = {v}" for k, v in d.items()) + " }"
+
+
+def test_a_wordpiece_tokenizer_is_refused_for_text_generation(built: tuple[Path, dict]) -> None:
+    """A family that says text-generation but keeps TransformersFamily's WordPiece synthetic
+    tokenizer, or a checkpoint whose tokenizer is WordPiece, is refused for the task, naming
+    what to do; the embedding task keeps them."""
+    pytest.importorskip("transformers")
+    from acme_distil.plugin import DistilBertFamily
+
+    from mopt.api import TEXT_GENERATION
+
+    class ChattyBert(DistilBertFamily):
+        tasks = ("embedding", TEXT_GENERATION)
+
+    fam = ChattyBert()
+    with pytest.raises(ValueError, match=r"has only a WordPiece synthetic tokenizer: it lower-cases") as exc:
+        fam.synthetic_tokenizer(["a text"], task=TEXT_GENERATION)
+    assert "a causal LM needs a byte-level BPE one (docs/plugins.md, *Causal language models*)" in str(exc.value)
+    weights = built[0] / "build/distil/cpu/weights"
+    with pytest.raises(ValueError, match=r"is WordPiece: it lower-cases"):
+        fam.load_tokenizer(weights, task=TEXT_GENERATION)
+    assert fam.load_tokenizer(weights).is_fast

@@ -56,7 +56,7 @@ class SyntheticSource(Source):
         that write the files (from package metadata: nothing is imported or generated)."""
         from mopt_ml.common import versions
 
-        self._family(params, ctx)  # an unknown family fails here, not at the first build
+        family = self._family(params, ctx)  # an unknown family fails here, not at the first build
         task = getattr(ctx, "task", None) or EMBEDDING
         spec: dict[str, Any] = {
             "family": params.synthetic,
@@ -65,6 +65,9 @@ class SyntheticSource(Source):
             "generator": GENERATOR_VERSION,
             "tools": versions("torch", "transformers", "tokenizers", "safetensors"),
         }
+        vocab = getattr(family, "synthetic_defaults", {}).get("vocab_size")
+        if vocab is not None:  # a family's own vocab_size is built (it was the tokenizer's before)
+            spec["vocab_size"] = vocab
         if task != EMBEDDING:  # embedding folders keep the names they had before tasks
             spec["task"] = task
             spec["generation"] = GENERATION_VERSION

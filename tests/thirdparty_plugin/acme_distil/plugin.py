@@ -7,6 +7,10 @@
   produces an `hf-checkpoint`, so mopt-ml's `onnx`, `validate`, `bench` and `select` take it
   like the `weights` kind's output.
 * `nvidia-l4`: a hardware profile.
+* `gpt2`: a causal-LM family (text-generation) of an architecture mopt does not ship: GPT-2's
+  shape, its config's names and a byte-level BPE synthetic tokenizer (docs/plugins.md,
+  *Causal language models*).
+* `jetson-orin-nano`: a profile whose GPU shares its memory with the CPU.
 """
 
 from __future__ import annotations
@@ -19,7 +23,16 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
-from mopt.api import BuildContext, HardwareProfile, Input, Params, TargetKind, TransformersFamily, hookimpl
+from mopt.api import (
+    TEXT_GENERATION,
+    BuildContext,
+    HardwareProfile,
+    Input,
+    Params,
+    TargetKind,
+    TransformersFamily,
+    hookimpl,
+)
 
 
 class DistilBertFamily(TransformersFamily):
@@ -46,7 +59,58 @@ class DistilBertFamily(TransformersFamily):
         "max_position_embeddings": 128,
         "initializer_range": 0.02,
         "pad_token_id": 0,
+        "vocab_size": 1024,  # over the synthetic tokenizer's ~700: `mopt check` and the build agree
     }
+
+
+class Gpt2Family(TransformersFamily):
+    """GPT-2 causal LMs. TransformersFamily loads them (`AutoModelForCausalLM` for
+    text-generation) and exports the KV-cache graph; the family gives the shape (a plain MLP,
+    biased attention), and a byte-level BPE synthetic tokenizer with a chat template."""
+
+    name = "gpt2"
+    description = "GPT-2 causal LMs (text-generation)"
+    architectures = ("GPT2LMHeadModel",)
+    model_types = ("gpt2",)
+    tasks = (TEXT_GENERATION,)
+    pooling = "last-token"
+    gated_mlp = False  # fc → GELU → proj
+    attention_bias = True
+    # n_embd / n_layer / n_head / n_positions are among the names mopt reads already; GPT2Config
+    # says bos = eos = 50256: the synthetic tokenizer's <|endoftext|> is id 0
+    synthetic_defaults: ClassVar[dict[str, Any]] = {
+        "n_embd": 64,
+        "n_layer": 2,
+        "n_head": 4,
+        "n_positions": 256,
+        "vocab_size": 512,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "pad_token_id": 0,
+    }
+
+    def synthetic_tokenizer(self, texts: Any, *, task: str = TEXT_GENERATION) -> Any:
+        """Byte-level BPE learnt from `texts` by tokenizers' trainer (deterministic for the
+        same texts): every byte spells, so any generated text decodes."""
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+        from transformers import PreTrainedTokenizerFast
+
+        tk = Tokenizer(models.BPE())
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tk.decoder = decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+        trainer = trainers.BpeTrainer(
+            vocab_size=400, special_tokens=["<|endoftext|>"], initial_alphabet=alphabet, show_progress=False
+        )
+        tk.train_from_iterator(texts, trainer)
+        tok = PreTrainedTokenizerFast(
+            tokenizer_object=tk, eos_token="<|endoftext|>", pad_token="<|endoftext|>", padding_side="left"
+        )
+        tok.chat_template = (
+            "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<|endoftext|>{% endfor %}"
+            "{% if add_generation_prompt %}assistant: {% endif %}"
+        )
+        return tok
 
 
 _LAYER = re.compile(r"^transformer\.layer\.(\d+)\.")
@@ -106,10 +170,26 @@ NVIDIA_L4 = HardwareProfile(
 )
 
 
+# Jetson Orin Nano 8GB module data sheet (https://developer.nvidia.com/embedded/jetson-modules):
+# Ampere GPU of 1,024 CUDA cores (8 SMs), 8 GB LPDDR5 at 68 GB/s shared by CPU and GPU; compute
+# capability 8.7 (https://developer.nvidia.com/cuda-gpus). No gpu_name: a Jetson has no nvidia-smi.
+JETSON_ORIN_NANO = HardwareProfile(
+    name="jetson-orin-nano",
+    description="NVIDIA Jetson Orin Nano 8GB (Ampere, memory shared with the CPU)",
+    compute_capability=(8, 7),
+    memory_gb=8,
+    bandwidth_gbps=68,
+    sm_count=8,
+    shared_memory=True,
+    source="https://developer.nvidia.com/embedded/jetson-modules",
+)
+
+
 @hookimpl
 def mopt_register_families(register: Callable[[Any], None]) -> None:
-    """distilbert."""
+    """distilbert, gpt2."""
     register(DistilBertFamily)
+    register(Gpt2Family)
 
 
 @hookimpl
@@ -120,5 +200,6 @@ def mopt_register_targets(register: Callable[[Any], None]) -> None:
 
 @hookimpl
 def mopt_register_hardware(register: Callable[[Any], None]) -> None:
-    """nvidia-l4."""
+    """nvidia-l4, jetson-orin-nano."""
     register(NVIDIA_L4)
+    register(JETSON_ORIN_NANO)
