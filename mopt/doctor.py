@@ -8,6 +8,7 @@ broken). Every missing / warn / fail check carries a cause and a fix.
 from __future__ import annotations
 
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -159,9 +160,12 @@ def diagnose(m: Machine, registry: Any = None) -> list[DoctorCheck]:
     add(_torch_check(m))
     add(_cuda_check(m))
     out.extend(_library_checks(m))
-    for name, fn in (registry.doctor_checks if registry is not None else {}).items():
+    fns = registry.doctor_checks if registry is not None else {}
+    with ThreadPoolExecutor() as pool:  # their own probes (Docker, OpenVINO's CPU) overlap
+        running = {name: pool.submit(fn, m) for name, fn in fns.items()}
+    for name, fut in running.items():
         try:
-            out += [DoctorCheck(**d) for d in fn(m)]
+            out += [DoctorCheck(**d) for d in fut.result()]
         except Exception as exc:  # a plugin's bug is its check's failure, not the doctor's
             out.append(DoctorCheck(name, "fail", f"the check failed: {type(exc).__name__}: {exc}"))
     return out

@@ -23,7 +23,7 @@ import subprocess
 import sys
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,6 @@ LIBRARIES: dict[str, tuple[str, ...]] = {
 
 PROBE_TIMEOUT_S = 60.0
 SMI_TIMEOUT_S = 10.0
-DOCKER_TIMEOUT_S = 8.0
 
 
 # --------------------------------------------------------------------------- results
@@ -100,20 +99,6 @@ class TorchProbe:
 
 
 @dataclass(frozen=True)
-class DockerProbe:
-    client: str | None  # path of the docker CLI
-    daemon: bool
-    server_version: str | None = None
-    runtimes: tuple[str, ...] = ()
-    error: str | None = None
-    host: str | None = None  # DOCKER_HOST or the default socket
-
-    @property
-    def nvidia_runtime(self) -> bool:
-        return "nvidia" in self.runtimes
-
-
-@dataclass(frozen=True)
 class Machine:
     """The whole picture, as `mopt doctor` prints it."""
 
@@ -133,21 +118,11 @@ class Machine:
     libraries: dict[str, str | None]
     ort_providers: tuple[str, ...] | None
     ort_error: str | None
-    docker: DockerProbe
-    buildah: str | None
-    buildah_version: str | None
-    podman: str | None
-    nvidia_ctk: str | None
-    cdi_specs: tuple[str, ...] = field(default=())
-    #: OpenVINO's CPU plugin: {"device", "capabilities"} (FP32, BF16, INT8, ...), or None
-    openvino_cpu: dict[str, Any] | None = None
-    openvino_error: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["gpu"]["gpus"] = [{**asdict(g), "compute_capability": g.cc} for g in self.gpu.gpus]
         d["gpu"]["visible"] = [g.index for g in self.gpu.visible]
-        d["docker"]["nvidia_runtime"] = self.docker.nvidia_runtime
         return d
 
 
@@ -359,41 +334,6 @@ def probe_ort_providers() -> tuple[tuple[str, ...] | None, str | None]:
     return tuple(data.get("p") or ()), None
 
 
-_OV_PROBE = (
-    "import json, openvino as ov; c = ov.Core(); print(json.dumps({'device': "
-    "str(c.get_property('CPU', 'FULL_DEVICE_NAME')), 'capabilities': "
-    "[str(x) for x in c.get_property('CPU', 'OPTIMIZATION_CAPABILITIES')]}))"
-)
-
-
-def probe_openvino() -> tuple[dict[str, Any] | None, str | None]:
-    """OpenVINO's CPU plugin name and optimisation capabilities (in a subprocess: the
-    import takes seconds), or (None, why); (None, None) when openvino is not installed."""
-    if importlib.util.find_spec("openvino") is None:
-        return None, None
-    return _json_probe(_OV_PROBE, PROBE_TIMEOUT_S)
-
-
-def probe_docker() -> DockerProbe:
-    """Is the docker daemon reachable, and which runtimes does it have registered?"""
-    client = shutil.which("docker")
-    host = os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
-    if client is None:
-        return DockerProbe(None, False, error="docker CLI not found on PATH", host=host)
-    rc, out, errtext = _run([client, "info", "--format", "{{json .}}"], DOCKER_TIMEOUT_S)
-    if rc != 0 or not out.strip().startswith("{"):
-        msg = " ".join((errtext or out).split()) or f"docker info exited {rc}"
-        return DockerProbe(client, False, error=msg[:300], host=host)
-    try:
-        info = json.loads(out)
-    except ValueError:
-        return DockerProbe(client, False, error="docker info printed bad JSON", host=host)
-    if info.get("ServerErrors"):
-        return DockerProbe(client, False, error="; ".join(map(str, info["ServerErrors"]))[:300], host=host)
-    runtimes = tuple(sorted((info.get("Runtimes") or {}).keys()))
-    return DockerProbe(client, True, info.get("ServerVersion"), runtimes, None, host)
-
-
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -430,33 +370,12 @@ def _cgroup_limit() -> float | None:
     return None
 
 
-def _tool_version(exe: str | None) -> str | None:
-    if exe is None:
-        return None
-    rc, out, _ = _run([exe, "--version"], 5)
-    return out.strip().splitlines()[0] if rc == 0 and out.strip() else None
-
-
-def _cdi_specs() -> tuple[str, ...]:
-    found = []
-    for d in ("/etc/cdi", "/var/run/cdi"):
-        try:
-            found += [str(p) for p in sorted(Path(d).iterdir()) if "nvidia" in p.name]
-        except OSError:
-            continue
-    return tuple(found)
-
-
 def detect() -> Machine:
     """Everything `mopt doctor` reports; the slow probes run in parallel."""
-    with ThreadPoolExecutor(max_workers=6) as pool:
+    with ThreadPoolExecutor(max_workers=3) as pool:
         f_gpu = pool.submit(probe_gpus)
         f_torch = pool.submit(probe_torch)
         f_ort = pool.submit(probe_ort_providers)
-        f_docker = pool.submit(probe_docker)
-        f_ov = pool.submit(probe_openvino)
-        buildah = shutil.which("buildah")
-        f_buildah = pool.submit(_tool_version, buildah)
         ram, avail = _meminfo()
         try:
             usable = len(os.sched_getaffinity(0))
@@ -480,14 +399,6 @@ def detect() -> Machine:
             libraries={name: dist_version(*dists) for name, dists in LIBRARIES.items()},
             ort_providers=providers,
             ort_error=ort_error,
-            docker=f_docker.result(),
-            buildah=buildah,
-            buildah_version=f_buildah.result(),
-            podman=shutil.which("podman"),
-            nvidia_ctk=shutil.which("nvidia-ctk") or shutil.which("nvidia-container-runtime"),
-            cdi_specs=_cdi_specs(),
-            openvino_cpu=f_ov.result()[0],
-            openvino_error=f_ov.result()[1],
         )
 
 

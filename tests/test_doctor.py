@@ -65,7 +65,7 @@ def test_doctor_json_without_gpu_or_docker(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
     assert set(data) == {"machine", "checks", "profiles", "recipe", "targets"}
-    assert {"cpu_model", "cpu_count", "ram_gib", "gpu", "torch", "libraries", "docker", "buildah"} <= set(
+    assert {"cpu_model", "cpu_count", "ram_gib", "gpu", "torch", "libraries"} <= set(
         data["machine"]
     )
     assert {"torch", "onnxruntime", "tensorrt", "tensorrt-llm", "vllm", "nvidia-modelopt"} <= set(
