@@ -12,6 +12,7 @@ and version) and README.md.
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -229,6 +230,7 @@ class DeployKind(TargetKind):
             prom.scrape_config(name, t, namespace=None, target=f"127.0.0.1:{served.port}")))  # fmt: skip
         write("prometheus/adapter.yml", k8s.dump(prom.adapter_rules(served)))
         write("grafana/dashboard.json", grafana.dashboard_json(served, plan, name, t))
+        os.environ.setdefault("MPLCONFIGDIR", str(ctx.tmp / "matplotlib"))  # the worker restores the env
         write("capacity.svg", capacity_svg(served, plan, f"{ctx.section}: {served.measured_target}"))
         threshold, exact = prom.latency_threshold(served.slo_p99_ms, served.metrics.buckets)
         capacity = {**plan.to_json(), "measured_by": served.measured_target, "lines": plan.lines(),

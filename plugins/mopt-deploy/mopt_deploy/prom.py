@@ -12,6 +12,7 @@ which the record and the alert's description say (vLLM's request-latency buckets
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,7 +80,9 @@ def rules(served: Served, plan: CapacityPlan, job: str, t: Thresholds) -> dict[s
         {"record": RATE, "expr": f"sum by (job) (rate({req_sel}[{w}]))"},
         {
             "record": ERRORS,
-            "expr": f"sum by (job) (rate({err_sel}[{w}])) / sum by (job) (rate({req_sel}[{w}]))",
+            # 0, not nothing, while no request failed (the failed series do not exist yet)
+            "expr": f"(sum by (job) (rate({err_sel}[{w}])) or 0 * sum by (job) (rate({req_sel}[{w}]))) "
+            f"/ sum by (job) (rate({req_sel}[{w}]))",
         },
         {"record": IN_FLIGHT, "expr": f"sum by (job) ({in_flight})"},
         {"record": UP, "expr": f"count by (job) (up{{{sel}}} == 1)"},
@@ -180,8 +183,6 @@ def adapter_rules(served: Served) -> dict[str, Any]:
 def _duration_s(d: str) -> int:
     units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
     total = 0.0
-    import re
-
     for num, unit in re.findall(r"(\d+)(ms|s|m|h|d)", d):
         total += int(num) * units[unit]
     return math.ceil(total)
@@ -197,8 +198,9 @@ def rule_tests(served: Served, plan: CapacityPlan, job: str, t: Thresholds) -> d
     bounds = [*m.buckets]
     above = min((b for b in bounds if b > thr), default=None)
     below_hi = max((b for b in bounds if b <= thr), default=None)
-    step = 15
-    window = max(_duration_s(t.rate_window), 2 * step)
+    # samples 3 to a rate window (rate() needs two in it), at most every 15 s
+    window = _duration_s(t.rate_window)
+    step = max(1, min(15, window // 3))
     horizon = (
         window + max(_duration_s(t.slo_for), _duration_s(t.errors_for), _duration_s(t.down_for)) + 4 * step
     )
@@ -261,6 +263,9 @@ def rule_tests(served: Served, plan: CapacityPlan, job: str, t: Thresholds) -> d
     if "fast" in cases:
         # the fast instance alone: the p99 alert stays silent (the threshold is not below it)
         fast_only = [s for s in series if 'instance="fast:8000"' in s["series"] and "_bucket" in s["series"]]
+        fast_only.append(
+            {"series": f'{req}{{job="{job}",instance="fast:8000"{ok_labels}}}', "values": counter(10)}
+        )
         lo = max((b for b in bounds if b < cases["fast"]), default=0.0)
         # its p99 lies inside its bucket, at or under the threshold (compared with `bool`:
         # promtool compares sample values exactly)
@@ -268,8 +273,12 @@ def rule_tests(served: Served, plan: CapacityPlan, job: str, t: Thresholds) -> d
         tests.append({
             "interval": f"{step}s", "input_series": fast_only,
             "alert_rule_test": [{"alertname": ALERT_P99, "eval_time": at, "exp_alerts": []}],
-            "promql_expr_test": [{"expr": inside, "eval_time": at, "exp_samples": [{
-                "labels": f'{{job="{job}"}}', "value": 1}]}],
+            "promql_expr_test": [
+                {"expr": inside, "eval_time": at, "exp_samples": [{"labels": f'{{job="{job}"}}', "value": 1}]},
+                # no request failed: the error ratio is 0 (not absent)
+                {"expr": f'{ERRORS}{{job="{job}"}}', "eval_time": at,
+                 "exp_samples": [{"labels": f'{ERRORS}{{job="{job}"}}', "value": 0}]},
+            ],
         })  # fmt: skip
     return {"rule_files": ["rules.yml"], "evaluation_interval": t.evaluation_interval, "tests": tests}
 

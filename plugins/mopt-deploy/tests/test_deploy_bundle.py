@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import tomllib
 import yaml
 from deploy_helpers import (
     DIGEST,
@@ -33,6 +32,8 @@ from mopt_deploy import prom
 from mopt_deploy.plan import replicas_for
 from mopt_deploy.served import VLLM_METRICS
 from mopt_deploy.validate import BundleInvalid, kubernetes_validate
+
+from mopt.tomlfile import tomllib
 
 needs_promtool = pytest.mark.skipif(
     shutil.which("promtool") is None,
@@ -276,3 +277,16 @@ def test_what_cannot_be_planned_is_refused_in_one_line(tmp_path: Path) -> None:
         run_deploy(tmp_path, inputs, target_rps=10, name="c")
     with pytest.raises(ValueError, match="target_rps or target_tokens_per_s"):
         run_deploy(tmp_path, container_check_inputs(tmp_path / "d", STEPS), name="d")
+
+
+@needs_promtool
+def test_the_rules_unit_tests_hold_at_second_scale_intervals(tmp_path: Path) -> None:
+    """What the live test uses: a 1 s scrape, a 5 s rate window, a 3 s target-down delay."""
+    fast = {"scrape_interval": "1s", "evaluation_interval": "1s", "rate_window": "5s", "slo_for": "5s",
+            "errors_for": "5s", "down_for": "3s"}  # fmt: skip
+    _res, out = run_deploy(tmp_path, container_check_inputs(tmp_path, STEPS), target_rps=2000, **fast)
+    assert load(out, "deploy.json")["validation"]["promtool"]["checked"]["test rules rules.test.yml"] == "ok"
+    assert load(out, "prometheus/rules.test.yml")["tests"][0]["interval"] == "1s"
+    down = next(r for g in load(out, "prometheus/rules.yml")["groups"] for r in g["rules"]
+                if r.get("alert") == prom.ALERT_DOWN)  # fmt: skip
+    assert down["for"] == "3s"
