@@ -79,6 +79,9 @@ def collect(selected: list[RecipeNode]) -> list[dict[str, Any]]:
             for f in own.get("figures") or []
             if f in entry.files and f.endswith(".svg")
         ]
+        # the lines a kind explains its result with (a deploy's capacity plan, a select's
+        # ranking) go beside its figures
+        row["notes"] = [str(x) for x in own.get("explain") or []] if row["figures"] else []
         for f in own.get("reports") or []:
             if f in entry.files:
                 row.setdefault("reports", []).append(str(node.path / f))
@@ -220,7 +223,9 @@ def sections(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "shapes": sorted({s for r in rs for s in r["shapes"]}, key=shape_order),
                 "marks": [(m, *MARKS[m]) for m in MARKS if m in marks],
                 "figures": [
-                    (r["target"], base64.b64encode(svg.encode()).decode()) for r in rs for svg in r["figures"]
+                    (r["target"], base64.b64encode(svg.encode()).decode(), r["notes"] if i == 0 else [])
+                    for r in rs
+                    for i, svg in enumerate(r["figures"])
                 ],
             }
         )

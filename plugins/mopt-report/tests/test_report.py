@@ -5,6 +5,7 @@ the fixture plugin's toy kinds (the core's tests/fixture_plugin, installed by `n
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -188,3 +189,20 @@ def test_the_command_comes_from_the_plugin_and_goes_with_it(tmp_path: Path) -> N
     assert "report" in listed.split()
     proc = run_mopt("report", "--help", cwd=tmp_path, env={"MOPT_DISABLE_PLUGINS": "report"})
     assert proc.returncode == 2 and "No such command 'report'" in proc.stderr
+
+
+def test_a_kinds_explain_lines_are_shown_beside_its_figure() -> None:
+    """A deploy's capacity plan (its `explain` lines) beside its capacity figure (the load curve)."""
+    from mopt_report.report import render, sections
+
+    svg = '<svg xmlns="http://www.w3.org/2000/svg"><text>load curve</text></svg>'
+    row = {"id": "m.cpu:deploy", "section": "m.cpu", "target": "deploy", "kind": "deploy", "bytes": 10,
+           "path": "build/m/cpu/deploy", "key": "k" * 64, "built": "2026-12-05 10:00", "seconds": 1.0,
+           "fingerprint": {}, "shapes": {}, "reasons": [], "verdicts": [], "mark": "", "figures": [svg],
+           "notes": ["capacity for 2,000 requests/s at p99 <= 100 ms: 3 replicas, 4 to be safe at the lower bound"]}  # fmt: skip
+    (sec,) = sections([row])
+    assert [(t, notes) for t, _data, notes in sec["figures"]] == [("deploy", row["notes"])]
+    page = render(Path("r.toml"), [row])
+    m = re.search(r'<figure><figcaption>deploy</figcaption><div class="fig-row"><img [^>]*>\s*'
+                  r'<pre class="notes" data-target="deploy">([^<]*)</pre></div></figure>', page)  # fmt: skip
+    assert m and "3 replicas, 4 to be safe at the lower bound" in m[1]
