@@ -148,12 +148,9 @@ def iter_files(root: StrPath) -> Iterator[tuple[str, str, os.stat_result]]:
         subdirs: list[tuple[str, str]] = []
         for d in items:
             rel = f"{dir_rel}{d.name}"
-            if not d.name.isascii():  # manifests are UTF-8 JSON: a name of other bytes is refused
-                try:
-                    d.name.encode("utf-8")
-                except UnicodeEncodeError:
-                    shown = os.fsencode(d.path).decode("utf-8", "backslashreplace")
-                    raise TreeError(f"{shown}: not a UTF-8 name (mopt stores file names as UTF-8; rename it)") from None
+            if not d.name.isascii() and os.fsencode(d.name).decode("utf-8", "replace") != d.name:
+                shown = os.fsencode(d.path).decode("utf-8", "backslashreplace")  # manifests are UTF-8 JSON
+                raise TreeError(f"{shown}: not a UTF-8 name (mopt stores file names as UTF-8; rename it)")
             if d.is_symlink():
                 raise SymlinkError(
                     f"{d.path}: is a symbolic link (to {os.readlink(d.path)!r}); mopt stores "
