@@ -813,7 +813,8 @@ class Engine:
             self._write_log(states)
         except (OSError, ValueError) as exc:
             buildlog.forget(self.log_path)
-            logging.getLogger("mopt").warning("mopt: the build log %s was not written: %s", self.log_path, exc)
+            why = getattr(exc, "strerror", None) or exc  # (a full disk: where, the bytes needed)
+            logging.getLogger("mopt").warning("mopt: the build log %s was not written: %s", self.log_path, why)
 
     def _write_log(self, states: dict[str, NodeState]) -> None:
         w = buildlog.Writer()

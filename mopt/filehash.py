@@ -117,29 +117,53 @@ def is_racy(fs: FileStat, taken_ns: int) -> bool:
     return taken_ns - fs[4] < RACY_NS
 
 
+def no_space(path: StrPath, doing: str, needed: int | None = None, name: str = "") -> str:
+    """What a full disk (ENOSPC, EDQUOT) says: the disk of `path` (or `name`), what was being
+    done, the bytes it needed and those free there."""
+    from mopt.errors import human
+
+    try:
+        st = os.statvfs(path)
+        free = f", {human(st.f_bavail * st.f_frsize)} free"
+    except OSError:
+        free = ""
+    need = f"{human(needed)} needed" if needed is not None else "more space needed"
+    return f"no space left on the disk of {name or os.fspath(path)} while {doing} ({need}{free})"
+
+
 def replace_durably(path: str, data: bytes, mode: int = 0o644) -> None:
     """Put `data` at `path` through a temp file that is fsynced before the rename, and fsync
     the folder after it: a power cut leaves the old file or the new one, never an empty one
-    (ext4/xfs may otherwise commit the rename before the data)."""
+    (ext4/xfs may otherwise commit the rename before the data). A full disk is an OSError
+    whose message says which and the bytes needed (`no_space`)."""
     import tempfile
 
     folder = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
+    tmp = ""
     try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
             os.fchmod(fh.fileno(), mode)
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+    except BaseException as e:
+        if tmp:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise OSError(e.errno, no_space(folder, f"writing {os.path.basename(path)}", len(data))) from None
         raise
-    dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    fsync_dir(folder)
+
+
+def fsync_dir(path: StrPath) -> None:
+    """fsync the folder `path` (a rename into it is durable once this returns)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        os.fsync(dfd)
+        os.fsync(fd)
     finally:
-        os.close(dfd)
+        os.close(fd)

@@ -86,8 +86,9 @@ def action_logger(key: str, path: Path, on_line: Callable[[str], None] | None = 
 
 def close_logger(logger: logging.Logger) -> None:
     for h in list(logger.handlers):
-        h.close()
         logger.removeHandler(h)
+        with contextlib.suppress(OSError):  # its last flush on a full disk: the action's error counts
+            h.close()
 
 
 # ---------------------------------------------------------------------- the one action-running function
@@ -1109,8 +1110,8 @@ def zygote_main(fd: int) -> None:
                         os.chdir(scratch)
                     _serve(wfd)
                 except BaseException:
+                    code = 70  # first: printing may fail too (a full disk)
                     traceback.print_exc()
-                    code = 70
                 finally:
                     with contextlib.suppress(Exception):
                         sys.stdout.flush()

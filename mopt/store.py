@@ -57,8 +57,8 @@ from mopt.digest import (
     parse_tree_manifest,
     tree_manifest_bytes,
 )
-from mopt.errors import MoptError, human
-from mopt.filehash import FileStat, NotRegularFileError, file_stat, read_regular
+from mopt.errors import MoptError
+from mopt.filehash import FileStat, NotRegularFileError, file_stat, fsync_dir, no_space, read_regular
 from mopt.statcache import StatCache
 
 log = logging.getLogger(__name__)
@@ -157,22 +157,14 @@ def check_layout(root: StrPath) -> None:
         raise StoreLayoutError(
             f"the store {root} is {_what(st.st_mode)}, not a folder", hint="remove it or point [store] path elsewhere"
         )
-    for name in _LAYOUT_DIRS:
-        p = root / name
+    shards = [d.path for d in _scandir_quiet(root / "cas") if _SHARD_RE.fullmatch(d.name)]
+    for p in [*(str(root / name) for name in _LAYOUT_DIRS), *shards]:
         try:
             mode = os.lstat(p).st_mode
         except OSError:
             continue  # missing: created when needed
         if not stat.S_ISDIR(mode):
             raise StoreLayoutError(f"{p} is {_what(mode)}, not the folder mopt keeps there", hint=hint)
-    for d in _scandir_quiet(root / "cas"):
-        if _SHARD_RE.fullmatch(d.name):
-            try:
-                mode = d.stat(follow_symlinks=False).st_mode
-            except OSError:
-                continue
-            if not stat.S_ISDIR(mode):
-                raise StoreLayoutError(f"{d.path} is {_what(mode)}, not the cas/ folder mopt keeps there", hint=hint)
     for name in _LAYOUT_FILES:
         p = root / name
         try:
@@ -184,14 +176,6 @@ def check_layout(root: StrPath) -> None:
                 f"{p} is {_what(mode)}, not the stat cache mopt keeps there",
                 hint="remove it (a cache: files are rehashed once), or point [store] path elsewhere",
             )
-
-
-def _free_bytes(path: StrPath) -> int | None:
-    try:
-        st = os.statvfs(path)
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize
 
 
 def guard_path(path: StrPath, roots: Iterable[StrPath], *, resolved: bool = False) -> str:
@@ -467,11 +451,8 @@ class Store:
             yield
         except OSError as e:
             if e.errno in _FULL:
-                free = _free_bytes(self.root)
-                need = f"{human(needed)} needed" if needed is not None else "more space needed"
-                have = f", {human(free)} free" if free is not None else ""
                 raise StoreFullError(
-                    f"no space left on the disk of the store {self.root} while writing {what} ({need}{have})",
+                    no_space(self.root, f"writing {what}", needed, f"the store {self.root}"),
                     hint="free space (e.g. `mopt gc --max-size ...`) or move [store] path to a bigger disk",
                 ) from None
             if e.errno in _UNWRITABLE:
@@ -767,10 +748,8 @@ class Store:
             yield
         except OSError as e:
             if e.errno in _FULL:
-                free = _free_bytes(target.parent)
                 raise StoreFullError(
-                    f"no space left on the disk of {target.parent} while materializing {target.name}"
-                    + (f" ({human(free)} free)" if free is not None else ""),
+                    no_space(target.parent, f"materializing {target.name}"),
                     hint="free space, or set [store] build_dir to a bigger disk",
                 ) from None
             if e.errno in _UNWRITABLE:
@@ -838,9 +817,7 @@ class Store:
                     continue
                 try:
                     st = d.stat(follow_symlinks=False)
-                    if not stat.S_ISREG(st.st_mode):
-                        raise StoreError("not a regular file")
-                    e = ActionEntry.model_validate_json(read_regular(d.path))
+                    e = ActionEntry.model_validate_json(read_regular(d.path))  # not a link, fifo, folder
                     refs = self._entry_refs(e)
                 except FileNotFoundError:
                     continue
@@ -981,7 +958,7 @@ class Store:
             os.fchmod(fd, mode)
             os.fsync(fd)
             os.replace(tmp, self.guard(final))
-            _fsync_dir(os.path.dirname(final))
+            fsync_dir(os.path.dirname(final))
 
     # -- gc roots -----------------------------------------------------------------------
 
@@ -1002,7 +979,7 @@ class Store:
             _unlink_quiet(tmp)
             os.symlink(target, tmp)
             os.replace(tmp, self.guard(link))
-            _fsync_dir(self.roots_dir)  # a link has no data of its own: its folder holds it
+            fsync_dir(self.roots_dir)  # a link has no data of its own: its folder holds it
         except OSError as e:
             log.warning("could not register %s as a gc root in %s: %s", target, self.roots_dir, e)
 
@@ -1315,14 +1292,6 @@ def _rmtree_ro(path: StrPath) -> None:
             shutil.rmtree(p)
         else:
             os.unlink(p)
-
-
-def _fsync_dir(path: StrPath) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _unlink_quiet(path: StrPath) -> None:

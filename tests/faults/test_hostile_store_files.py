@@ -1,18 +1,21 @@
 """Issue #28, section 1: mopt's own files, damaged or hostile, each through the real CLI.
 
-Five families: a fifo (or other non-regular file) where mopt reads one of its metadata files
+Six families: a fifo (or other non-regular file) where mopt reads one of its metadata files
 must not block (every command runs with a timeout, so a regression fails instead of hanging);
 a symbolic link in the store's layout is never written through; a file where one of the
 store's folders belongs is a one-line error naming it, exit 2, never a traceback; an output
 or source file name that is not UTF-8 is refused in one line before anything is stored (names
 with newlines are kept, and listed escaped); a SIGTERM during `-j4` stops the running actions
-and fails none (no "could not keep the log of failed action" while their scratch goes).
+and fails none (no "could not keep the log of failed action" while their scratch goes); a
+full disk while mopt writes an action entry, a failed action's log or the build log names the
+store and the bytes needed, never `[Errno 28]` with a traceback.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -24,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run_mopt
-from tests.faults.test_store import TOY, World, one_line_error
+from tests.faults.test_store import TOY, World, needs_mounts, one_line_error
 
 TIMEOUT = 30
 COMMANDS = (
@@ -236,3 +239,76 @@ def test_sigterm_during_j4_stops_the_actions_without_keeping_failed_logs(w: Worl
         # stopped, not failed: no failed action's log, no entry
         assert not list(w.store.glob("logs/*")) and not list(w.store.glob("ac/*"))
     w.check(with_build=False)
+
+
+# --------------------------------------------- family 6: a full disk while mopt writes its own files
+
+# the real CLI with os.replace failing as on a full disk (ENOSPC) for destinations matching
+# $ENOSPC_AT: every file mopt writes whole (entries, failed logs, the build log) is renamed in
+ENOSPC = """\
+import errno, os, re, sys
+real = os.replace
+def replace(src, dst, **kw):
+    if re.search(os.environ["ENOSPC_AT"], os.fspath(dst)):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return real(src, dst, **kw)
+os.replace = replace
+from mopt.cli import main
+sys.argv[0] = "mopt"
+main()
+"""
+
+
+@pytest.mark.parametrize(
+    ("at", "script", "code", "what"),
+    [
+        (r"/ac/[^/]+\.json$", None, 1, "the action entry"),
+        (r"/logs/failed-[^/]+\.log$", "echo boom; exit 3", 1, "the log of failed action"),
+        (r"/log/[^/]+\.log$", None, 0, ".log ("),
+    ],
+    ids=["action-entry", "failed-log", "build-log"],
+)
+def test_a_full_disk_while_writing_mopts_own_files_names_the_store_and_the_bytes(
+    w: World, at: str, script: str | None, code: int, what: str
+) -> None:
+    if script is not None:
+        one_command(w, script)
+    env = {k: v for k, v in os.environ.items() if k != "MOPT_DISABLE_PLUGINS"}
+    proc = subprocess.run(
+        [sys.executable, "-c", ENOSPC, "build", "r.toml", "--no-check"],
+        cwd=w.proj, env={**env, "ENOSPC_AT": at}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == code, proc.stderr
+    mopts = "\n".join(ln for ln in proc.stderr.splitlines() if not ln.startswith("  | "))  # not the log's
+    assert "Traceback" not in mopts and "Errno" not in mopts, proc.stderr
+    line = next(ln for ln in mopts.splitlines() if "no space left" in ln)
+    assert f"no space left on the disk of the store {w.store}" in line or str(w.store / "log") in line, line
+    assert what in line and re.search(r"\(\d+(\.\d)? (B|KiB) needed, .* free\)", line), line
+    if script is not None:  # the failed action's own error is still shown, and its log's end
+        assert "command exited with status 3" in proc.stderr and "  | boom" in proc.stderr, proc.stderr
+    assert not list(w.store.glob("tmp/write-*")) and not list(w.store.glob("log/.tmp-*"))
+    w.check(with_build=False)
+    if script is None:  # the disk has room again: the build goes on where it stopped
+        assert run(w, "build", "r.toml", "--no-check").returncode == 0
+        w.check()
+
+
+@needs_mounts
+def test_an_action_on_a_full_store_disk_fails_with_its_own_error(w: World) -> None:
+    # the store on a tmpfs with no byte free: the action cannot write its output nor its log;
+    # it fails with its own error, the worker does not die ("exited with code 0 (os._exit?)")
+    py = sys.executable
+    proc = subprocess.run(
+        ["unshare", "-m", "sh", "-e", "-c",
+         f"mkdir -p {w.store}; mount -t tmpfs -o size=1m tmpfs {w.store}; "
+         f"dd if=/dev/zero of={w.store}/fill bs=64k 2>/dev/null || true; cd {w.proj}; "
+         f"{py} -m mopt build r.toml --no-check || echo exit=$?"],
+        capture_output=True, text=True, timeout=300,
+        env={k: v for k, v in os.environ.items() if k != "MOPT_DISABLE_PLUGINS"},
+    )  # fmt: skip
+    assert "exit=1" in proc.stdout, proc.stderr
+    mopts = "\n".join(ln for ln in proc.stderr.splitlines() if not ln.startswith("  | "))
+    assert "Traceback" not in mopts, proc.stderr
+    failed = [ln for ln in proc.stderr.splitlines() if ln.startswith("FAILED toy.cpu:toy-weights")]
+    assert len(failed) == 1 and "No space left on device" in failed[0], proc.stderr
+    assert re.search(rf"the build log .* no space left on the disk of {re.escape(str(w.store))}/log .* needed", mopts)
