@@ -270,8 +270,6 @@ def plan(recipe: Path, selectors: tuple[str, ...], no_log: bool, as_json: bool) 
     """Show every node of RECIPE: kind, inputs, and whether it is up to date and why.
 
     SELECTORS are model.hardware:target, globs allowed ('*.h200', '*:onnx')."""
-    import os
-
     from mopt import buildlog
 
     use_log = not no_log and not os.environ.get("MOPT_NO_LOG")
@@ -288,26 +286,11 @@ def plan(recipe: Path, selectors: tuple[str, ...], no_log: bool, as_json: bool) 
     ids = s.graph.select(list(selectors))
     statuses = _statuses(s, ids, selectors, use_log)
     if as_json:
-        _print_json(
-            {
-                "recipe": str(s.recipe.path),
-                "nodes": [node_json(s, i, statuses.get(i)) for i in ids],
-            }
-        )
+        _print_json({"recipe": str(s.recipe.path), "nodes": [node_json(s, i, statuses.get(i)) for i in ids]})
         return
-    nodes = s.graph.nodes
-    plan_table(
-        (
-            i,
-            len(n.addresses),
-            n.kind,
-            n.input_ids(),
-            st["summary"] if (st := statuses.get(i)) else "-",
-            n.section.id,
-        )
-        for i in ids
-        for n in (nodes[i],)
-    )
+    rows = ((i, len(n.addresses), n.kind, n.input_ids(), st["summary"] if (st := statuses.get(i)) else "-", n.section.id)
+            for i in ids for n in (s.graph.nodes[i],))  # fmt: skip
+    plan_table(rows)
 
 
 def plan_table(rows: Any) -> None:
@@ -334,25 +317,11 @@ def _statuses(s: Session, ids: list[str], selectors: tuple[str, ...], use_log: b
 def node_json(s: Session, i: str, status: dict[str, Any] | None) -> dict[str, Any]:
     """One node of `mopt plan --json`."""
     n = s.graph.nodes[i]
-    d: dict[str, Any] = {
-        "id": n.id,
-        "addresses": n.addresses,
-        "section": n.section.id,
-        "model": n.model.name,
-        "hardware": n.hardware.name,
-        "target": n.target.name,
-        "label": n.label,
-        "kind": n.kind,
-        "kind_version": n.kind_version,
-        "plugin": n.plugin,
-        "variant": dict(n.target.variant),
-        "params": n.params_json(),
-        "inputs": n.inputs,
-        "identity": n.identity,
-    }
-    if status is not None:
-        d["status"] = status
-    return d
+    d: dict[str, Any] = {"id": n.id, "addresses": n.addresses, "section": n.section.id, "model": n.model.name,
+                         "hardware": n.hardware.name, "target": n.target.name, "label": n.label, "kind": n.kind,
+                         "kind_version": n.kind_version, "plugin": n.plugin, "variant": dict(n.target.variant),
+                         "params": n.params_json(), "inputs": n.inputs, "identity": n.identity}  # fmt: skip
+    return d if status is None else {**d, "status": status}
 
 
 @app.command(context_settings=CONTEXT)
@@ -384,30 +353,14 @@ def graph(recipe: Path, selectors: tuple[str, ...], fmt: str, as_json: bool) -> 
 def plugins(as_json: bool) -> None:
     """List loaded plugins, their versions and what each registered."""
     reg = _registry()
-    rows = [
-        {
-            "name": p.name,
-            "version": p.version,
-            "distribution": p.dist,
-            "builtin": p.builtin,
-            "registered": {k: v for k, v in p.registered.items() if v},
-        }
-        for p in reg.plugins.values()
-    ]
+    rows = [{"name": p.name, "version": p.version, "distribution": p.dist, "builtin": p.builtin,
+             "registered": {k: v for k, v in p.registered.items() if v}} for p in reg.plugins.values()]  # fmt: skip
     if as_json:
         _print_json({"plugins": rows, "disabled": reg.disabled})
         return
-    out.table(
-        ["plugin", "version", "registers"],
-        [
-            [
-                r["name"],
-                f"{r['distribution'] or ''} {r['version']}".strip(),
-                "; ".join(f"{k}: {', '.join(v)}" for k, v in r["registered"].items()) or "-",
-            ]
-            for r in rows
-        ],
-    )
+    out.table(["plugin", "version", "registers"],
+              [[r["name"], f"{r['distribution'] or ''} {r['version']}".strip(),
+                "; ".join(f"{k}: {', '.join(v)}" for k, v in r["registered"].items()) or "-"] for r in rows])  # fmt: skip
     if reg.disabled:
         out.print(f"disabled: {', '.join(reg.disabled)}")
 
@@ -419,34 +372,12 @@ def hardware(as_json: bool) -> None:
     reg = _registry()
     profiles = list(reg.hardware.values())
     if as_json:
-        _print_json(
-            {
-                "profiles": [
-                    {
-                        **p.model_dump(mode="json"),
-                        "precisions": list(p.precisions),
-                        "plugin": reg.origin[("hardware", p.name)],
-                    }
-                    for p in profiles
-                ]
-            }
-        )
+        _print_json({"profiles": [{**p.model_dump(mode="json"), "precisions": list(p.precisions),
+                                   "plugin": reg.origin[("hardware", p.name)]} for p in profiles]})  # fmt: skip
         return
-    rows = []
-    for p in profiles:
-        cc = ".".join(map(str, p.compute_capability)) if p.compute_capability else "-"
-        rows.append(
-            [
-                p.name,
-                p.gpu_name or p.kind_label,
-                cc,
-                f"{p.memory_gb:g} GB" if p.memory_gb else "-",
-                f"{p.bandwidth_gbps:g} GB/s" if p.bandwidth_gbps else "-",
-                str(p.sm_count or "-"),
-                str(p.gpu_count),
-                ",".join(p.precisions),
-            ]
-        )
+    rows = [[p.name, p.gpu_name or p.kind_label, ".".join(map(str, p.compute_capability or ())) or "-",
+             f"{p.memory_gb:g} GB" if p.memory_gb else "-", f"{p.bandwidth_gbps:g} GB/s" if p.bandwidth_gbps else "-",
+             str(p.sm_count or "-"), str(p.gpu_count), ",".join(p.precisions)] for p in profiles]  # fmt: skip
     out.table(["profile", "device", "CC", "memory", "bandwidth", "SMs", "GPUs", "precisions"], rows)
 
 
