@@ -21,6 +21,13 @@ Task-aware: on a text-generation graph (the `onnx` kind's KV-cache graph) the sa
 (onnxruntime's MatMulNBitsQuantizer, RTN; activations stay fp32, or int8 inside the kernel
 with `nbits_accuracy_level = 4`). The quick look is then next-token logits and greedy
 continuations against the fp32 graph, not embeddings; the gates are validate's.
+
+Mode "rtn" (text generation) simulates a weight format instead of running one: every
+constant MatMul weight (the head's too) is rounded to `nbits_bits`-bit symmetric integers
+times a scale per tensor, per output channel or per `nbits_block_size` block, and stored
+back in fp32 (fake quantization: the accuracy of the format, none of its speed).
+`rtn_scale = "tensor"` at 4 bits is the deliberately poor quantization a recipe's accuracy
+gates must reject (recipes/qwen3-chat.toml's `int4-tensor`).
 """
 
 from __future__ import annotations
@@ -48,13 +55,21 @@ class OrtQuantizeKind(TargetKind):
     produces = "onnx"
 
     class Params(Params):
-        mode: Literal["dynamic", "static", "matmul-nbits"] = Field(
+        mode: Literal["dynamic", "static", "matmul-nbits", "rtn"] = Field(
             default="dynamic",
-            description="dynamic / static INT8 (activations quantized at run time / calibrated), or "
-            "matmul-nbits: weight-only 4/8-bit blocks on MatMul (MatMulNBits)",
+            description="dynamic / static INT8 (activations quantized at run time / calibrated), "
+            "matmul-nbits: weight-only 4/8-bit blocks on MatMul (MatMulNBits), or rtn: simulated "
+            "round-to-nearest weights stored in fp32 (an accuracy probe, no speed-up)",
         )
-        nbits_bits: Literal[4, 8] = Field(default=4, description="matmul-nbits: weight bits")
-        nbits_block_size: int = Field(default=32, ge=16, description="matmul-nbits: block size (power of 2)")
+        nbits_bits: Literal[4, 8] = Field(default=4, description="matmul-nbits / rtn: weight bits")
+        nbits_block_size: int = Field(
+            default=32, ge=16, description="matmul-nbits / rtn (block): block size (power of 2)"
+        )
+        rtn_scale: Literal["tensor", "channel", "block"] = Field(
+            default="block",
+            description="rtn: one scale per weight tensor, per output channel, or per nbits_block_size "
+            "input rows of a channel",
+        )
         nbits_symmetric: bool = Field(default=True, description="matmul-nbits: symmetric blocks (no zero point)")
         nbits_accuracy_level: Literal[0, 1, 2, 3, 4] | None = Field(
             default=None,
@@ -234,9 +249,9 @@ def quantize(
         raise ValueError(f"ort-quantize needs an fp32 graph; {src} is {meta.get('precision')}")
     if meta.get("task") == "text-generation":
         return quantize_generation(src, out, tmp, params, project_dir, log, meta)
-    if params.mode == "matmul-nbits":
+    if params.mode in ("matmul-nbits", "rtn"):
         raise ValueError(
-            "mode 'matmul-nbits' (weight-only) is for text-generation graphs; embedding graphs "
+            f"mode {params.mode!r} (weight-only) is for text-generation graphs; embedding graphs "
             "take mode 'dynamic' or 'static'"
         )
     tokenizer = load_tokenizer(src)
@@ -444,6 +459,7 @@ def quantize_generation(
     current = private_onnx(src, work) if large else model_onnx(src)
     result = work / "quant.onnx"
     smooth_info: dict[str, Any] = {}
+    rtn_info: dict[str, Any] | None = None
     weight_type = ""
     if params.mode == "matmul-nbits":
         from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
@@ -462,6 +478,13 @@ def quantize_generation(
         quantizer.process()
         qmodel = quantizer.model.model
         weight_type = f"int{params.nbits_bits}-block{params.nbits_block_size}"
+    elif params.mode == "rtn":
+        qmodel = onnx.load(str(current))
+        rtn_info = fake_quantize_matmuls(qmodel, params.nbits_bits, params.rtn_scale, params.nbits_block_size)
+        weight_type = f"int{params.nbits_bits}-rtn-{params.rtn_scale}" + (
+            str(params.nbits_block_size) if params.rtn_scale == "block" else ""
+        )
+        log(f"rtn: {rtn_info['weights']} MatMul weights rounded ({weight_type}), stored in fp32")
     else:
         feeds = _generation_feeds(tokenizer, calib_texts, meta, params)
         if params.preprocess:
@@ -511,7 +534,8 @@ def quantize_generation(
     copy_model_files(src, out)
 
     check = generation_check(src, out, tokenizer, params.check_texts, params.greedy_tokens)
-    precision = f"int{params.nbits_bits}" if params.mode == "matmul-nbits" else "int8"
+    weight_only = params.mode in ("matmul-nbits", "rtn")
+    precision = f"int{params.nbits_bits}" if weight_only else "int8"
     log(
         f"{params.mode} {precision} ({weight_type}{', smoothed' if smooth_info else ''}) in {quant_s:.1f}s; "
         f"vs fp32 graph: next-token top-1 {check['logits']['top1_agreement']:.4f}, min cosine "
@@ -526,16 +550,17 @@ def quantize_generation(
             "quantization": {
                 "mode": params.mode,
                 "weight_type": weight_type,
-                "per_channel": params.per_channel if params.mode != "matmul-nbits" else None,
-                "op_types": ["MatMul"] if params.mode == "matmul-nbits" else list(params.op_types),
-                "activation_type": {"dynamic": "dynamic-uint8", "static": params.activation_type}.get(
-                    params.mode, f"accuracy_level {params.nbits_accuracy_level}"
-                ),
+                "per_channel": params.per_channel if not weight_only else None,
+                "op_types": ["MatMul"] if weight_only else list(params.op_types),
+                "activation_type": {"dynamic": "dynamic-uint8", "static": params.activation_type,
+                                    "rtn": "fp32"}.get(params.mode, f"accuracy_level {params.nbits_accuracy_level}"),
+                "simulated": params.mode == "rtn",
+                "rtn": rtn_info,
                 "nbits": {"bits": params.nbits_bits, "block_size": params.nbits_block_size,
                           "symmetric": params.nbits_symmetric, "accuracy_level": params.nbits_accuracy_level}
                 if params.mode == "matmul-nbits" else None,
                 "smooth": smooth_info or None,
-                "calibration": None if params.mode == "matmul-nbits" else {
+                "calibration": None if weight_only else {
                     "texts": len(calib_texts), "pad_to": "longest row",
                     "source": params.calibration or "shipped calibration split",
                 },
@@ -548,6 +573,41 @@ def quantize_generation(
     write_json(out / META_FILE, new_meta)
     return {"mode": params.mode, "precision": precision, "smooth": bool(smooth_info), "ops": ops,
             "check_vs_fp32": check, "quantize_seconds": round(quant_s, 2)}  # fmt: skip
+
+
+def fake_quantize_matmuls(model: Any, bits: int, scale: str, block: int) -> dict[str, Any]:
+    """Round, in place, every fp32 2-D initializer that is only ever a MatMul's weight (B,
+    [in, out]) to symmetric `bits`-bit integers times a scale (amax / (2^(bits-1) - 1)) per
+    tensor, per output column, or per `block` rows of a column; stored back in fp32. The
+    weights rounded and their mean relative error (RMS of the error over RMS of the weight)."""
+    import numpy as np
+    from onnx import TensorProto, numpy_helper
+
+    uses: dict[str, set[tuple[str, int]]] = {}
+    for node in model.graph.node:
+        for i, name in enumerate(node.input):
+            uses.setdefault(name, set()).add((node.op_type, i))
+    q = 2 ** (bits - 1) - 1
+    errors = []
+    for t in model.graph.initializer:
+        if len(t.dims) != 2 or t.data_type != TensorProto.FLOAT or uses.get(t.name) != {("MatMul", 1)}:
+            continue
+        w = numpy_helper.to_array(t).astype(np.float64)
+        rows, cols = w.shape
+        if scale == "tensor":
+            amax = np.abs(w).max(keepdims=True)
+        elif scale == "channel":
+            amax = np.abs(w).max(axis=0, keepdims=True)
+        else:  # blocks of `block` input rows per output column (the last block may be short)
+            pad = np.pad(np.abs(w), ((0, -rows % block), (0, 0)))
+            amax = np.repeat(pad.reshape(-1, block, cols).max(axis=1), block, axis=0)[:rows]
+        s = np.where(amax > 0, amax / q, 1.0)
+        wq = np.clip(np.rint(w / s), -q, q) * s
+        errors.append(float(np.sqrt(np.mean((wq - w) ** 2)) / max(np.sqrt(np.mean(w**2)), 1e-30)))
+        t.CopyFrom(numpy_helper.from_array(wq.astype(np.float32), t.name))
+    if not errors:
+        raise ValueError("rtn: the graph has no constant MatMul weight to round")
+    return {"weights": len(errors), "rel_error_mean": round(float(np.mean(errors)), 5)}
 
 
 def generation_check(reference: Path, candidate: Path, tokenizer: Any, n_texts: int, n_tokens: int) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 
 def _ops(path: Path) -> dict[str, int]:
@@ -137,3 +138,59 @@ def test_a_sweep_computes_preprocessing_calibration_and_check_once(
     # another graph (digest) does not read them
     assert Shared(tmp_path / "cache", "digest-a").path("pre", {}, ".onnx").name in files
     assert Shared(tmp_path / "cache", "digest-b").path("pre", {}, ".onnx").name not in files
+
+
+def test_rtn_rounds_each_matmul_weight_to_its_grid_and_nothing_else() -> None:
+    """mode "rtn"'s fake quantization on a hand-made graph: a MatMul weight W [in 64, out 8]
+    rounded to 4-bit symmetric levels with one scale per tensor, per output column or per
+    block of 32 input rows; an initializer that a Gather also reads is left alone."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from mopt_ml.quantize import fake_quantize_matmuls
+
+    rng = np.random.default_rng(0)
+    w = rng.normal(0.0, 0.02, size=(64, 8)).astype(np.float32)
+    w[:, 3] *= 10.0  # one wide column: per-tensor scaling coarsens every other column
+    emb = rng.normal(size=(10, 64)).astype(np.float32)
+
+    def graph() -> Any:
+        nodes = [helper.make_node("Gather", ["emb", "ids"], ["x"]), helper.make_node("MatMul", ["x", "w"], ["y"]),
+                 helper.make_node("MatMul", ["y2", "emb"], ["z"])]  # fmt: skip
+        g = helper.make_graph(
+            nodes, "g",
+            [helper.make_tensor_value_info("ids", TensorProto.INT64, [3]),
+             helper.make_tensor_value_info("y2", TensorProto.FLOAT, [3, 10])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 8]),
+             helper.make_tensor_value_info("z", TensorProto.FLOAT, [3, 64])],
+            [numpy_helper.from_array(w, "w"), numpy_helper.from_array(emb, "emb")],
+        )  # fmt: skip
+        return helper.make_model(g)
+
+    def rounded(scale: str) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+        m = graph()
+        info = fake_quantize_matmuls(m, 4, scale, 32)
+        arrays = {t.name: numpy_helper.to_array(t) for t in m.graph.initializer}
+        return arrays["w"], arrays["emb"], info
+
+    wt, e, info = rounded("tensor")
+    assert np.array_equal(e, emb) and info["weights"] == 1  # the shared table is not a MatMul-only weight
+    s = np.abs(w).max() / 7
+    assert np.allclose(wt, np.clip(np.rint(w / s), -7, 7) * s, atol=1e-9)
+    assert len(np.unique(np.rint(wt / s))) <= 15
+    assert np.count_nonzero(wt[:, 0]) < 16  # the narrow columns round to a few levels, mostly 0
+    wc, _, _ = rounded("channel")
+    sc = np.abs(w).max(axis=0) / 7
+    assert np.allclose(wc, np.rint(w / sc) * sc, atol=1e-9)
+    wb, _, binfo = rounded("block")
+    for r0 in (0, 32):
+        blk = w[r0 : r0 + 32]
+        sb = np.abs(blk).max(axis=0) / 7
+        assert np.allclose(wb[r0 : r0 + 32], np.rint(blk / sb) * sb, atol=1e-9)
+    # finer scales, smaller error: block <= channel < tensor
+    err = {k: float(np.abs(v - w).mean()) for k, v in (("tensor", wt), ("channel", wc), ("block", wb))}
+    assert err["block"] <= err["channel"] < err["tensor"] and binfo["rel_error_mean"] < info["rel_error_mean"]
+    bare = helper.make_model(helper.make_graph([helper.make_node("Relu", ["a"], ["b"])], "g",
+                             [helper.make_tensor_value_info("a", TensorProto.FLOAT, [2])],
+                             [helper.make_tensor_value_info("b", TensorProto.FLOAT, [2])]))  # fmt: skip
+    with pytest.raises(ValueError, match="no constant MatMul weight"):
+        fake_quantize_matmuls(bare, 4, "tensor", 32)
