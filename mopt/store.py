@@ -158,13 +158,13 @@ def check_layout(root: StrPath) -> None:
             f"the store {root} is {_what(st.st_mode)}, not a folder", hint="remove it or point [store] path elsewhere"
         )
     shards = [d.path for d in _scandir_quiet(root / "cas") if _SHARD_RE.fullmatch(d.name)]
-    for p in [*(str(root / name) for name in _LAYOUT_DIRS), *shards]:
+    for d in [*(str(root / name) for name in _LAYOUT_DIRS), *shards]:
         try:
-            mode = os.lstat(p).st_mode
+            mode = os.lstat(d).st_mode
         except OSError:
             continue  # missing: created when needed
         if not stat.S_ISDIR(mode):
-            raise StoreLayoutError(f"{p} is {_what(mode)}, not the folder mopt keeps there", hint=hint)
+            raise StoreLayoutError(f"{d} is {_what(mode)}, not the folder mopt keeps there", hint=hint)
     for name in _LAYOUT_FILES:
         p = root / name
         try:
