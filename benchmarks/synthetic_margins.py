@@ -5,17 +5,24 @@ teacher-forced on the shipped held-out passages (never calibration).
     python benchmarks/synthetic_margins.py --shape 0.6b --init 0.2 --layers 28
 
 For each initializer_range: the fp32 model's own numbers (perplexity on the passages' real
-next tokens, median top-1 probability, median top-1 - top-2 logit margin, the share of
-positions whose argmax is the input token: an "echo" model), then per variant the top-1
-agreement, mean KL(fp32 || variant) in nats and the perplexity ratio, as `validate` reports
-them (mopt_ml.genmetrics). FP8 is simulated: every Linear weight except the head cast to
-torch.float8_e4m3fn with one per-tensor scale (amax / 448) and back, the activations too
-(per tensor, per call: what ModelOpt's FP8 does), compute in fp32. Prints one JSON line a row.
+next tokens, median top-1 probability, median top-1 - top-2 logit margin, mean entropy, the
+share of positions whose argmax is the input token: an "echo" model), then per variant the
+top-1 agreement, mean KL(fp32 || variant) and its p99 in nats and the perplexity ratio, as
+`validate` reports them (mopt_ml.genmetrics). FP8 is simulated: every Linear weight except the
+head cast to torch.float8_e4m3fn with one per-tensor scale (amax / 448) and back, the
+activations too (per tensor, per call: what ModelOpt's FP8 does), compute in fp32. The RTN
+variants round every Linear weight, the head's too, to symmetric integers (amax / (2^(b-1) - 1)
+per output channel, per block of 32 inputs, or per tensor: ort-quantize mode "rtn"'s
+arithmetic; `int4-tensor` is recipes/qwen3-chat.toml's must-fail). Prints one JSON line a row.
 
 Measured 2026-12-01 (2-core AMD EPYC, shared, load 5-13), FP8 top-1 vs fp32: tiny model at
 init 0.2 0.786 (bf16 0.975); at 0.02 1.000 (it echoes its input token); at 0.02 after 100 Adam
 steps (--train-steps 100) 0.913 (bf16 0.987). Qwen3-0.6B shape at 0.2: 0.198, KL 3.11 (bf16
 0.853; the H200 gave 0.224 / 0.875); at 0.02: 0.661 with near-flat logits (bf16 0.958).
+Measured 2026-12-05 (same machine; seed 0; KL mean / p99): tiny at 0.02 int4-tensor 7.3e-4 /
+1.4e-3, at 0.2 0.47 / 1.25, at 0.02 after 300 Adam steps 0.28 / 1.50; Qwen3-0.6B shape at 0.02
+(--passages 8) int4-tensor 0.0075 / 0.010, int4-block32 0.0016, FP8 1.4e-4, bf16 1.9e-6, with a
+mean next-token entropy of 11.73 nats of ln(151936) = 11.93 (docs/recipes.md has the table).
 """
 
 from __future__ import annotations
@@ -57,6 +64,36 @@ class FP8Linear:
         import torch
 
         return torch.nn.functional.linear(fp8(x), self.w, self.lin.bias)
+
+
+def rtn(w: Any, bits: int, scale: str, block: int = 32) -> Any:
+    """`w` [out, in] rounded to symmetric `bits`-bit integers times a scale per tensor, per
+    output channel, or per `block` inputs of a channel."""
+    import torch
+
+    q = 2 ** (bits - 1) - 1
+    if scale == "block":
+        o, i = w.shape
+        wb = w.reshape(o, i // block, block)
+        s = (wb.abs().amax(-1, keepdim=True) / q).clamp(min=1e-12)
+        return (torch.clamp(torch.round(wb / s), -q, q) * s).reshape(o, i)
+    amax = w.abs().amax() if scale == "tensor" else w.abs().amax(dim=1, keepdim=True)
+    s = (amax / q).clamp(min=1e-12)
+    return torch.clamp(torch.round(w / s), -q, q) * s
+
+
+def rtn_model(model: Any, bits: int, scale: str) -> Any:
+    """Every Linear's weight through `rtn`; a tied head gets its own rounded copy (the input
+    embedding stays fp32, as in the ONNX graph whose head is a MatMul of its own)."""
+    import copy
+
+    import torch
+
+    m = copy.deepcopy(model)
+    for mod in m.modules():
+        if isinstance(mod, torch.nn.Linear):
+            mod.weight = torch.nn.Parameter(rtn(mod.weight.data.clone(), bits, scale))
+    return m
 
 
 def fp8_model(model: Any) -> Any:
@@ -173,17 +210,25 @@ def measure(model: Any, tok: Any, passages: list[str], a: Any, cfg: dict[str, An
     row: dict[str, Any] = {
         "shape": a.shape, "layers": cfg["num_hidden_layers"], "init": init, "extra": json.loads(a.config),
         "fp32_ppl": round(ppl, 2), "top1_prob_p50": round(float(np.median(np.exp(logp.max(1)))), 4),
+        "entropy_mean": round(float(-(np.exp(logp) * logp).sum(1).mean()), 3), "vocab": int(lg.shape[1]),
         "margin_p50": round(float(np.median(srt[:, -1] - srt[:, -2])), 4), "echo_share": round(echo, 3),
         "positions": len(t_all),
     }  # fmt: skip
 
-    for name, m in (("bf16", copy.deepcopy(model).to(torch.bfloat16)), ("fp8", fp8_model(model))):
+    variants = {
+        "bf16": lambda: copy.deepcopy(model).to(torch.bfloat16), "fp8": lambda: fp8_model(model),
+        "int8-channel": lambda: rtn_model(model, 8, "channel"), "int4-block32": lambda: rtn_model(model, 4, "block"),
+        "int4-tensor": lambda: rtn_model(model, 4, "tensor"),
+    }  # fmt: skip
+    for name, make in variants.items():
+        m = make()  # one copy at a time: the 0.6B shape is 2.4 GB in fp32
         cand = logits_of(m, ids)
+        del m
         parts = [
             gm.compare(d, c[:-1], gm.next_token_targets(x)) for d, c, x in zip(dists, cand, ids, strict=True)
         ]
         n = gm.metrics(parts, [], 0)
-        row[name] = {k: round(float(n[k]), 4) for k in ("top1_agreement", "kl_mean", "ppl_ratio")}
+        row[name] = {k: float(f"{n[k]:.4g}") for k in ("top1_agreement", "kl_mean", "kl_p99", "ppl_ratio")}
     return row
 
 

@@ -103,10 +103,9 @@ class Qwen3Family(TransformersFamily):
         values = dict(overrides)
         if task == TEXT_GENERATION:
             values.setdefault("use_cache", True)
-            # a random LM with tied embeddings at Qwen3's 0.02 echoes its last input token (its
-            # logits are the embedding's self-similarity), so every backend would agree
-            # trivially; 10x wider weights give varied greedy continuations
-            values.setdefault("initializer_range", 0.2)
+            # initializer_range stays Qwen3's own 0.02 (synthetic_defaults) unless the recipe's
+            # config sets it: the accuracy gates read distributions (KL), whose size a random
+            # model's flat logits make small, not argmaxes (docs/recipes.md)
         cfg = super().synthetic_config(values, vocab_size)
         cfg.architectures = ["Qwen3ForCausalLM" if task == TEXT_GENERATION else "Qwen3Model"]
         return cfg

@@ -29,7 +29,7 @@ from pydantic import Field
 GENERATOR_VERSION = "1"
 #: bump when the files written for a text-generation spec change (embedding folders keep
 #: their names: they are keyed on GENERATOR_VERSION alone)
-GENERATION_VERSION = "3"  # 3: the tokenizer covers every id of a larger vocab_size (pad_tokenizer)
+GENERATION_VERSION = "4"  # 4: initializer_range 0.02 (Qwen3's), not 0.2; 3: pad_tokenizer
 
 
 class SyntheticSource(Source):

@@ -169,12 +169,15 @@ def qwen3_chain(
 
 @pytest.fixture(scope="session")
 def synthetic_chat(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, source_ctx: Any) -> Path:
-    """The synthetic source's tiny Qwen3ForCausalLM (task text-generation)."""
+    """The synthetic source's tiny Qwen3ForCausalLM (task text-generation), at
+    initializer_range 0.2 as recipes/qwen3-chat.toml's tiny model (at Qwen3's 0.02 it would
+    echo its last token, and every backend would agree trivially)."""
     from mopt_ml.synthetic import SyntheticSource
 
     def build(cache: Path) -> dict[str, Any]:
         s = SyntheticSource()
-        return {"path": str(s.resolve(s.Params(synthetic="qwen3", seed=0), source_ctx(cache, "text-generation")))}
+        p = s.Params(synthetic="qwen3", seed=0, config={"initializer_range": 0.2})
+        return {"path": str(s.resolve(p, source_ctx(cache, "text-generation")))}
 
     return Path(_shared(request, tmp_path_factory, "synthetic-chat", build)["path"])
 

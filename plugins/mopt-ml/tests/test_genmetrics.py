@@ -10,6 +10,8 @@ np = pytest.importorskip("numpy")
 
 from mopt_ml.genmetrics import (  # noqa: E402
     DEFAULT_GATES,
+    GATES,
+    OPTIONAL_GATES,
     RefDist,
     compare,
     gate,
@@ -74,43 +76,71 @@ def test_logit_shift_changes_nothing():
     assert m["top1_agreement"] == 1.0 and m["kl_mean"] < 1e-12 and m["ppl_ratio"] == pytest.approx(1.0)
 
 
+def test_the_default_gates_are_the_kl_ones():
+    assert DEFAULT_GATES == {"max_kl": 0.05, "max_kl_p99": 0.5}
+    assert set(OPTIONAL_GATES) | set(DEFAULT_GATES) == set(GATES)
+
+
 def test_a_quantized_model_fails_the_default_gates():
     """Logits of a coarsely quantized model: the weights' error shows as noise on the
     logits (here 1.5 logit units, typical of naive 3-4-bit weights on a small LLM). It must
-    fail top-1, KL and perplexity at the default gates, with the numbers in the failures."""
+    fail mean KL and its p99 at the default gates, with the numbers in the failures; top-1
+    and perplexity are reported, and gate only where asked."""
     logits = peaked_logits(positions=2000)
     t = sample_targets(logits)
     noisy = logits + np.random.default_rng(7).normal(0.0, 1.5, size=logits.shape)
     m = run(logits, noisy, t)
     results, failed = gate(m, DEFAULT_GATES)
-    assert m["top1_agreement"] < DEFAULT_GATES["min_top1"]
-    assert m["kl_mean"] > DEFAULT_GATES["max_kl"]
-    assert m["ppl_ratio"] > DEFAULT_GATES["max_ppl_ratio"]
-    assert {f.split()[0] for f in failed} >= {"top1_agreement", "kl_mean", "ppl_ratio"}
-    assert f"top1_agreement {m['top1_agreement']:.4f} < 0.9" in failed
+    assert m["kl_mean"] > DEFAULT_GATES["max_kl"] and m["kl_p99"] > DEFAULT_GATES["max_kl_p99"]
+    assert failed == [f"kl_mean {m['kl_mean']:.4f} > 0.05", f"kl_p99 {m['kl_p99']:.4f} > 0.5"]
+    assert set(results) == {"max_kl", "max_kl_p99"}
     assert not results["max_kl"]["passed"] and results["max_kl"]["value"] == m["kl_mean"]
+    assert m["top1_agreement"] < 0.9 and m["ppl_ratio"] > 1.05  # reported, not gated by default
+    _, asked = gate(m, {**DEFAULT_GATES, "min_top1": 0.9, "max_ppl_ratio": 1.05})
+    assert {f.split()[0] for f in asked} == {"top1_agreement", "ppl_ratio", "kl_mean", "kl_p99"}
+    assert f"top1_agreement {m['top1_agreement']:.4f} < 0.9" in asked
 
 
 def test_a_careful_quantization_passes_the_default_gates():
-    """Small logit noise (8-bit weights: ~0.1 logit units) keeps every gate."""
+    """Small logit noise (8-bit weights: ~0.1 logit units) keeps every gate, the optional
+    ones too."""
     logits = peaked_logits(positions=2000)
     t = sample_targets(logits)
     noisy = logits + np.random.default_rng(7).normal(0.0, 0.1, size=logits.shape)
     m = run(logits, noisy, t, greedy=[(list(range(32)), list(range(32)))])
-    _, failed = gate(m, DEFAULT_GATES)
+    _, failed = gate(m, {**DEFAULT_GATES, "min_top1": 0.9, "max_ppl_ratio": 1.05, "min_greedy": 0.5})
     assert failed == [], m
-    assert 0 < m["kl_mean"] < 0.01 and m["top1_agreement"] > 0.97
+    assert 0 < m["kl_mean"] < 0.01 and m["kl_p99"] < 0.05 and m["top1_agreement"] > 0.97
 
 
-def test_a_model_that_flattens_its_distribution_fails_kl_and_perplexity_not_top1():
+def test_kl_p99_catches_the_tail_a_mean_hides():
+    """1000 positions of a fair coin; the candidate is exact except at `bad` positions, where
+    it says 0.99 / 0.01 (KL 1.614 nats each). The p99 is numpy's linear interpolation of the
+    sorted per-position KL at rank 0.99 * 999 = 989.01: 0 below 10 bad positions, 1 % of the
+    bad KL at exactly 10, the whole bad KL from 11 on."""
+    bad_kl = 0.5 * math.log(0.5 / 0.99) + 0.5 * math.log(0.5 / 0.01)
+    ref = np.log(np.full((1000, 2), 0.5))
+    for bad, p99 in ((5, 0.0), (10, 0.01 * bad_kl), (15, bad_kl)):
+        cand = ref.copy()
+        cand[:bad] = np.log([0.99, 0.01])
+        m = run(ref, cand, np.zeros(1000, dtype=int))
+        assert m["kl_mean"] == pytest.approx(bad * bad_kl / 1000, rel=1e-6)
+        assert m["kl_p99"] == pytest.approx(p99, rel=1e-6, abs=1e-12)
+        assert m["kl_max"] == pytest.approx(bad_kl, rel=1e-6)
+        results, failed = gate(m, DEFAULT_GATES)
+        assert results["max_kl"]["passed"]  # mean 0.008-0.024: the mean gate never sees it
+        assert failed == ([] if bad <= 10 else [f"kl_p99 {m['kl_p99']:.4f} > 0.5"])
+
+
+def test_a_model_that_flattens_its_distribution_fails_kl_not_top1():
     """Temperature 3 keeps every argmax (top-1 agreement 1.0) but loses confidence: only the
     distribution gates catch it -- why top-1 alone is not a gate for generation."""
     logits = peaked_logits(positions=1000)
     t = sample_targets(logits)
     m = run(logits, logits / 3.0, t)
-    _, failed = gate(m, {**DEFAULT_GATES, "min_greedy": None})
+    _, failed = gate(m, {**DEFAULT_GATES, "min_top1": 0.9, "max_ppl_ratio": 1.05})
     assert m["top1_agreement"] == 1.0
-    assert [f.split()[0] for f in failed] == ["ppl_ratio", "kl_mean"]
+    assert [f.split()[0] for f in failed] == ["kl_mean", "kl_p99", "ppl_ratio"]
 
 
 def test_top_k_reference_gives_a_lower_bound_exact_at_full_vocab():

@@ -75,8 +75,8 @@ def test_identical_candidate_passes_with_perfect_numbers(tmp_path: Path, models:
     assert m["top1_agreement"] == 1.0 and m["kl_mean"] == 0.0 and m["ppl_ratio"] == 1.0
     assert m["greedy_prefix"] == 1.0 and m["greedy_identical"] == 8
     assert rep["task"] == "text-generation" and rep["backend"] == "fake-bigram"
-    assert set(rep["gates"]) == {"min_top1", "max_ppl_ratio", "max_kl", "min_greedy"}
-    assert rep["gates"]["min_top1"]["limit"] == 0.9  # the generation default when min_top1 is unset
+    assert set(rep["gates"]) == {"max_kl", "max_kl_p99"}  # the defaults: distribution distance only
+    assert rep["gates"]["max_kl_p99"] == {"limit": 0.5, "value": m["kl_p99"], "passed": True}
     assert rep["texts"]["positions"] == m["positions"] > 500
     g = rep["greedy"][0]
     assert len(g["reference"]) == 32 and g["reference"] == g["candidate"]
@@ -88,22 +88,15 @@ def test_light_quantization_passes_and_heavy_fails_with_the_numbers(
 ) -> None:
     meta, rep = run_validate(tmp_path, models["int8"], models["ref"])
     assert meta["passed"], rep["metrics"]
-    assert 0 < rep["metrics"]["kl_mean"] < 0.05
+    assert 0 < rep["metrics"]["kl_mean"] < 0.05 and rep["metrics"]["kl_p99"] < 0.5
     with pytest.raises(GateFailed) as err:
         run_validate(tmp_path, models["int3"], models["ref"])
     msg = str(err.value)
-    assert msg.startswith("validation gate failed: top1_agreement 0.")
-    for part in (
-        "< 0.9",
-        "ppl_ratio",
-        "> 1.05",
-        "kl_mean",
-        "> 0.05",
-        "greedy_prefix",
-        "< 0.5",
-        "on 16 passages",
-    ):
+    assert msg.startswith("validation gate failed: kl_mean ")
+    for part in ("> 0.05", "; kl_p99 ", "> 0.5", "top-1 0.", "ppl ratio", "greedy prefix", "on 16 passages"):
         assert part in msg, msg
+    # top-1, perplexity and greedy agreement are in the summary, not among the failures
+    assert "top1_agreement" not in msg and "ppl_ratio" not in msg and "greedy_prefix <" not in msg
 
 
 def test_on_fail_record_keeps_the_failure_in_the_result(tmp_path: Path, models: dict[str, Path]) -> None:
@@ -115,10 +108,15 @@ def test_on_fail_record_keeps_the_failure_in_the_result(tmp_path: Path, models: 
 
 def test_gates_follow_the_recipe(tmp_path: Path, models: dict[str, Path]) -> None:
     # lax enough for the heavy variant: passes
-    meta, _ = run_validate(
-        tmp_path, models["int3"], models["ref"], min_top1=0, max_kl=None, max_ppl_ratio=None, min_greedy=None
-    )
+    meta, _ = run_validate(tmp_path, models["int3"], models["ref"], max_kl=None, max_kl_p99=None)
     assert meta["passed"]
+    # the optional gates, where the recipe sets them (the keys of before keep working)
+    meta, rep = run_validate(
+        tmp_path, models["int3"], models["ref"], max_kl=None, max_kl_p99=None, min_top1=0.9,
+        max_ppl_ratio=1.05, min_greedy=0.5, on_fail="record",
+    )  # fmt: skip
+    assert [f.split()[0] for f in meta["failed_gates"]] == ["top1_agreement", "ppl_ratio", "greedy_prefix"]
+    assert set(rep["gates"]) == {"min_top1", "max_ppl_ratio", "min_greedy"}
     # strict enough for the light one: fails on KL only
     meta, rep = run_validate(tmp_path, models["int8"], models["ref"], max_kl=1e-6, on_fail="record")
     assert [f.split()[0] for f in meta["failed_gates"]] == ["kl_mean"]
@@ -183,31 +181,36 @@ def quantized_copy(src: Path, dst: Path, bits: int, per_tensor: bool) -> Path:
 
 @pytest.mark.slow  # ~50 s on the shared 2-core machine at load 10 (transformers import, 3 models)
 def test_real_tiny_causal_lm_int8_passes_and_ternary_fails(tmp_path: Path) -> None:
-    """The torch-eager backend of mopt_ml.genruntime on a synthetic Qwen3ForCausalLM: 8-bit
-    per-row weights keep every default gate; ternary weights with one scale per tensor flip
-    the top-1 token at most positions and fail top-1 and KL, with the numbers."""
+    """The torch-eager backend of mopt_ml.genruntime on a synthetic Qwen3ForCausalLM: at
+    initializer_range 0.2 (recipes/qwen3-chat.toml's tiny model), 8-bit per-row weights keep
+    the default (KL) gates and ternary weights with one scale per tensor fail both, with the
+    numbers. At Qwen3's own 0.02 the random model's next-token distribution is nearly uniform
+    and even the ternary copy stays under the gates: why the recipe sets 0.2."""
     pytest.importorskip("torch")
     from mopt_ml.families import Qwen3Family
     from mopt_ml.synthetic import write_synthetic
     from mopt_ml.validate import validate_generation
 
-    ref = tmp_path / "weights"
-    ref.mkdir()
-    write_synthetic(Qwen3Family(), 0, {}, ref, task="text-generation")
     small = ValidateKind.Params(max_texts=8, greedy_prompts=4, greedy_tokens=8, on_fail="record")
     results = {}
-    for name, bits, per_tensor in (("int8", 8, False), ("ternary", 2, True)):
-        model = quantized_copy(ref, tmp_path / name, bits, per_tensor)
-        out = tmp_path / f"out-{name}"
-        out.mkdir()
-        results[name] = validate_generation(model, ref, out, small, tmp_path, lambda _m: None, label=name)
-    assert results["int8"]["passed"], results["int8"]
-    # seen (synthetic model of 2026-12-01 12:30): int8 top-1 0.959, KL 0.0011; ternary top-1 0.003, KL 2.2
-    assert results["int8"]["top1_agreement"] > 0.9 and results["int8"]["kl_mean"] < 0.01
-    bad = results["ternary"]
-    assert not bad["passed"] and bad["top1_agreement"] < 0.9 and bad["kl_mean"] > 0.05
-    assert bad["failed_gates"][0] == f"top1_agreement {bad['top1_agreement']:.4f} < 0.9"
-    assert f"kl_mean {bad['kl_mean']:.4f} > 0.05" in bad["failed_gates"]
+    for init in (0.2, 0.02):
+        ref = tmp_path / f"weights-{init}"
+        ref.mkdir()
+        write_synthetic(Qwen3Family(), 0, {"initializer_range": init}, ref, task="text-generation")
+        for name, bits, per_tensor in (("int8", 8, False), ("ternary", 2, True)):
+            model = quantized_copy(ref, tmp_path / f"{name}-{init}", bits, per_tensor)
+            out = tmp_path / f"out-{name}-{init}"
+            out.mkdir()
+            results[name, init] = validate_generation(model, ref, out, small, tmp_path, lambda _m: None, label=name)
+    good, bad = results["int8", 0.2], results["ternary", 0.2]
+    # seen 2026-12-05 (AMD EPYC, 2 cores): at 0.2 int8 KL 0.0011 (p99 0.0043), top-1 0.96; ternary
+    # KL 2.2 (p99 3.4), top-1 0.003; at 0.02 ternary KL 0.018 (p99 0.024), top-1 0.56
+    assert good["passed"] and good["kl_mean"] < 0.01 and good["kl_p99"] < 0.05, good
+    assert not bad["passed"] and bad["kl_mean"] > 0.05 and bad["kl_p99"] > 0.5
+    assert bad["failed_gates"] == [f"kl_mean {bad['kl_mean']:.4f} > 0.05", f"kl_p99 {bad['kl_p99']:.4f} > 0.5"]
+    assert bad["top1_agreement"] < 0.5  # reported beside the gates
+    flat = results["ternary", 0.02]
+    assert flat["passed"] and flat["kl_mean"] < 0.05, flat  # the gates cannot see it on a flat model
 
 
 def test_a_candidate_of_another_vocabulary_is_refused_in_one_line(
