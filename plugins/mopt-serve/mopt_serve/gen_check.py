@@ -4,10 +4,18 @@
   out), /v1/completions and /v1/chat/completions **streaming** (SSE `data:` chunks up to
   `data: [DONE]`; the chat request goes through the tokenizer's chat template on the server,
   and the prompt token count it reports is compared with the same template applied here).
-* **verification against the reference**: the served greedy continuation of held-out prompts,
+* **distributions against the reference** (the default gates): held-out passages (the recipe's
+  `texts`, never calibration) teacher-forced through the server (vLLM's `prompt_logprobs`: per
+  position the served top-k log-probs and the real next token's) and through the fp32 PyTorch
+  reference: mean KL(ref || served) and its 99th percentile (gates `max_kl`, `max_kl_p99`, the
+  values of `validate`'s), perplexity ratio (`max_ppl_ratio`, off unless set) and same-top-1
+  rate. The KL is that of the two distributions coarsened to the served top-k tokens and one
+  "rest" bucket: a lower bound of the full KL, close to it when the top-k holds most of the mass.
+* **verification of greedy decoding**: the served greedy continuation of held-out prompts,
   teacher-forced through the fp32 PyTorch reference (one forward over prompt + served tokens):
-  the share of served tokens that are the reference's argmax (`top1`, gate `min_top1`), each
-  served token's rank under the reference, and the first position where they differ.
+  the share of served tokens that are the reference's argmax (`top1`, gated by `min_top1` only
+  where the recipe sets it), each served token's rank under the reference, and the first
+  position where they differ (`greedy_prefix`: the mean share before it).
 * **load test** (the worker runs `vllm bench serve`, backend `openai-chat`, its `random`
   dataset with `--ignore-eos`, one seed per step so no step reuses another's prompts from the
   prefix cache): per concurrency TTFT / ITL / TPOT / end-to-end p50 / p90 / p99, output and
@@ -35,6 +43,9 @@ from typing import Any
 
 from mopt_serve.serve_check import http_json
 
+#: the default distribution gates: mopt_ml.genmetrics.DEFAULT_GATES (mean KL and its p99, nats;
+#: their sources in docs/recipes.md); a test keeps the two equal
+DEFAULT_KL_GATES = {"max_kl": 0.05, "max_kl_p99": 0.5}
 #: the /metrics series a generation serve-check keeps
 GEN_METRICS = (
     "vllm:prompt_tokens_total",
@@ -162,6 +173,100 @@ def chat_template_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[in
     return list(ids)
 
 
+def served_prompt_logprobs(base: str, model: str, prompts: list[list[int]], top_k: int) -> list[list[dict[int, float]]]:
+    """The served model's teacher-forced next-token log-probs over token-id `prompts`: vLLM's
+    `prompt_logprobs = top_k` on /v1/completions (max_tokens 1). Its answer,
+    `choices[0].prompt_logprobs`, has one entry per prompt token, None for the first, else
+    {token id: {"logprob", "rank", "decoded_token"}} holding the top-k and the prompt's own
+    token; per prompt, the dicts of positions 1.. as {id: logprob} (entry t: what the server
+    gave ids[t] and its rivals after ids[:t]). `top_k` above the server's --max-logprobs (20
+    by default) is refused by vLLM."""
+    out = []
+    for ids in prompts:
+        r = http_json(base + "/v1/completions", {"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0,
+                                                 "prompt_logprobs": top_k})  # fmt: skip
+        pl = (r.get("choices") or [{}])[0].get("prompt_logprobs")
+        if not isinstance(pl, list) or len(pl) != len(ids) or any(not isinstance(d, dict) for d in pl[1:]):
+            raise RuntimeError(
+                f"/v1/completions gave no prompt_logprobs for a {len(ids)}-token prompt (vLLM's extension, "
+                f"prompt_logprobs = {top_k}): {str(pl)[:200]}"
+            )
+        out.append([{int(t): float(v["logprob"] if isinstance(v, dict) else v) for t, v in d.items()} for d in pl[1:]])
+    return out
+
+
+def held_out_distribution(
+    prompts: list[list[int]], served: list[list[dict[int, float]]], logprobs: Any, top_k: int
+) -> dict[str, Any]:
+    """Served vs reference next-token distributions over held-out `prompts` (teacher-forced).
+    `served`: `served_prompt_logprobs`' answer; `logprobs(ids)`: the reference's log-softmax
+    rows [len(ids), vocab]. Per position, KL(ref || served) over the served top-k tokens and a
+    "rest" bucket (nats), same top-1, and each side's -log p of the real next token. Returns
+    mean / p99 (numpy's linear interpolation) / max KL, top-1 agreement, perplexities and their
+    ratio, positions; a position whose served log-probs are not finite is charged 50 nats."""
+    import numpy as np
+
+    kl, agree, nll_r, nll_s = [], [], [], []
+    for ids, rows in zip(prompts, served, strict=True):
+        ref = np.asarray(logprobs(ids), dtype=np.float64)
+        for t, got in enumerate(rows):  # position t predicts ids[t + 1]
+            r, nxt = ref[t], ids[t + 1]
+            toks = np.fromiter(got, dtype=np.int64)
+            q = np.fromiter(got.values(), dtype=np.float64)
+            if not np.isfinite(q).all() or nxt not in got:
+                kl.append(50.0)
+                agree.append(False)
+                nll_r.append(-r[nxt])
+                nll_s.append(50.0)
+                continue
+            p = np.exp(r[toks])
+            p_rest, q_rest = max(1.0 - float(p.sum()), 0.0), max(1.0 - float(np.exp(q).sum()), 1e-12)
+            d = float(np.sum(p * (r[toks] - q)))
+            if p_rest > 0:
+                d += p_rest * (math.log(p_rest) - math.log(q_rest))
+            kl.append(max(d, 0.0))
+            agree.append(int(toks[np.argmax(q)]) == int(np.argmax(r)))
+            nll_r.append(-r[nxt])
+            nll_s.append(-got[nxt])
+    if not kl:
+        raise ValueError("no held-out positions: every passage is shorter than 2 tokens")
+    arr = np.asarray(kl)
+    sig = lambda x: float(f"{float(x):.7g}")  # noqa: E731  (7 digits, as validate's report)
+    return {
+        "positions": len(kl), "passages": len(prompts), "served_top_k": top_k,
+        "kl_mean": sig(arr.mean()), "kl_p99": sig(np.quantile(arr, 0.99)), "kl_max": sig(arr.max()),
+        "top1_agreement": sig(np.mean(agree)), "ppl_reference": sig(math.exp(min(float(np.mean(nll_r)), 700.0))),
+        "ppl_served": sig(math.exp(min(float(np.mean(nll_s)), 700.0))),
+        "ppl_ratio": sig(math.exp(min(float(np.mean(nll_s) - np.mean(nll_r)), 700.0))),
+    }  # fmt: skip
+
+
+def gen_gate_failures(doc: dict[str, Any], p: Any) -> list[str]:
+    """The generation gates serve.json's numbers fail: `max_kl`, `max_kl_p99` and
+    `max_ppl_ratio` on the held-out distributions (`doc["distribution"]`), `min_top1` on the
+    served greedy tokens (`doc["verify"]`); a gate whose number was not measured fails."""
+    out = []
+    dist, v = doc.get("distribution"), doc.get("verify") or {}
+    for gate, key, label in (("max_kl", "kl_mean", "kl_mean"), ("max_kl_p99", "kl_p99", "kl_p99"),
+                             ("max_ppl_ratio", "ppl_ratio", "ppl_ratio")):  # fmt: skip
+        limit = getattr(p, gate)
+        if limit is None:
+            continue
+        if dist is None:
+            out.append(f"{label} not measured (gate {gate} = {limit}; kl_passages = 0)")
+        elif not dist[key] <= limit:
+            out.append(
+                f"held-out {label} {dist[key]:.4f} > {limit} ({gate}; served top-{dist['served_top_k']} vs fp32, "
+                f"{dist['positions']} positions)"
+            )
+    if p.min_top1 is not None and not v.get("top1", 0.0) >= p.min_top1:
+        out.append(
+            f"served greedy tokens are the fp32 reference's top-1 for {v.get('top1', 0.0):.3f} of "
+            f"{v.get('tokens')} positions < min_top1 {p.min_top1}"
+        )
+    return out
+
+
 # --------------------------------------------------------------------------- reference
 
 
@@ -171,6 +276,7 @@ def teacher_forced(outputs: list[dict[str, Any]], logprob_rows: Any) -> dict[str
     rows supporting `argmax()` and indexing). Per prompt: top-1 agreement, ranks, first
     divergence; overall `top1` and `max_rank`."""
     per = []
+    prefixes: list[float] = []
     for o in outputs:
         rows = logprob_rows(o["prompt_ids"], o["tokens"])
         ranks, agree, first = [], 0, None
@@ -183,11 +289,14 @@ def teacher_forced(outputs: list[dict[str, Any]], logprob_rows: Any) -> dict[str
             elif first is None:
                 first = i
         per.append({"ranks": ranks, "top1": agree / max(len(o["tokens"]), 1), "first_divergence": first})
+        prefixes.append((len(o["tokens"]) if first is None else first) / max(len(o["tokens"]), 1))
     n = sum(len(o["tokens"]) for o in outputs)
     return {
         "prompts": len(outputs),
         "tokens": n,
         "top1": sum(p["top1"] * len(o["tokens"]) for p, o in zip(per, outputs, strict=True)) / max(n, 1),
+        # the reference's own greedy path equals the served one up to the first divergence
+        "greedy_prefix": sum(prefixes) / max(len(prefixes), 1),
         "max_rank": max((max(p["ranks"]) for p in per if p["ranks"]), default=None),
         "first_divergence_min": min(
             (p["first_divergence"] for p in per if p["first_divergence"] is not None), default=None
@@ -196,22 +305,37 @@ def teacher_forced(outputs: list[dict[str, Any]], logprob_rows: Any) -> dict[str
     }
 
 
-def torch_reference_rows(weights: Path, device: str | None = None) -> Any:
-    """`logprob_rows` for `teacher_forced` from an fp32 causal LM (GPU when there is one)."""
+def torch_reference_logprobs(weights: Path, device: str | None = None) -> Any:
+    """`logprobs(ids)`: an fp32 causal LM's log-softmax rows [len(ids), vocab] for a token-id
+    sequence (row t: the next-token distribution after ids[:t + 1]), on the GPU when there
+    is one, returned on the CPU."""
     import torch
     from transformers import AutoModelForCausalLM
 
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = AutoModelForCausalLM.from_pretrained(str(weights), dtype=torch.float32).to(dev).eval()
 
-    def rows(prompt_ids: list[int], tokens: list[int]) -> Any:
+    def logprobs(ids: list[int]) -> Any:
         with torch.inference_mode():
-            ids = torch.tensor([list(prompt_ids) + list(tokens)], device=dev)
-            lp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
+            x = torch.tensor([list(ids)], device=dev)
+            return torch.log_softmax(model(input_ids=x).logits[0].float(), -1).cpu()
+
+    return logprobs
+
+
+def reference_rows(logprobs: Any) -> Any:
+    """`logprob_rows` for `teacher_forced` from `torch_reference_logprobs`' function."""
+
+    def rows(prompt_ids: list[int], tokens: list[int]) -> Any:
         p = len(prompt_ids)
-        return lp[p - 1 : p - 1 + len(tokens)].cpu()
+        return logprobs(list(prompt_ids) + list(tokens))[p - 1 : p - 1 + len(tokens)]
 
     return rows
+
+
+def torch_reference_rows(weights: Path, device: str | None = None) -> Any:
+    """`logprob_rows` for `teacher_forced` from an fp32 causal LM (GPU when there is one)."""
+    return reference_rows(torch_reference_logprobs(weights, device))
 
 
 # --------------------------------------------------------------------------- load-test steps
@@ -332,6 +456,11 @@ def summary_lines(doc: dict[str, Any]) -> list[str]:
         f"{(doc.get('gpu_memory') or {}).get('engine_mib')} MiB; vLLM log {doc.get('vllm_log')}",
         "concurrency  requests  errors  req/s   out tok/s  TTFT p50  TTFT p99  ITL p50  ITL p99",
     ]
+    d = doc.get("distribution")
+    if d:
+        out.insert(1, f"held-out vs fp32 ({d['positions']} positions, served top-{d['served_top_k']}): KL mean "
+                      f"{d['kl_mean']:.4g}, p99 {d['kl_p99']:.4g}; ppl ratio {d['ppl_ratio']:.4f}; same top-1 "
+                      f"{d['top1_agreement']:.3f}")  # fmt: skip
     for s in doc.get("loadtest", []):
         out.append(
             f"{s['concurrency']:>11}  {s['requests']:>8}  {s['errors']:>6}  {s['requests_per_s']:>6.1f}  "
@@ -376,10 +505,10 @@ def run_generation(ctx: Any, kind: Any) -> dict[str, Any]:
 
     p = ctx.params
     serve, model, ref_art = ctx.input("serve"), ctx.input("model"), ctx.input("reference")
-    texts = sc.DEFAULT_TEXTS
+    held = sc.DEFAULT_TEXTS
     if p.texts:
-        texts = sc.read_texts_file((ctx.project_dir / p.texts).resolve(), max(p.gen_prompts, 1))
-    texts = (texts * (p.gen_prompts // len(texts) + 1))[: p.gen_prompts]
+        held = sc.read_texts_file((ctx.project_dir / p.texts).resolve(), max(p.gen_prompts, 4 * p.kl_passages, 1))
+    texts = (held * (p.gen_prompts // len(held) + 1))[: p.gen_prompts]
     tokenizer = None
     try:
         from transformers import AutoTokenizer
@@ -390,6 +519,9 @@ def run_generation(ctx: Any, kind: Any) -> dict[str, Any]:
     if tokenizer is None:
         raise RuntimeError(f"serve-check: the model folder of {model.target!r} has no loadable tokenizer")
     prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    passages = [" ".join(held[i : i + 4]) for i in range(0, len(held), 4)][: p.kl_passages]
+    kl_ids = [x for x in (tokenizer(t, add_special_tokens=False)["input_ids"][: p.kl_max_tokens] for t in passages)
+              if len(x) >= 2]  # fmt: skip
     args = json.loads((serve.path / "args.json").read_text())
     port = sc.free_port()
     argv = sc.serve_command(args, model.path, serve.path, port)
@@ -411,6 +543,7 @@ def run_generation(ctx: Any, kind: Any) -> dict[str, Any]:
             failures.append(f"/v1/models lists {models}, not {served!r}")
             served = models[0] if models else served
         outputs = greedy_completions(base, served, prompts, p.gen_tokens)
+        served_lp = served_prompt_logprobs(base, served, kl_ids, p.kl_top_k) if kl_ids else []
         ep, bad = endpoint_checks(base, served, tokenizer, p.gen_tokens)
         doc.update(ep)
         failures += bad
@@ -461,13 +594,14 @@ def run_generation(ctx: Any, kind: Any) -> dict[str, Any]:
         f"reference: fp32 PyTorch on {ref_art.target!r}, {len(outputs)} held-out prompts x {p.gen_tokens} tokens"
     )
     doc["greedy"] = outputs
-    doc["verify"] = teacher_forced(outputs, torch_reference_rows(ref_art.path))
+    logprobs = torch_reference_logprobs(ref_art.path)
+    doc["verify"] = teacher_forced(outputs, reference_rows(logprobs))
+    if kl_ids:
+        ctx.log(f"held-out distributions: {len(kl_ids)} passages, served top-{p.kl_top_k} vs fp32")
+        doc["distribution"] = held_out_distribution(kl_ids, served_lp, logprobs, p.kl_top_k)
+    doc["gates"] = {k: getattr(p, k) for k in ("max_kl", "max_kl_p99", "max_ppl_ratio", "min_top1")}
     doc["min_top1"] = p.min_top1
-    if not doc["verify"]["top1"] >= p.min_top1:
-        failures.append(
-            f"served greedy tokens are the fp32 reference's top-1 for {doc['verify']['top1']:.3f} of "
-            f"{doc['verify']['tokens']} positions < min_top1 {p.min_top1}"
-        )
+    failures += gen_gate_failures(doc, p)
     doc["command"] = argv
     doc["vllm_log"] = sc.parse_vllm_log(log_path.read_text(errors="replace"))
     doc["vllm"] = sc._env.dist_version("vllm")
@@ -520,6 +654,8 @@ def finish_generation(ctx: Any, out: Any) -> dict[str, Any]:
         "task": "text-generation",
         "startup_s": doc.get("startup_s"),
         "top1": v.get("top1"),
+        "greedy_prefix": v.get("greedy_prefix"),
+        **{k: (doc.get("distribution") or {}).get(k) for k in ("kl_mean", "kl_p99", "ppl_ratio", "top1_agreement")},
         "max_rank": v.get("max_rank"),
         "knee_concurrency": kn["concurrency"] if kn else None,
         "knee_tokens_per_s": kn["output_tokens_per_s"] if kn else None,

@@ -112,15 +112,19 @@ mtq.quantize(model, cfg, forward_loop)
 t1 = time.time()
 # validation on held-out texts (never the calibration set), with the quantizers active
 if generation:
-    # top-1 next-token agreement, mean KL(reference || quantized), perplexity ratio
-    agree = kl = nll_q = nll_r = n = 0.0
+    # mean KL(reference || quantized) and its 99th percentile over positions, top-1 next-token
+    # agreement, perplexity ratio
+    agree = nll_q = nll_r = n = 0.0
+    kls = []
     for (lr, tgt), (lq, _) in zip(ref, next_token_logprobs(model, vtexts)):
         agree += float((lr.argmax(-1) == lq.argmax(-1)).sum())
-        kl += float((lr.exp() * (lr - lq)).sum())
+        kls.append((lr.exp() * (lr - lq)).sum(-1).clamp(min=0).double().cpu())
         nll_r -= float(lr.gather(1, tgt[:, None]).sum())
         nll_q -= float(lq.gather(1, tgt[:, None]).sum())
         n += tgt.numel()
-    metrics = {"top1": agree / n, "mean_kl": kl / n, "ppl_ratio": float(torch.exp(torch.tensor((nll_q - nll_r) / n))),
+    kl = torch.cat(kls)
+    metrics = {"top1": agree / n, "mean_kl": float(kl.mean()), "kl_p99": float(torch.quantile(kl, 0.99)),
+               "ppl_ratio": float(torch.exp(torch.tensor((nll_q - nll_r) / n))),
                "ppl_reference": float(torch.exp(torch.tensor(nll_r / n))), "validate_tokens": int(n)}
 else:
     cos = (embed(model, vtexts) * ref).sum(-1)
@@ -202,9 +206,15 @@ class ModelOptPtqKind(TargetKind):
             description="text generation: gate on held-out top-1 next-token agreement with fp32 (null: record only)",
         )
         max_kl: float | None = Field(
-            default=None,
+            default=0.05,
             ge=0,
-            description="text generation: gate on the mean KL(fp32 || quantized) per token",
+            description="text generation: gate on the held-out mean KL(fp32 || quantized) per token, nats "
+            "(validate's default; null: record only)",
+        )
+        max_kl_p99: float | None = Field(
+            default=0.5,
+            ge=0,
+            description="text generation: gate on its 99th percentile over positions, nats (null: record only)",
         )
         max_ppl_ratio: float | None = Field(
             default=None, gt=0, description="text generation: gate on held-out perplexity, quantized / fp32"
@@ -345,6 +355,7 @@ class ModelOptPtqKind(TargetKind):
                 "task": ctx.task,
                 "top1": rep["top1"],
                 "mean_kl": rep["mean_kl"],
+                "kl_p99": rep["kl_p99"],
                 "ppl_ratio": rep["ppl_ratio"],
                 "validate_texts": rep["validate_texts"],
                 "validate_tokens": rep["validate_tokens"],
@@ -379,6 +390,8 @@ def gen_gate_failures(rep: dict[str, Any], p: Any) -> list[str]:
         out.append(f"top-1 next-token agreement {rep['top1']:.4f} < min_top1 {p.min_top1}")
     if p.max_kl is not None and not rep["mean_kl"] <= p.max_kl:
         out.append(f"mean KL {rep['mean_kl']:.5f} > max_kl {p.max_kl}")
+    if p.max_kl_p99 is not None and not rep["kl_p99"] <= p.max_kl_p99:
+        out.append(f"KL p99 {rep['kl_p99']:.5f} > max_kl_p99 {p.max_kl_p99}")
     if p.max_ppl_ratio is not None and not rep["ppl_ratio"] <= p.max_ppl_ratio:
         out.append(f"perplexity ratio {rep['ppl_ratio']:.4f} > max_ppl_ratio {p.max_ppl_ratio}")
     return out

@@ -671,11 +671,31 @@ class ServeCheckKind(TargetKind):
         )
         gen_prompts: int = Field(default=8, ge=1, description="held-out prompts for the greedy check")
         gen_tokens: int = Field(default=16, ge=1, description="greedy tokens per prompt checked against fp32")
-        min_top1: float = Field(
-            default=0.9,
+        min_top1: float | None = Field(
+            default=None,
             ge=0,
             le=1,
-            description="share of served greedy tokens that are the fp32 reference's argmax (teacher-forced)",
+            description="generation: fail below this share of served greedy tokens that are the fp32 "
+            "reference's argmax (teacher-forced; reported always); null: off",
+        )
+        kl_passages: int = Field(
+            default=16, ge=0, description="generation: held-out passages (4 texts each) for the KL gates; 0: none"
+        )
+        kl_max_tokens: int = Field(default=128, ge=2, description="generation: tokens per KL passage, at most")
+        kl_top_k: int = Field(
+            default=20,
+            ge=1,
+            description="generation: served log-probs per position (vLLM's prompt_logprobs; at most the "
+            "server's --max-logprobs, 20 by default): the KL is over these and a rest bucket",
+        )
+        max_kl: float | None = Field(
+            default=0.05, ge=0, description="generation: fail above this held-out mean KL(fp32 || served), nats"
+        )
+        max_kl_p99: float | None = Field(
+            default=0.5, ge=0, description="generation: fail above its 99th percentile over positions, nats"
+        )
+        max_ppl_ratio: float | None = Field(
+            default=None, gt=0, description="generation: fail above this held-out perplexity ratio (served / fp32)"
         )
         gen_requests_per_client: int = Field(default=4, ge=1)
         gen_min_requests: int = Field(default=16, ge=1)

@@ -3,9 +3,12 @@ checks: /health, /v1/models, /v1/completions and /v1/chat/completions (both with
 SSE `data:` chunks ending in `data: [DONE]`, usage in a last chunk when
 `stream_options.include_usage`), greedy "generation" from a deterministic rule over token ids
 (next = (last * 31 + 7) % VOCAB, or `--wrong-after N`: off by one from position N), top-k
-logprobs as `token_id:N` keys (`return_tokens_as_token_ids`), `prompt_logprobs`, and /metrics
-with vLLM's prefix-cache counters. A prompt's "tokens" are its ids (lists of ints) or its
-UTF-8 bytes (strings). `python fake_openai_gen_server.py PORT [DELAY_S] [--wrong-after N]`."""
+logprobs as `token_id:N` keys (`return_tokens_as_token_ids`), `prompt_logprobs` as vLLM gives
+them (per prompt position after the first, the top-k and the prompt's own token, each
+{"logprob", "rank", "decoded_token"}, of a distribution whose rule token has logit
+`--sharpness S` (default 6) and every other token 0), and /metrics with vLLM's prefix-cache
+counters. A prompt's "tokens" are its ids (lists of ints) or its UTF-8 bytes (strings).
+`python fake_openai_gen_server.py PORT [DELAY_S] [--wrong-after N] [--sharpness S]`."""
 
 from __future__ import annotations
 
@@ -23,6 +26,26 @@ COUNT = {"prompt_tokens": 0, "generation_tokens": 0, "requests": 0, "queries": 0
 SEEN: set[tuple[int, ...]] = set()  # 16-token blocks seen (prefix caching, roughly)
 DELAY = 0.0
 WRONG_AFTER: int | None = None
+SHARPNESS = 6.0
+
+
+def prompt_logprobs(ids: list[int], k: int) -> list[dict[str, dict[str, object]] | None]:
+    """vLLM's `prompt_logprobs` of `ids`: position t's rule token (after ids[:t]) at logit
+    SHARPNESS, the rest at 0; the top-k is the rule token then (rule + 13 j) % VOCAB, plus the
+    prompt's own token with its rank."""
+    import math
+
+    z = math.log(math.exp(SHARPNESS) + VOCAB - 1)
+    out: list[dict[str, dict[str, object]] | None] = [None]
+    for t in range(1, len(ids)):
+        r = reference_next(ids[:t])
+        top = [r] + [(r + 13 * j) % VOCAB for j in range(1, k)]
+        d = {str(x): {"logprob": (SHARPNESS if x == r else 0.0) - z, "rank": i + 1, "decoded_token": f"<{x}>"}
+             for i, x in enumerate(top)}  # fmt: skip
+        if str(ids[t]) not in d:
+            d[str(ids[t])] = {"logprob": -z, "rank": 2, "decoded_token": f"<{ids[t]}>"}
+        out.append(d)
+    return out
 
 
 def next_token(ids: list[int], pos: int) -> int:
@@ -136,9 +159,7 @@ class Handler(_BaseHandler):
                         "top_logprobs": [logprobs_for(t, k) for t in out],
                     }
                 if body.get("prompt_logprobs") is not None:
-                    choice["prompt_logprobs"] = [None] + [
-                        {str(t): {"logprob": -1.0, "rank": 1}} for t in ids[1:]
-                    ]
+                    choice["prompt_logprobs"] = prompt_logprobs(ids, int(body["prompt_logprobs"]))
             self._send(
                 200,
                 json.dumps(
@@ -191,6 +212,10 @@ if __name__ == "__main__":
     if "--wrong-after" in args:
         i = args.index("--wrong-after")
         WRONG_AFTER = int(args[i + 1])
+        del args[i : i + 2]
+    if "--sharpness" in args:
+        i = args.index("--sharpness")
+        SHARPNESS = float(args[i + 1])
         del args[i : i + 2]
     DELAY = float(args[1]) if len(args) > 1 else 0.0
     ThreadingHTTPServer(("127.0.0.1", int(args[0])), Handler).serve_forever()

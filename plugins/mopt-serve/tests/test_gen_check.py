@@ -14,11 +14,15 @@ from pathlib import Path
 
 import pytest
 from mopt_serve.gen_check import (
+    DEFAULT_KL_GATES,
     endpoint_checks,
+    gen_gate_failures,
     gen_knee,
     gen_step_from_bench,
     greedy_completions,
+    held_out_distribution,
     prefix_effect,
+    served_prompt_logprobs,
     summary_lines,
     teacher_forced,
     token_id,
@@ -162,7 +166,84 @@ def test_a_server_that_drifts_from_the_reference_fails_the_top1_gate(fake_server
         outs = greedy_completions(server.base_url, "fake-gen", [[5, 6, 7], [100, 200]], max_tokens=16)
     v = teacher_forced(outs, rule_rows())
     assert v["top1"] == pytest.approx(4 / 16) and v["first_divergence_min"] == 4 and v["max_rank"] == 1
-    assert not v["top1"] >= ServeCheckKind.Params().min_top1
+    assert v["greedy_prefix"] == pytest.approx(4 / 16)
+    assert ServeCheckKind.Params().min_top1 is None  # reported; gated where the recipe asks
+    assert gen_gate_failures({"verify": v}, ServeCheckKind.Params(min_top1=0.9, max_kl=None, max_kl_p99=None)) == [
+        "served greedy tokens are the fp32 reference's top-1 for 0.250 of 32 positions < min_top1 0.9"
+    ]
+
+
+def rule_logprobs(sharpness: float = 6.0, vocab: int = 1000):
+    """The fake server's distribution as a reference: after ids, the rule token at logit
+    `sharpness`, every other token at 0 (log-softmax rows [len(ids), vocab])."""
+    import numpy as np
+
+    def logprobs(ids):
+        rows = np.zeros((len(ids), vocab))
+        for t in range(len(ids)):
+            rows[t, (ids[t] * 31 + 7) % vocab] = sharpness
+        return rows - np.log(np.exp(sharpness) + vocab - 1)
+
+    return logprobs
+
+
+def closed_form_kl(s_ref: float, s_served: float, vocab: int = 1000) -> float:
+    """KL between two such distributions: only the rule token's mass differs, and the rest is
+    uniform in both (so the served top-k coarsening loses nothing)."""
+    import math
+
+    p = math.exp(s_ref) / (math.exp(s_ref) + vocab - 1)
+    q = math.exp(s_served) / (math.exp(s_served) + vocab - 1)
+    return p * math.log(p / q) + (1 - p) * math.log((1 - p) / (1 - q))
+
+
+def test_held_out_kl_through_prompt_logprobs_passes_a_faithful_server_and_fails_a_flat_one(fake_server):
+    """vLLM's prompt_logprobs (top-20 and the prompt's token per position) against an fp32
+    reference of the same shape: a server whose distribution is slightly flatter keeps the
+    default KL gates; one that is much flatter (a poor quantization: the favourite keeps its
+    rank, so top-1 agrees everywhere) fails mean KL and p99, with the exact KL."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 1000, size=n).tolist() for n in (40, 25, 60)]
+    dist = {}
+    for s in (5.8, 2.0):
+        with fake_server("--sharpness", str(s)) as server:
+            served = served_prompt_logprobs(server.base_url, "fake-gen", prompts, 20)
+        assert [len(r) for r in served] == [39, 24, 59] and all(20 <= len(d) <= 21 for r in served for d in r)
+        dist[s] = held_out_distribution(prompts, served, rule_logprobs(6.0), 20)
+    good, bad = dist[5.8], dist[2.0]
+    assert good["positions"] == bad["positions"] == 122 and good["served_top_k"] == 20
+    assert good["kl_mean"] == pytest.approx(closed_form_kl(6.0, 5.8), rel=1e-5)
+    assert bad["kl_mean"] == pytest.approx(closed_form_kl(6.0, 2.0), rel=1e-5) == pytest.approx(0.819, abs=1e-3)
+    assert bad["kl_p99"] == pytest.approx(bad["kl_mean"], rel=1e-5)  # the same at every position
+    assert good["top1_agreement"] == bad["top1_agreement"] == 1.0
+    # the random prompt tokens are rarely the favourite: the flat server "predicts" them better,
+    # a perplexity ratio under 1 -- why it is reported, not a default gate
+    assert bad["ppl_ratio"] < good["ppl_ratio"] < 1.0
+    p = ServeCheckKind.Params()
+    assert gen_gate_failures({"distribution": good}, p) == []
+    assert gen_gate_failures({"distribution": bad}, p) == [
+        f"held-out kl_mean {bad['kl_mean']:.4f} > 0.05 (max_kl; served top-20 vs fp32, 122 positions)",
+        f"held-out kl_p99 {bad['kl_p99']:.4f} > 0.5 (max_kl_p99; served top-20 vs fp32, 122 positions)",
+    ]
+    # not measured (kl_passages = 0) but gated: the gate fails, saying why
+    assert gen_gate_failures({}, p)[0] == "kl_mean not measured (gate max_kl = 0.05; kl_passages = 0)"
+
+
+def test_a_served_position_without_its_prompt_token_or_finite_logprobs_is_the_worst_case():
+    rows = rule_logprobs(6.0)
+    ids = [3, 94, 5]
+    served = [[{100: -0.5, 7: -1.0}, {(94 * 31 + 7) % 1000: float("nan")}]]
+    d = held_out_distribution([ids], served, rows, 2)
+    assert d["positions"] == 2 and d["kl_mean"] == 50.0 and d["top1_agreement"] == 0.0
+
+
+def test_serve_check_kl_gates_are_validates():
+    gm = pytest.importorskip("mopt_ml.genmetrics")
+    assert DEFAULT_KL_GATES == gm.DEFAULT_GATES
+    p = ServeCheckKind.Params()
+    assert {k: getattr(p, k) for k in DEFAULT_KL_GATES} == DEFAULT_KL_GATES
 
 
 def test_a_server_without_the_tokenizers_chat_template_is_caught(fake_server):
@@ -244,8 +325,9 @@ def test_load_test_worker_generation_spec(tmp_path, fake_server):
 def test_serve_check_generation_end_to_end_on_cpu(tmp_path, monkeypatch):
     """ServeCheckKind.run for a text-generation model with the fake server as "vllm serve" and
     the stand-in benchmark module: serve.json, the bench files, the knee, the prefix probe, the
-    greedy check against a real fp32 reference (which the fake server's rule does not follow:
-    the top-1 gate fails and, with on_fail = "record", is written down)."""
+    held-out distributions and the greedy check against a real fp32 reference (which the fake
+    server's rule does not follow: the KL gates and the top-1 gate the recipe sets fail and,
+    with on_fail = "record", are written down)."""
     pytest.importorskip("torch")
     import logging
 
@@ -275,7 +357,7 @@ def test_serve_check_generation_end_to_end_on_cpu(tmp_path, monkeypatch):
     out.mkdir()
     tmp.mkdir()
     params = ServeCheckKind.Params(concurrency=[1, 8, 32], on_fail="record", gen_prompts=2, gen_tokens=8,
-                                   prefix_requests=16, startup_timeout_s=30)  # fmt: skip
+                                   prefix_requests=16, startup_timeout_s=30, min_top1=0.9, kl_passages=2)  # fmt: skip
     ctx = BuildContext(
         out=out, tmp=tmp, params=params,
         inputs={"serve": [Artifact(serve, "vllm", "vllm", "0" * 64, {"served_model_name": "fake-gen"})],
@@ -296,6 +378,10 @@ def test_serve_check_generation_end_to_end_on_cpu(tmp_path, monkeypatch):
     assert doc["chat_stream"]["done"] and doc["completions_stream"]["chunks"] == 8
     assert doc["verify"]["tokens"] == 16 and doc["verify"]["top1"] < 0.9
     assert not doc["passed"] and any("min_top1" in f for f in doc["failures"]) and not meta["passed"]
+    d = doc["distribution"]  # DEFAULT_TEXTS, 4 a passage: 2 passages
+    assert d["passages"] == 2 and d["positions"] > 10 and d["kl_mean"] > 0.05 and meta["kl_mean"] == d["kl_mean"]
+    assert [f.split()[1] for f in doc["failures"] if f.startswith("held-out")] == ["kl_mean", "kl_p99"]
+    assert doc["gates"] == {"max_kl": 0.05, "max_kl_p99": 0.5, "max_ppl_ratio": None, "min_top1": 0.9}
     assert '<g id="series-0">' in (out / "loadtest.svg").read_text()
 
 

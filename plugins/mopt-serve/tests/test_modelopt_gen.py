@@ -100,6 +100,7 @@ def test_light_quantization_keeps_the_generation_gates(tmp_path, stub_modelopt):
     assert meta["task"] == "text-generation" and meta["top1"] >= 0.9 and meta["ppl_ratio"] < 1.02
     rep = json.loads((ctx.out / "ptq_report.json").read_text())
     assert rep["validate_texts"] == 64 and rep["calib_texts"] == 32 and rep["validate_tokens"] > 500
+    assert 0 <= rep["mean_kl"] <= rep["kl_p99"] < 0.5 and meta["kl_p99"] == rep["kl_p99"]  # the default p99 gate
     assert (ctx.out / "generation_config.json").is_file() and (ctx.out / "tokenizer.json").is_file()
 
 
@@ -115,3 +116,16 @@ def test_heavy_quantization_fails_the_generation_gates(tmp_path, stub_modelopt):
         ModelOptPtqKind().run(ctx)
     rep = json.loads((ctx.out / "ptq_report.json").read_text())
     assert rep["mean_kl"] > 0.01 and rep["top1"] < 0.9  # the numbers are kept for the report
+
+
+def test_generation_gates_default_to_kl_and_read_the_p99():
+    """The held-out gates of a causal LM's PTQ: mean KL and its p99 by default (validate's
+    values), top-1 and perplexity only where the recipe sets them."""
+    p = ModelOptPtqKind.Params(calib_texts=CALIB)
+    assert (p.max_kl, p.max_kl_p99, p.min_top1, p.max_ppl_ratio) == (0.05, 0.5, None, None)
+    calm = {"top1": 0.6, "mean_kl": 0.0002, "kl_p99": 0.001, "ppl_ratio": 1.2}  # FP8 on a flat model
+    assert modelopt_ptq.gen_gate_failures(calm, p) == []
+    tail = dict(calm, kl_p99=0.8)
+    assert modelopt_ptq.gen_gate_failures(tail, p) == ["KL p99 0.80000 > max_kl_p99 0.5"]
+    strict = ModelOptPtqKind.Params(calib_texts=CALIB, min_top1=0.9)
+    assert modelopt_ptq.gen_gate_failures(calm, strict) == ["top-1 next-token agreement 0.6000 < min_top1 0.9"]
