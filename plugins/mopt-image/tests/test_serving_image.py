@@ -9,12 +9,15 @@ starts one), the Debian mirror and PyPI."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import docker
@@ -32,7 +35,7 @@ RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "cpu-serve.toml"
 EXTRA = """
 [tiny-bert.cpu]
 hardware = "cpu"
-targets = ["weights", "onnx", "int8", "base", "image", "check", "image-docker", "check-docker"]
+targets = ["weights", "onnx", "int8", "base", "image", "check", "deploy", "image-docker", "check-docker"]
 
 [tiny-bert.cpu.image-docker]
 kind = "image"
@@ -63,7 +66,8 @@ def build_served(project: Path) -> tuple[Path, float]:
     r = mopt(project, "build", "serve.toml", "tiny-bert.*", "-j", "2")
     wall = time.monotonic() - t0
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    print(f"\ncold build of tiny-bert.* (base image, two images, two container checks): {wall:.0f} s")
+    print(f"\nbuild of tiny-bert.* (base image, two images, two container checks; cold unless "
+          f"mopt-deploy's test built the shared ones first): {wall:.0f} s")
     print(r.stdout[-3000:] + r.stderr[-3000:])
     return project, wall
 
@@ -144,8 +148,28 @@ def check_without_a_daemon_the_check_says_so_and_the_image_stays_built(served) -
     assert (project / "build" / "tiny-bert" / "cpu" / "image" / "image.oci.tar").is_file()
 
 
-def test_cpu_serving_image_end_to_end(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def shared_serving_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The store this test shares with mopt-deploy's tests/test_prometheus.py (the same
+    tiny-bert section: its base, image and check are built once a test run), and a lock that
+    runs the two one at a time (both load the same image into the daemon, and this test
+    checks none is left there). The same code is in test_prometheus.py."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if base.name.startswith("popen-gw") else base  # xdist: the run's, not the worker's
+    (root / "cpu-serving").mkdir(exist_ok=True)
+    with open(root / "cpu-serving" / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield root / "cpu-serving" / "store"
+
+
+def test_cpu_serving_image_end_to_end(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """One test, so pytest-xdist never builds the (minutes-long) project twice on two workers."""
+    with shared_serving_store(tmp_path_factory) as store:
+        (tmp_path / "mopt.toml").write_text(f'[store]\npath = "{store}"\n')
+        _end_to_end(tmp_path)
+
+
+def _end_to_end(tmp_path: Path) -> None:
     served = build_served(tmp_path)
     check_the_base_image_is_debian_packages_pinned_by_digest(served)
     check_the_image_serves_and_passes_the_acceptance_check(served, "image", "check", "buildah")
