@@ -450,7 +450,7 @@ class Engine:
         """Warn, once per kind, when the code of `node`'s kind is not the code that made the
         entry `meta` is of while its version is (the same key: its output is reused)."""
         made_by = meta.get("code")
-        if made_by and node.kind not in self.stale and made_by != code_digest(self.registry.targets[node.kind]):
+        if made_by and node.kind not in self.stale and made_by != code_digest(self.registry.targets[node.kind].__module__):
             self.stale[node.kind] = w = (
                 f"kind {node.kind!r} (plugin {node.plugin!r}) changed since it built {node.id}, but its version "
                 f"{node.kind_version!r} did not: that output is reused (bump the kind's version if its outputs "

@@ -144,7 +144,7 @@ def store_built(
                     "result": res.meta,
                     "parts": parts,
                     "reproducible": bool(kind.reproducible and res.meta.get("reproducible", True)),
-                    "code": code_digest(type(kind)),
+                    "code": code_digest(type(kind).__module__),
                     **meta,
                 },
             ),
@@ -152,11 +152,11 @@ def store_built(
 
 
 @functools.cache
-def code_digest(kind_class: type) -> str:
+def code_digest(module: str) -> str:
     """BLAKE3 of the module defining a target kind ("" if it has no file): an action entry
     records it, so that code changed under the same `version` is noticed (`Engine.code_changed`)."""
     try:
-        return hash_bytes(Path(sys.modules[kind_class.__module__].__file__ or "").read_bytes())
+        return hash_bytes(Path(sys.modules[module].__file__ or "").read_bytes())
     except (AttributeError, KeyError, OSError):
         return ""
 

@@ -389,7 +389,6 @@ def test_a_causal_lm_family_as_the_docs_write_one(tmp_path: Path) -> None:
     shares with its CPU counted once for both; and built to weights and the KV-cache ONNX."""
     pytest.importorskip("transformers")
     import torch
-    from acme_distil.plugin import Gpt2Family
     from transformers import AutoModelForCausalLM, GPT2Config, PreTrainedTokenizerFast
 
     (tmp_path / "mopt.toml").write_text('[store]\npath = ".mopt"\n')
