@@ -32,10 +32,10 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field
 
 from mopt.api import BuildContext, CheckContext, Finding, Input, Params, TargetKind
-from mopt_serve.serve_check import (
+from mopt_serve.serve_check import check_server
+from mopt_serve.server import (
     DEFAULT_TEXTS,
     Outcome,
-    check_server,
     cosines,
     embed,
     loadtest_svg,

@@ -41,7 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mopt_serve.serve_check import http_json
+from mopt.api import plugin_env as _env
+from mopt_serve.server import http_json
 
 #: the default distribution gates: mopt_ml.genmetrics.DEFAULT_GATES (mean KL and its p99, nats;
 #: their sources in docs/recipes.md); a test keeps the two equal
@@ -501,7 +502,7 @@ def run_generation(ctx: Any, kind: Any) -> dict[str, Any]:
     then verify the served tokens against the fp32 reference."""
     import os
 
-    from mopt_serve import serve_check as sc
+    from mopt_serve import server as sc
 
     p = ctx.params
     serve, model, ref_art = ctx.input("serve"), ctx.input("model"), ctx.input("reference")
@@ -604,7 +605,7 @@ def run_generation(ctx: Any, kind: Any) -> dict[str, Any]:
     failures += gen_gate_failures(doc, p)
     doc["command"] = argv
     doc["vllm_log"] = sc.parse_vllm_log(log_path.read_text(errors="replace"))
-    doc["vllm"] = sc._env.dist_version("vllm")
+    doc["vllm"] = _env.dist_version("vllm")
     doc["config"] = {k: v for k, v in serve.meta.items() if k != "files"}
     doc["serve_target"] = serve.label or serve.target
     doc["task"] = "text-generation"
@@ -618,7 +619,7 @@ def run_gen_load_test(
     import subprocess
     import sys
 
-    from mopt_serve.serve_check import LOADTEST_WORKER
+    from mopt_serve.server import LOADTEST_WORKER
 
     spec = {**spec, "base_url": base, "model": model, "tokenizer": str(tokenizer), "out": str(out_jsonl)}
     spec_path = out_jsonl.with_suffix(".spec.json")
@@ -642,7 +643,7 @@ def run_gen_load_test(
 
 
 def finish_generation(ctx: Any, out: Any) -> dict[str, Any]:
-    from mopt_serve.serve_check import write_outcome
+    from mopt_serve.server import write_outcome
 
     p, doc = ctx.params, out.doc
     kn = write_outcome(ctx, out, p.ttft_slo_ms, "p99 TTFT vs output tokens/s", summary_lines)

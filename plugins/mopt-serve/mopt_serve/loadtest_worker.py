@@ -41,7 +41,7 @@ if str(HERE.parent) not in sys.path:
 
 from mopt_serve.gen_check import gen_step_from_bench  # noqa: E402
 from mopt_serve.loadgen import closed_loop, text_maker  # noqa: E402
-from mopt_serve.serve_check import parse_metrics, step_from_latencies, step_from_vllm_bench  # noqa: E402
+from mopt_serve.server import parse_metrics, step_from_latencies, step_from_vllm_bench  # noqa: E402
 
 
 def vllm_bench_step(spec: dict[str, Any], concurrency: int, n: int) -> dict[str, Any]:

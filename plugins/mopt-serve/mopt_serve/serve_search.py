@@ -52,7 +52,7 @@ from mopt_serve import search as S
 from mopt_serve.loadgen import closed_loop, text_maker
 from mopt_serve.plots import latency_throughput_svg
 from mopt_serve.prestart import Prestarted, vllm_launcher
-from mopt_serve.serve_check import (
+from mopt_serve.server import (
     DEFAULT_TEXTS,
     INSTALL_VLLM,
     _die_with_parent,

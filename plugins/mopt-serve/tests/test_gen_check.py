@@ -27,7 +27,8 @@ from mopt_serve.gen_check import (
     teacher_forced,
     token_id,
 )
-from mopt_serve.serve_check import LOADTEST_WORKER, ServeCheckKind, free_port, local_vllm
+from mopt_serve.serve_check import ServeCheckKind
+from mopt_serve.server import LOADTEST_WORKER, free_port, local_vllm
 
 ROOT = Path(__file__).resolve().parents[3]
 DATA = ROOT / "tests/data/h200-gen-2026-12-01"

@@ -18,13 +18,12 @@ from pathlib import Path
 import pytest
 import yaml
 from mopt_ml.select import SelectKind, render_serving_table, select_serving, serving_svg
-from mopt_serve.serve_check import (
+from mopt_serve.serve_check import ServeCheckKind, check_server
+from mopt_serve.server import (
     DEFAULT_TEXTS,
     LOADTEST_WORKER,
     LocalServer,
-    ServeCheckKind,
     Step,
-    check_server,
     free_port,
     knee,
     loadtest_svg,
@@ -269,7 +268,7 @@ def test_a_server_that_dies_early_fails_with_its_log_tail(tmp_path):
 def test_the_server_dies_with_the_process_that_started_it(tmp_path):
     """An interrupted build must not leave a server holding the GPU (seen on the H200)."""
     code = (
-        "import sys, time; from pathlib import Path; from mopt_serve.serve_check import LocalServer\n"
+        "import sys, time; from pathlib import Path; from mopt_serve.server import LocalServer\n"
         "s = LocalServer([sys.executable, '-c', 'import time; time.sleep(60)'], 'http://x', Path(sys.argv[1]))\n"
         "s.start(); print(s.pid, flush=True); time.sleep(0.5)\n"
     )

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 from mopt_serve.modelopt_ptq import ModelOptPtqKind
-from mopt_serve.serve_check import ServeCheckKind, cosines
+from mopt_serve.serve_check import ServeCheckKind
+from mopt_serve.server import cosines
 from mopt_serve.triton import TritonRepoKind, config_pbtxt, onnx_io
 from mopt_serve.trtllm import TrtllmKind, legacy_commands, llm_api_options, serve_argv
 from mopt_serve.vllm import VllmKind, flags, vllm_config

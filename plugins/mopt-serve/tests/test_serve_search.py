@@ -21,7 +21,6 @@ from typing import Any
 import pytest
 from mopt_serve import search as S
 from mopt_serve.loadgen import closed_loop, text_maker
-from mopt_serve.serve_check import free_port, wait_healthy
 from mopt_serve.serve_search import (
     Config,
     ServeSearchKind,
@@ -34,6 +33,7 @@ from mopt_serve.serve_search import (
     summary,
     vs_baseline,
 )
+from mopt_serve.server import free_port, wait_healthy
 
 FAKE = Path(__file__).with_name("fake_openai_server.py")
 
@@ -563,7 +563,7 @@ def test_a_prestarted_server_imports_waits_pauses_and_serves_on_go(tmp_path):
     import os
 
     from mopt_serve.prestart import READY, Prestarted, vllm_launcher
-    from mopt_serve.serve_check import local_vllm
+    from mopt_serve.server import local_vllm
 
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(FAKE.parent)}
