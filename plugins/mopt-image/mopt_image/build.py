@@ -12,7 +12,7 @@ from mopt_image import oci
 from mopt_image.baseref import LOCAL_BASE_NAME, BaseRef, parse_base, qualify
 from mopt_image.builders import BuilderError, BuildRequest, rmtree, select
 from mopt_image.context import assemble
-from mopt_image.kind import ARCHIVE, LABEL_PREFIX
+from mopt_image.oci import ARCHIVE, LABEL_PREFIX, host_arch
 from mopt_image.templates import (
     EMBED_SERVER,
     Inputs,
@@ -84,7 +84,6 @@ def install_packages(ctx: BuildContext, packages: list[str], python: str, dest: 
     import subprocess
     import sys
 
-    from mopt_image.kind import host_arch
 
     arch = {"amd64": "x86_64", "arm64": "aarch64"}.get(host_arch(), host_arch())
     nodot = python.replace(".", "")

@@ -23,7 +23,7 @@ from typing import Any
 import click
 
 from mopt.api import BuildFailed, Core, MoptError
-from mopt_image.kind import ARCHIVE
+from mopt_image.oci import ARCHIVE
 
 
 def built_image(core: Core, recipe: Path, target: str) -> tuple[str, Path, dict[str, Any]]:

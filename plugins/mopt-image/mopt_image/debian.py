@@ -158,7 +158,7 @@ class BaseImageKind(TargetKind):
         return {"mmdebstrap": mmdebstrap_version() or "absent"}
 
     def platform(self, hardware: Any) -> dict[str, Any]:
-        from mopt_image.kind import host_arch
+        from mopt_image.oci import host_arch
 
         return {"arch": host_arch()}
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.metadata as md
-import platform
 import re
 import shutil
 from pathlib import Path
@@ -14,24 +13,14 @@ from pydantic import Field, field_validator, model_validator
 import mopt
 from mopt.api import BuildContext, CheckContext, Finding, HardwareProfile, Input, Params, TargetKind
 from mopt_image.baseref import BaseRefError, parse_base, qualify
+from mopt_image.oci import LABEL_PREFIX, host_arch
 
 PLUGIN_VERSION = "0.1.0"
-LABEL_PREFIX = "dev.mopt."
-ARCHIVE = "image.oci.tar"
 _DURATION = re.compile(r"[0-9]+(ms|s|m|h)")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _REPO = re.compile(r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*")
 _TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 _PINNED_REQ = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(\[[A-Za-z0-9,._-]+\])?==[A-Za-z0-9.+!_-]+")
-_GOARCH = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64", "ppc64le": "ppc64le",
-           "s390x": "s390x"}
-
-
-def host_arch() -> str:
-    m = platform.machine().lower()
-    return _GOARCH.get(m, m)
-
-
 def _slug(s: str) -> str:
     return re.sub(r"[^a-z0-9._-]+", "-", s.lower()).strip("-._") or "x"
 

@@ -13,6 +13,7 @@ import hashlib
 import io
 import json
 import os
+import platform
 import re
 import shutil
 import tarfile
@@ -21,6 +22,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
+
+ARCHIVE = "image.oci.tar"  # the image kind's output
+LABEL_PREFIX = "dev.mopt."  # mopt's provenance labels
+_GOARCH = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64", "ppc64le": "ppc64le",
+           "s390x": "s390x"}
+
+
+def host_arch() -> str:
+    """This machine's architecture as OCI names it (amd64, arm64, ...)."""
+    m = platform.machine().lower()
+    return _GOARCH.get(m, m)
 
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
@@ -492,7 +504,6 @@ def write_single_layer_archive(
     """An OCI archive of a one-layer image whose layer is the tar file `layer_tar` (gzipped
     deterministically), with `config` (Env, Cmd, Labels, ...) as its run config. Same tar and
     config in, same bytes out: the image digest is a function of the file system alone."""
-    from mopt_image.kind import host_arch
 
     layout = dest.with_name(dest.name + ".layout")
     if layout.exists():

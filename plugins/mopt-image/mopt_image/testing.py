@@ -85,7 +85,7 @@ def make_busybox_base(
     """Write an OCI archive at `dest` of a FROM-scratch image with a static busybox (and the
     `extra` files: path in the image → (bytes, mode)); return it with its manifest digest.
     Raises FileNotFoundError when no static busybox is installed."""
-    from mopt_image.kind import host_arch
+    from mopt_image.oci import host_arch
 
     bb = busybox or find_static_busybox()
     if bb is None:
