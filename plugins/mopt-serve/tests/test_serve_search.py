@@ -234,7 +234,11 @@ def fake_server(tmp: Path, knee_c: int) -> Iterator[Any]:
 
 # the fake servers answer in 40 ms up to their knee and in 600 ms above it: an SLO of 250 ms
 # leaves 210 ms for a busy machine's scheduling (100 ms was broken at the knee on CI's 2 cores
-# by a docker build beside the test, 2026-12-05)
+# by a docker build beside the test, 2026-12-05). Configs are measured one after another, so
+# a busy machine moves one config's p99 against another's: two servers with the same latency
+# below their knees screened 55.1 ms [55.1, 56.7] against 48.6 ms [46.5, 49.0] (2 CPU-bound
+# processes beside the test). A 30 % band keeps such equals in; the knees (6 vs 12) and the
+# slow config (600 ms vs 40 ms at the screening load) are far beyond it.
 SLO_MS = 250.0
 
 
@@ -242,7 +246,7 @@ def params(**kw: Any) -> Any:
     base = {
         "screen_concurrency": 4, "min_requests": 100, "min_step_s": 0.3, "max_step_s": 1.5,
         "max_requests": 2000, "warmup_requests": 4, "resolution": 0.1, "max_concurrency": 64,
-        "slo_p99_ms": SLO_MS,
+        "slo_p99_ms": SLO_MS, "tie_tolerance": 0.3,
     }  # fmt: skip
     return ServeSearchKind.Params(**{**base, **kw})
 
@@ -411,7 +415,7 @@ def test_the_kind_runs_the_search_and_writes_its_files(tmp_path, monkeypatch):
     ctx.out.mkdir()
     res = SS.ServeSearchKind().run(ctx)
     assert prestarted == [None]  # the second config's launcher was waiting (alive) when its turn came
-    assert res["winner"] == "vllm-tuned@s=32" and res["baseline"] == "vllm" and not res["tie"]
+    assert res["winner"] == "vllm-tuned@s=32" and res["baseline"] == "vllm" and not res["tie"], res["verdicts"]
     assert res["ratio_vs_baseline"] > 1.5 and res["ratio_vs_baseline_ci"][0] > 1.05
     assert res["verdicts"]["vllm-fp8"]["status"] == "unbuilt" and (res["eligible"], res["variants"]) == (2, 3)
     model_dir = ctx.cache_dir / "models" / ("b3" * 12)
