@@ -18,6 +18,15 @@ from mopt.cli import CONTEXT, PluginCore, Session, _print_json, err, json_opt, o
 from mopt.errors import BuildFailed, MoptError, human
 from mopt.gcpause import paused_gc
 
+
+def _target(ctx: click.Context, _param: Any, value: str | None) -> str:
+    """TARGET, else the first argument when it was no recipe (`mopt show TARGET` beside one recipe)."""
+    if got := value or next(iter(ctx.meta.pop("sel", ())), None):
+        return got
+    raise MoptError("no TARGET given", hint="name one: model.hardware:target, as `mopt plan` lists them")
+
+
+target_arg = click.argument("target", required=False, callback=_target)
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _DUR = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
@@ -215,7 +224,7 @@ def register(app: click.Group) -> None:
 
     @app.command(context_settings=CONTEXT)
     @recipe_arg
-    @click.argument("target")
+    @target_arg
     @json_opt
     def explain(recipe: Path, target: str, as_json: bool) -> None:
         """Print the parts of TARGET's action key (what its cache entry depends on)."""
@@ -237,7 +246,7 @@ def register(app: click.Group) -> None:
 
     @app.command(context_settings=CONTEXT)
     @recipe_arg
-    @click.argument("target")
+    @target_arg
     @json_opt
     def show(recipe: Path, target: str, as_json: bool) -> None:
         """Print a built TARGET's manifest (files, sizes, digests) and provenance."""

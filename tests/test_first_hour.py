@@ -111,6 +111,11 @@ def test_the_one_recipe_in_the_folder_is_used_when_recipe_is_left_out(tmp_path: 
     assert "0 errors" in run_mopt("check", cwd=tmp_path).stdout
     build = run_mopt("build", cwd=tmp_path)
     assert build.returncode == 0 and (tmp_path / "build/m/cpu/b/b").read_text() == "a\n"
+    # ids mopt prints, typed back without the recipe: explain and show take TARGET alone
+    assert "m.cpu:b" in run_mopt("explain", "m.cpu:b", cwd=tmp_path).stdout
+    assert json.loads(run_mopt("show", "m.cpu:b", "--json", cwd=tmp_path).stdout)
+    none = run_mopt("show", cwd=tmp_path)
+    assert none.returncode == 2 and none.stderr.startswith("error: no TARGET given")
     write_files(tmp_path, {"s.toml": CMD})
     for cmd in ("build", "plan", "check"):
         proc = run_mopt(cmd, cwd=tmp_path)
