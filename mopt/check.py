@@ -15,8 +15,10 @@ Memory is sized by a kind's runtime `kv_pool()` (the core knows no runtime), els
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
+import traceback
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -348,7 +350,9 @@ class _Checker:
         )
         try:
             extra = kind.check(node.target.params, ctx)
-        except Exception as exc:
+        except Exception as exc:  # a plugin's bug: its traceback with MOPT_TRACEBACK=1
+            if os.environ.get("MOPT_TRACEBACK"):
+                traceback.print_exc()
             plugin = self.registry.plugin_of("targets", node.kind).name
             self.add(
                 "warning",

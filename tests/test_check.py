@@ -290,6 +290,18 @@ def test_cli_check_json(cli: Any) -> None:
     assert set(data["findings"][0]) == {"severity", "code", "section", "target", "key", "message", "fix"}
 
 
+def test_a_kind_crashing_in_check_shows_its_traceback_on_request(
+    cli: Any, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    r = cli("check", str(RECIPES / "bad_kind_checks.toml"))
+    assert "kind-check-failed" in r.output and "Traceback" not in r.output + capfd.readouterr().err
+    monkeypatch.setenv("MOPT_TRACEBACK", "1")
+    r = cli("check", str(RECIPES / "bad_kind_checks.toml"))
+    err = capfd.readouterr().err
+    assert "kind-check-failed" in r.output and "Traceback (most recent call last)" in err + r.output
+    assert "in check" in err + r.output  # the plugin's own frame
+
+
 def test_cli_check_strict_fails_on_warnings(cli: Any) -> None:
     assert cli("check", str(RECIPES / "bad_kv_short.toml")).exit_code == 0
     assert cli("check", str(RECIPES / "bad_kv_short.toml"), "--strict").exit_code == 2
