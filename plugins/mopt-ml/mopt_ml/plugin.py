@@ -14,6 +14,7 @@ from mopt.api import hookimpl
 from mopt_ml.bench import BenchBaselineKind, BenchKind
 from mopt_ml.export import OnnxKind, OnnxSlimKind
 from mopt_ml.families import BertFamily, Qwen3Family
+from mopt_ml.pretrain import PretrainKind
 from mopt_ml.quantize import OrtQuantizeKind
 from mopt_ml.select import SelectKind
 from mopt_ml.synthetic import SyntheticSource
@@ -22,6 +23,7 @@ from mopt_ml.weights import WeightsKind
 
 TARGETS = (
     WeightsKind, OnnxKind, OnnxSlimKind, OrtQuantizeKind, ValidateKind, BenchKind, BenchBaselineKind, SelectKind,
+    PretrainKind,
 )  # fmt: skip
 FAMILIES = (Qwen3Family, BertFamily)
 SOURCES = (SyntheticSource,)
@@ -43,6 +45,6 @@ def mopt_register_sources(register: Callable[[Any], None]) -> None:
 
 @hookimpl
 def mopt_register_targets(register: Callable[[Any], None]) -> None:
-    """weights, onnx, onnx-slim, ort-quantize, validate, bench, bench-baseline, select."""
+    """weights, onnx, onnx-slim, ort-quantize, validate, bench, bench-baseline, select, pretrain."""
     for kind in TARGETS:
         register(kind)
