@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 from mopt import plugin_env
 from mopt.digest import MODE_EXEC, MODE_FILE, TreeEntry, hash_tree, iter_files, mode_of
 from mopt.errors import BuildFailed, MoptError, PluginError, human
-from mopt.estimate import ConfigError, ModelDims
+from mopt.estimate import ConfigError, ModelDims, activation_bytes
 from mopt.family import (
     DTYPES,
     EMBEDDING,
@@ -84,6 +84,7 @@ __all__ = [
     "TargetKind",
     "TransformersFamily",
     "TreeEntry",
+    "activation_bytes",
     "generation_export_spec",
     "generation_graph_names",
     "hash_tree",

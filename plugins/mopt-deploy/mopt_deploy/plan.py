@@ -8,6 +8,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from mopt.api import activation_bytes
 from mopt_deploy.served import Served
 
 MIB = 1 << 20
@@ -143,11 +144,8 @@ def memory(served: Served, dims: Any, *, tokens: int, runtime_mib: float, limit_
     prec = served.precision
     act_dtype = "fp32" if served.runtime == "embed" else "bf16"
     weights = pc.linear * BYTES[prec] + (pc.total - pc.linear) * BYTES[act_dtype]
-    acts = 0.0
-    if served.runtime == "embed":  # activations of one pass over `tokens` tokens (mopt check's formula)
-        attn = 4 * dims.q_dim + 2 * dims.kv_dim
-        mlp = (3.5 if dims.gated_mlp else 2.5) * dims.intermediate
-        acts = BYTES[act_dtype] * tokens * (3 * dims.hidden + 2 * dims.head_dim + max(attn, mlp))
+    # the activations of one pass over `tokens` tokens, as mopt check counts them
+    acts = activation_bytes(dims, tokens, act_dtype) if served.runtime == "embed" else 0.0
     req = weights + acts + runtime
     how = (f"weights {pc.total / 1e6:,.2f}M params ({pc.linear / 1e6:,.2f}M linear × {BYTES[prec]:g} B {prec}, rest × "
            f"{BYTES[act_dtype]:g} B) = {weights / MIB:,.1f} MiB"
