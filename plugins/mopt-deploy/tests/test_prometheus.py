@@ -14,7 +14,6 @@ prometheus (prometheus + promtool; .ci/run installs it), the Debian mirror and P
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import math
 import os
@@ -35,6 +34,7 @@ from typing import Any
 import pytest
 import yaml
 from deploy_helpers import EMBED_BUCKETS, ROOT, ceil
+from mopt_image.testing import shared_serving_store
 
 from mopt.tomlfile import tomllib
 
@@ -340,19 +340,6 @@ def missing() -> list[str]:
         out.append(f"no docker daemon: {why} (.ci/run starts one and sets DOCKER_HOST)")
     return out
 
-
-@contextlib.contextmanager
-def shared_serving_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """The store this test shares with mopt-image's tests/test_serving_image.py (the same
-    tiny-bert section: its base, image and check are built once a test run), and a lock that
-    runs the two one at a time (both load the same image into the daemon, and that test checks
-    none is left there). The same code is in test_serving_image.py."""
-    base = tmp_path_factory.getbasetemp()
-    root = base.parent if base.name.startswith("popen-gw") else base  # xdist: the run's, not the worker's
-    (root / "cpu-serving").mkdir(exist_ok=True)
-    with open(root / "cpu-serving" / "lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield root / "cpu-serving" / "store"
 
 
 def test_the_bundle_with_a_real_prometheus(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:

@@ -9,14 +9,18 @@ machine with the same busybox binary.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import io
 import json
 import os
 import shutil
 import struct
 import tarfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from mopt_image import oci
 
@@ -146,3 +150,18 @@ def make_busybox_base(
     oci.write_archive(layout, dest, repo_tag="localhost/busybox:static")
     shutil.rmtree(layout)
     return BaseImage(dest, digest, manifest["config"]["digest"])
+
+
+@contextlib.contextmanager
+def shared_serving_store(tmp_path_factory: Any) -> Iterator[Path]:
+    """The store mopt-image's test_serving_image.py and mopt-deploy's test_prometheus.py share
+    (the same tiny-bert section of recipes/cpu-serve.toml: its base, image and check are built
+    once a test run), and a lock that runs the two one at a time (both load the same image
+    into the daemon, and the image test checks none is left there). `tmp_path_factory`:
+    pytest's; under xdist the run's base folder, not the worker's."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if base.name.startswith("popen-gw") else base
+    (root / "cpu-serving").mkdir(exist_ok=True)
+    with open(root / "cpu-serving" / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield root / "cpu-serving" / "store"

@@ -9,20 +9,18 @@ starts one), the Debian mirror and PyPI."""
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import os
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import docker
 import pytest
 from image_helpers import needs_buildah, needs_docker
+from mopt_image.testing import shared_serving_store
 
 pytestmark = [
     needs_buildah,
@@ -147,19 +145,6 @@ def check_without_a_daemon_the_check_says_so_and_the_image_stays_built(served) -
     assert "cached tiny-bert.cpu:image" in out  # the image itself is not rebuilt
     assert (project / "build" / "tiny-bert" / "cpu" / "image" / "image.oci.tar").is_file()
 
-
-@contextlib.contextmanager
-def shared_serving_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """The store this test shares with mopt-deploy's tests/test_prometheus.py (the same
-    tiny-bert section: its base, image and check are built once a test run), and a lock that
-    runs the two one at a time (both load the same image into the daemon, and this test
-    checks none is left there). The same code is in test_prometheus.py."""
-    base = tmp_path_factory.getbasetemp()
-    root = base.parent if base.name.startswith("popen-gw") else base  # xdist: the run's, not the worker's
-    (root / "cpu-serving").mkdir(exist_ok=True)
-    with open(root / "cpu-serving" / "lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield root / "cpu-serving" / "store"
 
 
 def test_cpu_serving_image_end_to_end(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
