@@ -16,6 +16,7 @@ from mopt_ml.export import OnnxKind, OnnxSlimKind
 from mopt_ml.families import BertFamily, Qwen3Family
 from mopt_ml.pretrain import PretrainKind
 from mopt_ml.quantize import OrtQuantizeKind
+from mopt_ml.rtn import RtnKind
 from mopt_ml.select import SelectKind
 from mopt_ml.synthetic import SyntheticSource
 from mopt_ml.validate import ValidateKind
@@ -23,7 +24,7 @@ from mopt_ml.weights import WeightsKind
 
 TARGETS = (
     WeightsKind, OnnxKind, OnnxSlimKind, OrtQuantizeKind, ValidateKind, BenchKind, BenchBaselineKind, SelectKind,
-    PretrainKind,
+    PretrainKind, RtnKind,
 )  # fmt: skip
 FAMILIES = (Qwen3Family, BertFamily)
 SOURCES = (SyntheticSource,)
@@ -45,6 +46,6 @@ def mopt_register_sources(register: Callable[[Any], None]) -> None:
 
 @hookimpl
 def mopt_register_targets(register: Callable[[Any], None]) -> None:
-    """weights, onnx, onnx-slim, ort-quantize, validate, bench, bench-baseline, select, pretrain."""
+    """weights, onnx, onnx-slim, ort-quantize, validate, bench, bench-baseline, select, pretrain, rtn."""
     for kind in TARGETS:
         register(kind)

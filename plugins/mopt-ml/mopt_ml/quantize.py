@@ -577,9 +577,8 @@ def quantize_generation(
 
 def fake_quantize_matmuls(model: Any, bits: int, scale: str, block: int) -> dict[str, Any]:
     """Round, in place, every fp32 2-D initializer that is only ever a MatMul's weight (B,
-    [in, out]) to symmetric `bits`-bit integers times a scale (amax / (2^(bits-1) - 1)) per
-    tensor, per output column, or per `block` rows of a column; stored back in fp32. The
-    weights rounded and their mean relative error (RMS of the error over RMS of the weight)."""
+    [in, out]) with `round_to_nearest`; stored back in fp32. The weights rounded and their
+    mean relative error (RMS of the error over RMS of the weight)."""
     import numpy as np
     from onnx import TensorProto, numpy_helper
 
@@ -587,27 +586,40 @@ def fake_quantize_matmuls(model: Any, bits: int, scale: str, block: int) -> dict
     for node in model.graph.node:
         for i, name in enumerate(node.input):
             uses.setdefault(name, set()).add((node.op_type, i))
-    q = 2 ** (bits - 1) - 1
     errors = []
     for t in model.graph.initializer:
         if len(t.dims) != 2 or t.data_type != TensorProto.FLOAT or uses.get(t.name) != {("MatMul", 1)}:
             continue
-        w = numpy_helper.to_array(t).astype(np.float64)
-        rows, cols = w.shape
-        if scale == "tensor":
-            amax = np.abs(w).max(keepdims=True)
-        elif scale == "channel":
-            amax = np.abs(w).max(axis=0, keepdims=True)
-        else:  # blocks of `block` input rows per output column (the last block may be short)
-            pad = np.pad(np.abs(w), ((0, -rows % block), (0, 0)))
-            amax = np.repeat(pad.reshape(-1, block, cols).max(axis=1), block, axis=0)[:rows]
-        s = np.where(amax > 0, amax / q, 1.0)
-        wq = np.clip(np.rint(w / s), -q, q) * s
-        errors.append(float(np.sqrt(np.mean((wq - w) ** 2)) / max(np.sqrt(np.mean(w**2)), 1e-30)))
+        w = numpy_helper.to_array(t)
+        wq, err = round_to_nearest(w, bits, scale, block)
+        errors.append(err)
         t.CopyFrom(numpy_helper.from_array(wq.astype(np.float32), t.name))
     if not errors:
         raise ValueError("rtn: the graph has no constant MatMul weight to round")
     return {"weights": len(errors), "rel_error_mean": round(float(np.mean(errors)), 5)}
+
+
+def round_to_nearest(w: Any, bits: int, scale: str, block: int) -> tuple[Any, float]:
+    """A weight of layout [in, out] rounded to symmetric `bits`-bit integers times a scale
+    (amax / (2^(bits-1) - 1)) per tensor, per output column, or per `block` rows of a column
+    (the last block may be short), in float64; and its relative error (RMS of the error over
+    RMS of the weight). ONNX MatMul weights have this layout; a torch Linear's is its transpose."""
+    import numpy as np
+
+    w = np.asarray(w, dtype=np.float64)
+    q = 2 ** (bits - 1) - 1
+    rows, cols = w.shape
+    if scale == "tensor":
+        amax = np.abs(w).max(keepdims=True)
+    elif scale == "channel":
+        amax = np.abs(w).max(axis=0, keepdims=True)
+    else:
+        pad = np.pad(np.abs(w), ((0, -rows % block), (0, 0)))
+        amax = np.repeat(pad.reshape(-1, block, cols).max(axis=1), block, axis=0)[:rows]
+    s = np.where(amax > 0, amax / q, 1.0)
+    wq = np.clip(np.rint(w / s), -q, q) * s
+    err = float(np.sqrt(np.mean((wq - w) ** 2)) / max(np.sqrt(np.mean(w**2)), 1e-30))
+    return wq, err
 
 
 def generation_check(reference: Path, candidate: Path, tokenizer: Any, n_texts: int, n_tokens: int) -> dict[str, Any]:
