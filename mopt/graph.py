@@ -219,7 +219,18 @@ def _wire(section: Section, registry: Registry) -> dict[str, dict[str, list[str]
             for inp in t.inputs:
                 kind = first[inp].kind
                 fmt = registry.targets[kind].produces
-                slot = next((s for s in cls.consumes if s.accepts(kind, fmt)), None)
+                fits = [s for s in cls.consumes if s.accepts(kind, fmt)]
+                # the first slot that takes it and still has room: `input = ["vllm-fp8", "fp8",
+                # "weights"]` fills serve, model, reference in that order
+                slot = next((s for s in fits if s.gather or s.fanout or not slots[s.name]), None)
+                if fits and slot is None:
+                    raise where.error(
+                        f"input {inp!r} ({kind}) has no slot left: kind {t.kind!r} takes one "
+                        + " and one ".join(f"{s.name!r}" for s in fits)
+                        + f" input, already {', '.join(repr(slots[s.name][0]) for s in fits)}",
+                        "input",
+                        "name each input once; drop the extra one",
+                    )
                 if slot is None:
                     accepted = "; ".join(
                         s.describe() if len(cls.consumes) == 1 else f"{s.name}: {s.describe()}"

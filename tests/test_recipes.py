@@ -56,3 +56,34 @@ def test_demo_recipe_plans(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     kinds = {n["kind"] for n in json.loads(proc.stdout)["nodes"]}
     assert {"weights", "onnx", "onnx-slim", "ort-quantize", "validate", "bench"} <= kinds
+
+
+def test_chat_h200_section_serves_a_pretrained_model_and_a_must_fail_variant(tmp_path: Path) -> None:
+    """Every served variant of qwen3-chat-0-6b.h200 comes from `pretrained`, which is also each
+    serve-check's reference; the must-fail `int4-tensor` is served and checked like the others.
+    Explicit inputs fill slots in order: the second hf-checkpoint goes to `reference`, not into
+    `model` beside the first (where it used to be dropped without a word)."""
+    _needs("mopt-ml", "mopt-serve")
+    proc = run_mopt("graph", str(ROOT / "recipes/qwen3-chat.toml"), "qwen3-chat-0-6b.h200", "--json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    nodes = {n["id"].split(":")[1]: n for n in json.loads(proc.stdout)["nodes"]}
+    sec = "qwen3-chat-0-6b.h200"
+    assert nodes["pretrained"]["inputs"] == {"model": ["qwen3-chat-0-6b.cpu:weights"]}
+    for v, model in (("", "pretrained"), ("-fp8", "fp8"), ("-int4-tensor", "int4-tensor")):
+        assert nodes[f"serve-check{v}"]["inputs"] == {
+            "serve": [f"{sec}:vllm{v}"], "model": [f"{sec}:{model}"], "reference": [f"{sec}:pretrained"]
+        }, v
+    assert nodes["int4-tensor"]["kind"] == "rtn" and nodes["fp8"]["inputs"]["model"] == [f"{sec}:pretrained"]
+    assert len(nodes["best"]["inputs"]["serve"]) == 3
+
+    # one input too many for the slots that take it: named, with the fix
+    text = (ROOT / "recipes/qwen3-chat.toml").read_text().replace(
+        'input = ["vllm-fp8", "fp8", "pretrained"]', 'input = ["vllm-fp8", "fp8", "pretrained", "weights"]'
+    )
+    (tmp_path / "data").symlink_to(ROOT / "recipes/data")
+    (tmp_path / "r.toml").write_text(text)
+    proc = run_mopt("graph", "r.toml", "qwen3-chat-0-6b.h200", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "input 'weights' (weights) has no slot left: kind 'serve-check' takes one 'model' and one " \
+           "'reference' input, already 'fp8', 'pretrained'" in proc.stderr, proc.stderr
+    assert "qwen3-chat-0-6b.h200.serve-check-fp8" in proc.stderr and "name each input once" in proc.stderr

@@ -132,7 +132,7 @@ class BenchBaselineKind(TargetKind):
     description = "the PyTorch FP32 baseline of a section's benches, timed once with the drift probe"
     reproducible = False
     exclusive = True
-    consumes = (Input("reference", formats=("hf-checkpoint",), kinds=("weights",)),)
+    consumes = (Input("reference", formats=("hf-checkpoint",), kinds=("pretrain", "weights")),)
     produces = "report"
     static_fingerprint = True
     # timed in the action's process (see `time_baseline`): torch and transformers come imported

@@ -14,17 +14,21 @@ stdlib re-keys the action. Lines holding a sentence of the shipped held-out spli
 
 Output: the same hf-checkpoint layout as the input (config, tokenizer and generation files
 copied, one model.safetensors with tied weights stored once), so onnx, ort-quantize, vllm and
-modelopt-ptq take it. CPU training is seeded and deterministic on one machine, but float
-reductions differ across CPUs and thread counts: not byte-reproducible across machines.
+modelopt-ptq take it. `device = "auto"` trains on the first CUDA GPU when torch sees one
+(Qwen3-0.6B's shape needs a GPU: one 8 x 64-token Adam step is ~1.8 TFLOP), else on the CPU.
+Training is seeded and deterministic on one machine (torch's deterministic algorithms; cuBLAS
+with a fixed workspace), but float reductions differ across CPUs, GPUs and thread counts: not
+byte-reproducible across machines.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import sysconfig
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from mopt.api import BuildContext, Input, Params, TargetKind
 from pydantic import Field
@@ -92,6 +96,10 @@ class PretrainKind(TargetKind):
             default=64, ge=2, description="tokens per sequence (random windows of the corpus)"
         )
         seed: int = Field(default=0, ge=0, description="torch seed (window sampling and dropout)")
+        device: Literal["auto", "cpu", "cuda"] = Field(
+            default="auto",
+            description="where to train: auto = the first CUDA GPU when torch sees one, else the CPU",
+        )
         corpus: str | None = Field(
             default=None,
             description="a .txt / .jsonl file (relative to the recipe) to train on; null: the Python "
@@ -166,7 +174,8 @@ def mean_entropy(model: Any, tokenizer: Any, max_tokens: int = 128, passages: in
     with torch.no_grad():
         for p in rows:
             ids = tokenizer(p, add_special_tokens=False)["input_ids"][:max_tokens]
-            lp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), -1)
+            x = torch.tensor([ids], device=model.device)
+            lp = torch.log_softmax(model(input_ids=x).logits[0].float(), -1)
             total += float(-(lp.exp() * lp).sum(-1).sum())
             n += len(ids)
     return total / max(n, 1)
@@ -196,9 +205,17 @@ def pretrain(
         f"corpus: {len(info['files'])} files, {info['bytes']:,} bytes, {len(ids):,} tokens (sha256 {info['sha256'][:12]})"
     )
 
+    device = params.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device == "cuda" and not torch.cuda.is_available():
+        raise ValueError('pretrain: device = "cuda", but torch sees no CUDA GPU here; use "auto" or "cpu"')
+    if device == "cuda":  # deterministic cuBLAS needs a fixed workspace, set before its first use
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.manual_seed(params.seed)
-    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).to(device)
     model.eval()
+    log(f"training on {torch.cuda.get_device_name(0) if device == 'cuda' else 'the CPU'}")
     entropy_before = mean_entropy(model, tokenizer)
     gen = torch.Generator().manual_seed(params.seed)
     opt = torch.optim.Adam(model.parameters(), lr=params.lr)
@@ -209,7 +226,7 @@ def pretrain(
     with _deterministic():
         for step in range(1, params.steps + 1):
             starts = torch.randint(len(ids) - n, (params.batch_size,), generator=gen)
-            x = torch.stack([data[s : s + n] for s in starts.tolist()])
+            x = torch.stack([data[s : s + n] for s in starts.tolist()]).to(device)
             loss = model(input_ids=x, labels=x).loss
             opt.zero_grad()
             loss.backward()
@@ -225,12 +242,14 @@ def pretrain(
     for f in sorted(src.iterdir()):
         if f.is_file() and f.name not in MODEL_FILES and not f.name.endswith(".safetensors"):
             shutil.copyfile(f, out / f.name)
+    model.to("cpu")  # tied parameters stay one tensor, which _save_deduped stores once
     _save_deduped(dict(model.state_dict()), out / "model.safetensors")
     tail = losses[-min(10, len(losses)) :]
     meta = {
         "corpus": info,
         "tokens": len(ids),
         "steps": params.steps,
+        "device": device,
         "first_loss": round(losses[0], 4),
         "final_loss": round(sum(tail) / len(tail), 4),
         "seconds": round(time.perf_counter() - t0, 1),

@@ -121,7 +121,7 @@ class ArtifactTester(TargetKind):
 
     consumes = (
         Input("model", formats=TESTED_FORMATS, fanout=True),
-        Input("reference", formats=("hf-checkpoint",), kinds=("weights",)),
+        Input("reference", formats=("hf-checkpoint",), kinds=("pretrain", "weights")),
     )
     produces = "report"
     static_fingerprint = True  # library versions only: a no-op build may skip it

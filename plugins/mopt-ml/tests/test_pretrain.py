@@ -117,6 +117,21 @@ def test_a_missing_corpus_is_one_clear_line(tmp_path: Path) -> None:
     assert text == "x" and info["files"] == ["c.jsonl"]
 
 
+def test_device_cuda_without_a_gpu_is_one_clear_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from mopt_ml.families import Qwen3Family
+    from mopt_ml.pretrain import pretrain
+    from mopt_ml.synthetic import write_synthetic
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    write_synthetic(Qwen3Family(), 0, TINY, tmp_path, task="text-generation")
+    (tmp_path / "c.txt").write_text("some text to train on, long enough for a window. " * 20)
+    params = PretrainKind.Params(device="cuda", corpus="c.txt", seq_len=8)
+    with pytest.raises(ValueError, match=r'device = "cuda", but torch sees no CUDA GPU here'):
+        pretrain(tmp_path, tmp_path / "out", params, tmp_path, lambda _m: None)
+
+
 class _Collect(logging.Handler):
     def __init__(self, lines: list[str]) -> None:
         super().__init__()

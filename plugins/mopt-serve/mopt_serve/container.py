@@ -358,7 +358,7 @@ class ContainerCheckKind(TargetKind):
     description = "run the image in docker; health, embeddings vs fp32, /metrics, load test, kill -9 recovery"
     consumes = (
         Input("image", kinds=("image",)),
-        Input("reference", kinds=("weights",)),
+        Input("reference", kinds=("pretrain", "weights")),
     )
     requires = ("python:docker", "python:torch", "python:transformers")
     reproducible = False  # latencies and times

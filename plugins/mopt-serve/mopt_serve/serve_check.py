@@ -64,8 +64,8 @@ class ServeCheckKind(TargetKind):
     memory_model = "none"
     consumes = (
         Input("serve", kinds=("vllm",)),
-        Input("model", formats=("modelopt-checkpoint", "hf-checkpoint"), prefer=("modelopt-ptq", "weights")),
-        Input("reference", kinds=("weights",)),
+        Input("model", formats=("modelopt-checkpoint", "hf-checkpoint"), prefer=("modelopt-ptq", "pretrain", "weights")),
+        Input("reference", kinds=("pretrain", "weights")),
     )
     produces = "report"
     per_hardware = True

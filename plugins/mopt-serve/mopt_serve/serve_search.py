@@ -319,8 +319,8 @@ class ServeSearchKind(TargetKind):
     memory_model = "none"
     consumes = (
         Input("candidates", kinds=("vllm",), gather=True, partial=True),
-        Input("model", formats=("modelopt-checkpoint", "hf-checkpoint"), prefer=("modelopt-ptq", "weights"), gather=True),
-        Input("reference", kinds=("weights",)),
+        Input("model", formats=("modelopt-checkpoint", "hf-checkpoint"), prefer=("modelopt-ptq", "pretrain", "weights"), gather=True),
+        Input("reference", kinds=("pretrain", "weights")),
     )
     produces = "selection"
     per_hardware = True
