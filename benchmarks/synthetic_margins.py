@@ -112,19 +112,28 @@ def logits_of(model: Any, ids: list[list[int]]) -> list[Any]:
     import torch
 
     with torch.no_grad():
-        return [model(input_ids=torch.tensor([x])).logits[0].float().numpy() for x in ids]
+        return [model(input_ids=torch.tensor([x], device=model.device)).logits[0].float().cpu().numpy() for x in ids]
 
 
-def train(model: Any, tok: Any, steps: int, lr: float, seed: int) -> float:
-    """`steps` of next-token training on the calibration split (never the held-out one),
-    batches of 8 passages of at most 64 tokens; the seconds it took."""
+def train(model: Any, tok: Any, steps: int, lr: float, seed: int, corpus: str = "calibration") -> float:
+    """`steps` of next-token training, batches of 8 rows of at most 64 tokens: passages of the
+    calibration split (never the held-out one), or with corpus "stdlib" windows of `pretrain`'s
+    default corpus (the kind's own sampling); the seconds it took."""
     import torch
     from mopt_ml.common import calibration_texts
 
-    texts = calibration_texts()
-    rows = [tok(" " + " ".join(texts[i : i + 2]), add_special_tokens=False)["input_ids"][:64]
-            for i in range(0, len(texts), 2)]  # fmt: skip
-    rows = [r for r in rows if len(r) >= 8]
+    if corpus == "stdlib":
+        from mopt_ml.pretrain import PretrainKind, corpus_text
+
+        text, _ = corpus_text(PretrainKind.Params(), Path("."))
+        tok.model_max_length = len(text) + 1
+        stream = tok(text, add_special_tokens=False)["input_ids"]
+        rows = [stream[i : i + 64] for i in range(0, len(stream) - 64, 64)]
+    else:
+        texts = calibration_texts()
+        rows = [tok(" " + " ".join(texts[i : i + 2]), add_special_tokens=False)["input_ids"][:64]
+                for i in range(0, len(texts), 2)]  # fmt: skip
+        rows = [r for r in rows if len(r) >= 8]
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     model.train()
@@ -132,7 +141,7 @@ def train(model: Any, tok: Any, steps: int, lr: float, seed: int) -> float:
     for _ in range(steps):
         pick = torch.randint(len(rows), (8,), generator=g).tolist()
         n = min(len(rows[i]) for i in pick)
-        x = torch.tensor([rows[i][:n] for i in pick])
+        x = torch.tensor([rows[i][:n] for i in pick], device=model.device)
         loss = model(input_ids=x, labels=x).loss
         opt.zero_grad()
         loss.backward()
@@ -153,6 +162,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--train-steps", type=int, action="append",
                     help="also: the model after this many Adam steps on the calibration split (repeat)")
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--corpus", choices=("calibration", "stdlib"), default="calibration",
+                    help="what --train-steps trains on: the calibration split, or pretrain's default corpus")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda for the 0.6B shape's training")
     a = ap.parse_args(argv)
 
     import torch
@@ -172,18 +184,19 @@ def main(argv: list[str]) -> int:
             t0 = time.perf_counter()
             write_synthetic(Qwen3Family(), a.seed, cfg, Path(d), task="text-generation")
             tok = AutoTokenizer.from_pretrained(d)
-            model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+            model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).to(a.device).eval()
             made_s = time.perf_counter() - t0
         for steps in [0, *(a.train_steps or [])]:
             if steps:
                 import copy
 
                 m = copy.deepcopy(model)
-                train_s = train(m, tok, steps, a.lr, a.seed)
+                train_s = train(m, tok, steps, a.lr, a.seed, a.corpus)
             else:
                 m, train_s = model, 0.0
             row = measure(m, tok, passages, a, cfg, init)
-            row.update(train_steps=steps, train_s=round(train_s, 1), made_s=round(made_s, 1))
+            row.update(train_steps=steps, train_s=round(train_s, 1), made_s=round(made_s, 1), lr=a.lr,
+                       corpus=a.corpus if steps else None, device=a.device)  # fmt: skip
             print(json.dumps(row), flush=True)
     return 0
 
@@ -218,7 +231,8 @@ def measure(model: Any, tok: Any, passages: list[str], a: Any, cfg: dict[str, An
     variants = {
         "bf16": lambda: copy.deepcopy(model).to(torch.bfloat16), "fp8": lambda: fp8_model(model),
         "int8-channel": lambda: rtn_model(model, 8, "channel"), "int4-block32": lambda: rtn_model(model, 4, "block"),
-        "int4-tensor": lambda: rtn_model(model, 4, "tensor"),
+        "int4-tensor": lambda: rtn_model(model, 4, "tensor"), "int3-tensor": lambda: rtn_model(model, 3, "tensor"),
+        "int2-tensor": lambda: rtn_model(model, 2, "tensor"),
     }  # fmt: skip
     for name, make in variants.items():
         m = make()  # one copy at a time: the 0.6B shape is 2.4 GB in fp32

@@ -60,7 +60,7 @@ def test_demo_recipe_plans(tmp_path: Path) -> None:
 
 def test_chat_h200_section_serves_a_pretrained_model_and_a_must_fail_variant(tmp_path: Path) -> None:
     """Every served variant of qwen3-chat-0-6b.h200 comes from `pretrained`, which is also each
-    serve-check's reference; the must-fail `int4-tensor` is served and checked like the others.
+    serve-check's reference; the must-fail `int2-tensor` is served and checked like the others.
     Explicit inputs fill slots in order: the second hf-checkpoint goes to `reference`, not into
     `model` beside the first (where it used to be dropped without a word)."""
     _needs("mopt-ml", "mopt-serve")
@@ -69,12 +69,16 @@ def test_chat_h200_section_serves_a_pretrained_model_and_a_must_fail_variant(tmp
     nodes = {n["id"].split(":")[1]: n for n in json.loads(proc.stdout)["nodes"]}
     sec = "qwen3-chat-0-6b.h200"
     assert nodes["pretrained"]["inputs"] == {"model": ["qwen3-chat-0-6b.cpu:weights"]}
-    for v, model in (("", "pretrained"), ("-fp8", "fp8"), ("-int4-tensor", "int4-tensor")):
+    for v, model in (("", "pretrained"), ("-fp8", "fp8"), ("-int2-tensor", "int2-tensor")):
         assert nodes[f"serve-check{v}"]["inputs"] == {
             "serve": [f"{sec}:vllm{v}"], "model": [f"{sec}:{model}"], "reference": [f"{sec}:pretrained"]
         }, v
-    assert nodes["int4-tensor"]["kind"] == "rtn" and nodes["fp8"]["inputs"]["model"] == [f"{sec}:pretrained"]
+    assert nodes["int2-tensor"]["kind"] == "rtn" and nodes["fp8"]["inputs"]["model"] == [f"{sec}:pretrained"]
     assert len(nodes["best"]["inputs"]["serve"]) == 3
+    plan = run_mopt("plan", str(ROOT / "recipes/qwen3-chat.toml"), "qwen3-chat-0-6b.h200", "--json", cwd=tmp_path)
+    params = {n["id"].split(":")[1]: n["params"] for n in json.loads(plan.stdout)["nodes"]}
+    assert params["int2-tensor"]["bits"] == 2 and params["int2-tensor"]["scale"] == "tensor"
+    assert params["pretrained"]["steps"] == 300 and params["pretrained"]["device"] == "auto"
 
     # one input too many for the slots that take it: named, with the fix
     text = (ROOT / "recipes/qwen3-chat.toml").read_text().replace(

@@ -35,7 +35,7 @@ def test_registers_families_sources_and_targets_through_mopt() -> None:
     assert reg.families["qwen3"].pooling == "last-token"
     assert reg.families["bert"].pooling == "mean"
     assert "synthetic" in reg.sources
-    kinds = {"weights", "onnx", "onnx-slim", "ort-quantize", "validate", "bench"}
+    kinds = {"weights", "onnx", "onnx-slim", "ort-quantize", "validate", "bench", "pretrain", "rtn"}
     assert kinds <= set(reg.targets)
     for k in kinds:
         assert reg.plugin_of("targets", k).name == "ml"
@@ -44,7 +44,7 @@ def test_registers_families_sources_and_targets_through_mopt() -> None:
     # validate takes any kind producing a tested format (a third party's too), not kind names
     assert validate["model"].fanout and validate["model"].formats == ("onnx", "openvino-ir", "torch-compile-cache")
     assert validate["model"].kinds == ()
-    assert validate["reference"].formats == ("hf-checkpoint",) and validate["reference"].kinds == ("weights",)
+    assert validate["reference"].formats == ("hf-checkpoint",) and validate["reference"].kinds == ("pretrain", "weights")
     assert reg.targets["weights"].produces == "hf-checkpoint" and reg.targets["ort-quantize"].produces == "onnx"
     quant = reg.targets["ort-quantize"].consumes[0]
     assert quant.kinds == ("onnx-slim", "onnx")
