@@ -11,6 +11,10 @@ from typing import Any
 
 from mopt.api import CheckContext, Finding, HardwareProfile
 
+#: the default distribution gates: mopt_ml.genmetrics.DEFAULT_GATES (mean KL and its p99, nats;
+#: their sources in docs/recipes.md); a test keeps the two equal
+DEFAULT_KL_GATES = {"max_kl": 0.05, "max_kl_p99": 0.5}
+
 #: model_types that are encoders (no KV cache, no causal-LM checkpoint export)
 ENCODERS = ("bert", "roberta", "xlm-roberta", "distilbert", "modernbert", "new")
 

@@ -44,9 +44,6 @@ from typing import Any
 from mopt.api import plugin_env as _env
 from mopt_serve.server import http_json
 
-#: the default distribution gates: mopt_ml.genmetrics.DEFAULT_GATES (mean KL and its p99, nats;
-#: their sources in docs/recipes.md); a test keeps the two equal
-DEFAULT_KL_GATES = {"max_kl": 0.05, "max_kl_p99": 0.5}
 #: the /metrics series a generation serve-check keeps
 GEN_METRICS = (
     "vllm:prompt_tokens_total",

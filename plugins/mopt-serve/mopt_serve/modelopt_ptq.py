@@ -206,13 +206,13 @@ class ModelOptPtqKind(TargetKind):
             description="text generation: gate on held-out top-1 next-token agreement with fp32 (null: record only)",
         )
         max_kl: float | None = Field(
-            default=0.05,
+            default=common.DEFAULT_KL_GATES["max_kl"],
             ge=0,
             description="text generation: gate on the held-out mean KL(fp32 || quantized) per token, nats "
             "(validate's default; null: record only)",
         )
         max_kl_p99: float | None = Field(
-            default=0.5,
+            default=common.DEFAULT_KL_GATES["max_kl_p99"],
             ge=0,
             description="text generation: gate on its 99th percentile over positions, nats (null: record only)",
         )

@@ -24,6 +24,7 @@ from pydantic import Field
 
 from mopt.api import BuildContext, CheckContext, Finding, Input, Params, Role, TargetKind
 from mopt.api import plugin_env as _env
+from mopt_serve.common import DEFAULT_KL_GATES
 from mopt_serve.server import (
     DEFAULT_TEXTS,
     INSTALL_VLLM,
@@ -132,10 +133,14 @@ class ServeCheckKind(TargetKind):
             "server's --max-logprobs, 20 by default): the KL is over these and a rest bucket",
         )
         max_kl: float | None = Field(
-            default=0.05, ge=0, description="generation: fail above this held-out mean KL(fp32 || served), nats"
+            default=DEFAULT_KL_GATES["max_kl"],
+            ge=0,
+            description="generation: fail above this held-out mean KL(fp32 || served), nats",
         )
         max_kl_p99: float | None = Field(
-            default=0.5, ge=0, description="generation: fail above its 99th percentile over positions, nats"
+            default=DEFAULT_KL_GATES["max_kl_p99"],
+            ge=0,
+            description="generation: fail above its 99th percentile over positions, nats",
         )
         max_ppl_ratio: float | None = Field(
             default=None, gt=0, description="generation: fail above this held-out perplexity ratio (served / fp32)"

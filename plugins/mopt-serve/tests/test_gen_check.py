@@ -13,8 +13,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from mopt_serve.common import DEFAULT_KL_GATES
 from mopt_serve.gen_check import (
-    DEFAULT_KL_GATES,
     endpoint_checks,
     gen_gate_failures,
     gen_knee,
