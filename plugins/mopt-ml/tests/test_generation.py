@@ -421,7 +421,12 @@ def test_qwen3_chat_cpu_builds_end_to_end_with_the_gates_evaluated(tmp_path: Pat
     decision = selection["decision"]
     assert decision["winner"] == selection["winner"] in ("onnx", "int8")
     assert decision["tie"] is (len(decision["tied"]) > 1) and decision["tied"][0] == selection["winner"]
-    assert decision["runner_up"] in ("onnx", "int8") and decision["ratio"] >= 1.0
+    assert decision["runner_up"] in ("onnx", "int8")
+    if decision["tie"]:  # the tie-break may pick the point-wise slower one: its ratio can be < 1,
+        # but the rule tied them, so the ratio's interval reaches into the band
+        assert decision["ratio_ci"][1] >= 1.0 / (1.0 + decision["tie_tolerance"]), decision
+    else:
+        assert decision["ratio"] >= 1.0, decision
     bench = json.loads((build / "bench[int8]" / "bench.json").read_text())
     assert bench["task"] == "text-generation"
     backends = [r["backend"] for r in bench["results"]]
