@@ -32,7 +32,14 @@ def tests(session: nox.Session) -> None:
     """The test suite (no GPU; slow and GPU tests excluded: see `slow` and `gpu`)."""
     install_all(session, "-e", "tests/fixture_plugin", "-e", "tests/thirdparty_plugin", core=".[test]")
     n = os.environ.get("PYTEST_WORKERS", "2")
-    session.run("pytest", "-n", n, "-m", "not slow and not gpu", *session.posargs)
+    # the tests that assert on measured latency run alone after the others, as serve-search
+    # times its configs alone (exclusive): beside a docker build or a torch test on 2 cores their
+    # fake servers' p99 moved by more than the effects they assert (CI, 2026-12-05, twice)
+    # a developer's selection (posargs) may hold no test of one phase: pytest's 5 (none
+    # collected) is then fine; without posargs it is not (a marker was lost)
+    codes = [0, 5] if session.posargs else [0]
+    session.run("pytest", "-n", n, "-m", "not slow and not gpu and not timing", *session.posargs, success_codes=codes)
+    session.run("pytest", "-m", "timing and not slow and not gpu", *session.posargs, success_codes=codes)
 
 
 @nox.session

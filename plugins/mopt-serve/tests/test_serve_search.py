@@ -251,6 +251,7 @@ def params(**kw: Any) -> Any:
     return ServeSearchKind.Params(**{**base, **kw})
 
 
+@pytest.mark.timing
 def test_the_whole_search_against_servers_with_known_knees(tmp_path):
     knees = {"defaults": 6, "tuned": 12, "slow": 3, "broken": 8}
     cfgs = [
@@ -290,17 +291,18 @@ def test_the_whole_search_against_servers_with_known_knees(tmp_path):
         ahead=lambda c: events.append(f"ahead {c.label}"), quiet=quiet,
     )  # fmt: skip
     by = {r.label: r for r in results}
+    got = "\n".join(lines + [f"{r.label}: {r.status} {r.why}" for r in results])  # shown on a failure
     # each config's successor is prestarted as it launches; every timed step ran quiet
     launched = [e.split()[1] for e in events if e.startswith("launch")]
     assert [e.split()[1] for e in events if e.startswith("ahead")] == launched[1:]
     assert events.index(f"ahead {launched[1]}") < events.index(f"launch {launched[0]}")
     assert events.count("quiet") == sum(len(r.steps) for r in results) > 0
-    assert by["defaults"].knee.concurrency == 6 and by["defaults"].knee.broke_at == 7
-    assert by["tuned"].knee.concurrency == 12 and by["tuned"].knee.broke_at == 13
+    assert by["defaults"].knee and (by["defaults"].knee.concurrency, by["defaults"].knee.broke_at) == (6, 7), got
+    assert by["tuned"].knee and (by["tuned"].knee.concurrency, by["tuned"].knee.broke_at) == (12, 13), got
     # screened at c=4: "slow" (knee 3) is clearly worse there and never searched
-    assert by["slow"].status == "screened-out" and by["slow"].knee is None and len(by["slow"].steps) == 1
+    assert by["slow"].status == "screened-out" and by["slow"].knee is None and len(by["slow"].steps) == 1, got
     assert by["broken"].status == "excluded" and "min cosine" in by["broken"].why and not by["broken"].steps
-    assert verdict.winner == "tuned" and not verdict.tie and verdict.ratio_ci[0] > 1.05
+    assert verdict.winner == "tuned" and not verdict.tie and verdict.ratio_ci[0] > 1.05, got
     assert by["tuned"].status == "winner" and by["defaults"].status == "lost"
     assert versus["basis"] == "knee" and versus["ratio_ci"][0] > 1.3 and versus["ratio"] > 1.5
     st = by["tuned"].screen
@@ -345,6 +347,7 @@ def test_closed_loop_counts_every_request_and_failure(tmp_path):
 # --------------------------------------------------------------------------- the kind's run(), vLLM faked
 
 
+@pytest.mark.timing
 def test_the_kind_runs_the_search_and_writes_its_files(tmp_path, monkeypatch):
     """run() end to end with vLLM's launch replaced by fake servers (knees 6 and 12) and the
     fp32 reference by the fake server's own vectors: configs matched to their models, the model
@@ -394,6 +397,7 @@ def test_the_kind_runs_the_search_and_writes_its_files(tmp_path, monkeypatch):
     monkeypatch.setattr(SS._env, "require_gpu", lambda *a, **k: {})
     monkeypatch.setattr(SS, "reference_embeddings", lambda path, fam, texts, n: [vector(t) for t in texts])
     meta = {"served_model_name": "fake-model", "model_target": "weights"}
+    said: list[str] = []  # its log and progress, shown on a failure
     ctx = SimpleNamespace(
         params=params(texts=None, num_texts=8, min_cosine=0.999),
         inputs={
@@ -409,14 +413,14 @@ def test_the_kind_runs_the_search_and_writes_its_files(tmp_path, monkeypatch):
         cache_dir=tmp_path / "cache", out=tmp_path / "out", tmp=tmp_path / "tmp", project_dir=tmp_path,
         family=None, task="embedding", section="m.h200", model_name="m", target="best",
         hardware=HardwareProfile(name="h200", description="x", fp16_tflops=989.0, bandwidth_gbps=4800.0),
-        log=lambda m: None, progress=lambda m: None,
+        log=said.append, progress=said.append,
     )  # fmt: skip
     ctx.input = lambda slot: ctx.inputs[slot][0]
     ctx.out.mkdir()
     res = SS.ServeSearchKind().run(ctx)
     assert prestarted == [None]  # the second config's launcher was waiting (alive) when its turn came
-    assert res["winner"] == "vllm-tuned@s=32" and res["baseline"] == "vllm" and not res["tie"], res["verdicts"]
-    assert res["ratio_vs_baseline"] > 1.5 and res["ratio_vs_baseline_ci"][0] > 1.05
+    assert res["winner"] == "vllm-tuned@s=32" and res["baseline"] == "vllm" and not res["tie"], "\n".join(said)
+    assert res["ratio_vs_baseline"] > 1.5 and res["ratio_vs_baseline_ci"][0] > 1.05, "\n".join(said)
     assert res["verdicts"]["vllm-fp8"]["status"] == "unbuilt" and (res["eligible"], res["variants"]) == (2, 3)
     model_dir = ctx.cache_dir / "models" / ("b3" * 12)
     assert all(str(model_dir) in argv for argv in seen) and (model_dir / "model.safetensors").is_file()
