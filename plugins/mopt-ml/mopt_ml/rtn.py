@@ -12,7 +12,8 @@ in config.json), so the embedding lookup keeps its weights, as in the ONNX graph
 The result is an ordinary hf-checkpoint: vLLM serves it (bf16 like the original), `onnx`
 exports it, and `serve-check` / `validate` measure what the format costs in accuracy, none of
 its speed. Its use is the deliberately poor variant an accuracy gate must reject:
-`bits = 4, scale = "tensor"` (recipes/qwen3-chat.toml's `int4-tensor`).
+`bits = 2, scale = "tensor"` in recipes/qwen3-chat.toml's H200 section (`int2-tensor`); the CPU
+section's `int4-tensor` rounds the ONNX graph instead (`ort-quantize`, mode "rtn").
 """
 
 from __future__ import annotations

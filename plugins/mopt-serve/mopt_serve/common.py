@@ -15,6 +15,12 @@ from mopt.api import CheckContext, Finding, HardwareProfile
 #: their sources in docs/recipes.md); a test keeps the two equal
 DEFAULT_KL_GATES = {"max_kl": 0.05, "max_kl_p99": 0.5}
 
+#: the checkpoints a quantizer, a serving config or a check starts from (and is compared with):
+#: the source's weights, or a model pre-trained from them
+CHECKPOINT_KINDS = ("pretrain", "weights")
+#: which of several accepted models a serving config takes: the quantized one first
+PREFER_MODEL = ("modelopt-ptq", *CHECKPOINT_KINDS)
+
 #: model_types that are encoders (no KV cache, no causal-LM checkpoint export)
 ENCODERS = ("bert", "roberta", "xlm-roberta", "distilbert", "modernbert", "new")
 

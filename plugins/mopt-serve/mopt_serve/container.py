@@ -32,6 +32,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field
 
 from mopt.api import BuildContext, CheckContext, Finding, Input, Params, TargetKind
+from mopt_serve.common import CHECKPOINT_KINDS
 from mopt_serve.serve_check import check_server
 from mopt_serve.server import (
     DEFAULT_TEXTS,
@@ -367,7 +368,7 @@ class ContainerCheckKind(TargetKind):
     description = "run the image in docker; health, embeddings vs fp32, /metrics, load test, kill -9 recovery"
     consumes = (
         Input("image", kinds=("image",)),
-        Input("reference", kinds=("pretrain", "weights")),
+        Input("reference", kinds=CHECKPOINT_KINDS),
     )
     requires = ("python:docker", "python:torch", "python:transformers")
     reproducible = False  # latencies and times

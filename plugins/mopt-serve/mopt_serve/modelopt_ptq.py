@@ -173,7 +173,7 @@ class ModelOptPtqKind(TargetKind):
     version = "1"
     description = "quantized HF checkpoint via nvidia-modelopt mtq.quantize + export_hf_checkpoint"
     memory_model = "none"
-    consumes = (Input("model", kinds=("pretrain", "weights")),)
+    consumes = (Input("model", kinds=common.CHECKPOINT_KINDS),)
     produces = "modelopt-checkpoint"
     requires = ("gpu", "python:modelopt", "python:torch", "python:transformers")
     resources: ClassVar[dict[str, int]] = {"cpu": 1, "gpu": 1}

@@ -24,7 +24,7 @@ from pydantic import Field
 
 from mopt.api import BuildContext, CheckContext, Finding, Input, Params, Role, TargetKind
 from mopt.api import plugin_env as _env
-from mopt_serve.common import DEFAULT_KL_GATES
+from mopt_serve.common import CHECKPOINT_KINDS, DEFAULT_KL_GATES, PREFER_MODEL
 from mopt_serve.server import (
     DEFAULT_TEXTS,
     INSTALL_VLLM,
@@ -65,8 +65,8 @@ class ServeCheckKind(TargetKind):
     memory_model = "none"
     consumes = (
         Input("serve", kinds=("vllm",)),
-        Input("model", formats=("modelopt-checkpoint", "hf-checkpoint"), prefer=("modelopt-ptq", "pretrain", "weights")),
-        Input("reference", kinds=("pretrain", "weights")),
+        Input("model", formats=("modelopt-checkpoint", "hf-checkpoint"), prefer=PREFER_MODEL),
+        Input("reference", kinds=CHECKPOINT_KINDS),
     )
     produces = "report"
     per_hardware = True

@@ -49,6 +49,7 @@ from pydantic import Field
 from mopt.api import Artifact, BuildContext, CheckContext, Finding, Input, Params, TargetKind
 from mopt.api import plugin_env as _env
 from mopt_serve import search as S
+from mopt_serve.common import CHECKPOINT_KINDS, PREFER_MODEL
 from mopt_serve.loadgen import closed_loop, text_maker
 from mopt_serve.plots import latency_throughput_svg
 from mopt_serve.prestart import Prestarted, vllm_launcher
@@ -319,8 +320,8 @@ class ServeSearchKind(TargetKind):
     memory_model = "none"
     consumes = (
         Input("candidates", kinds=("vllm",), gather=True, partial=True),
-        Input("model", formats=("modelopt-checkpoint", "hf-checkpoint"), prefer=("modelopt-ptq", "pretrain", "weights"), gather=True),
-        Input("reference", kinds=("pretrain", "weights")),
+        Input("model", formats=("modelopt-checkpoint", "hf-checkpoint"), prefer=PREFER_MODEL, gather=True),
+        Input("reference", kinds=CHECKPOINT_KINDS),
     )
     produces = "selection"
     per_hardware = True

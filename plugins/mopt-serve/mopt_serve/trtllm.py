@@ -243,7 +243,7 @@ class TrtllmKind(TargetKind):
     name = "trtllm"
     version = "1"
     description = "TensorRT-LLM trtllm-serve config (LLM API options YAML); legacy engine for <= 1.2"
-    consumes = (Input("model", formats=("modelopt-checkpoint", "hf-checkpoint"), prefer=("modelopt-ptq", "pretrain", "weights")),)
+    consumes = (Input("model", formats=("modelopt-checkpoint", "hf-checkpoint"), prefer=common.PREFER_MODEL),)
     produces = "trtllm-config"
     per_hardware = True
     Params = TrtllmParams

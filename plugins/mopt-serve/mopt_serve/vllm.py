@@ -226,7 +226,7 @@ class VllmKind(TargetKind):
     name = "vllm"
     version = "1"
     description = "vLLM serving config (vllm serve --config) for the model and hardware"
-    consumes = (Input("model", formats=("modelopt-checkpoint", "hf-checkpoint"), prefer=("modelopt-ptq", "pretrain", "weights")),)
+    consumes = (Input("model", formats=("modelopt-checkpoint", "hf-checkpoint"), prefer=common.PREFER_MODEL),)
     produces = "vllm-config"
     per_hardware = True
     Params = VllmParams
