@@ -67,19 +67,13 @@ class FP8Linear:
 
 
 def rtn(w: Any, bits: int, scale: str, block: int = 32) -> Any:
-    """`w` [out, in] rounded to symmetric `bits`-bit integers times a scale per tensor, per
-    output channel, or per `block` inputs of a channel."""
+    """`w` [out, in] rounded as the `rtn` kind rounds it (`mopt_ml.quantize.round_to_nearest`,
+    which takes [in, out]), back in `w`'s dtype and device."""
     import torch
+    from mopt_ml.quantize import round_to_nearest
 
-    q = 2 ** (bits - 1) - 1
-    if scale == "block":
-        o, i = w.shape
-        wb = w.reshape(o, i // block, block)
-        s = (wb.abs().amax(-1, keepdim=True) / q).clamp(min=1e-12)
-        return (torch.clamp(torch.round(wb / s), -q, q) * s).reshape(o, i)
-    amax = w.abs().amax() if scale == "tensor" else w.abs().amax(dim=1, keepdim=True)
-    s = (amax / q).clamp(min=1e-12)
-    return torch.clamp(torch.round(w / s), -q, q) * s
+    wq, _ = round_to_nearest(w.detach().float().cpu().numpy().T, bits, scale, block)
+    return torch.from_numpy(wq.T.copy()).to(dtype=w.dtype, device=w.device)
 
 
 def rtn_model(model: Any, bits: int, scale: str) -> Any:
